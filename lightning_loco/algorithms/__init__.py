@@ -1,0 +1,7 @@
+"""Outer-step maths: plain tensor code, no processes, no Lightning."""
+
+from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
+from lightning_loco.algorithms.diloco import DiLoCo, DiLoCoState
+from lightning_loco.algorithms.noloco import NoLoCo, NoLoCoState
+
+__all__ = ["DiLoCo", "DiLoCoState", "NoLoCo", "NoLoCoState", "OuterAlgorithm", "OuterState"]

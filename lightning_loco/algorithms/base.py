@@ -1,0 +1,70 @@
+"""The interface between an outer-step algorithm and the code that runs it.
+
+An outer step is split in three so that the same maths runs under real processes (the Lightning
+strategies) and in a single process over simulated replicas (:mod:`lightning_loco.simulator`):
+
+1. ``payload(state, weights)``: what this replica contributes, one flat float32 buffer;
+2. the runner sums the payloads of this replica's group (``schedule(t, N)`` says who is in it):
+   point to point inside the group, or one all-reduce when the round is ``collective``;
+3. ``apply(state, group_sum, group_size)``: updates the outer state and returns the new live weights.
+
+Algorithms never import ``torch.distributed`` or Lightning: they are plain tensor maths.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_loco.schedules import Round
+
+
+class OuterState(ABC):
+    """One replica's outer state for one inner optimizer (float32 tensors)."""
+
+    anchor: Tensor
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only (loadable with ``torch.load(weights_only=True)``)."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class OuterAlgorithm(ABC):
+    """The maths of one outer step, on flat float32 buffers."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def schedule(self, outer_step: int, num_replicas: int) -> Round:
+        """Who combines payloads with whom at ``outer_step`` (identical on every replica)."""
+
+    @abstractmethod
+    def init_state(self, weights: Tensor, shapes: Sequence[torch.Size]) -> OuterState:
+        """The outer state at the start of training; ``weights`` is the flat live model."""
+
+    @abstractmethod
+    def payload(self, state: OuterState, weights: Tensor) -> Tensor:
+        """The buffer this replica contributes to its group's sum. May be summed in place."""
+
+    @abstractmethod
+    def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
+        """Finishes the outer step from the group's summed payloads; returns the new live weights."""
+
+
+def check_positive(name: str, value: float, paper_default: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}. The paper uses {paper_default}.")
+
+
+def check_momentum(name: str, value: float, paper_default: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(
+            f"{name} must be in [0, 1), got {value}. The paper uses {paper_default}; 0 turns momentum off."
+        )

@@ -1,0 +1,71 @@
+"""A fixed list of parameters seen as one flat float32 vector.
+
+The outer step works on flat buffers: one buffer travels per outer step (not one message per
+parameter), and the outer state (anchors, momenta) is kept in float32 whatever the parameters'
+dtype, because bf16 pseudo-gradients lose most of their bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class FlatParameters:
+    """Copies a fixed list of parameters into and out of one flat float32 vector.
+
+    Args:
+        params: the parameters, in a fixed order (the order defines the layout of the buffer).
+        device: where the flat copies live (the outer-state device).
+    """
+
+    def __init__(self, params: Iterable[Tensor], device: torch.device | str) -> None:
+        self.params: list[Tensor] = list(params)
+        self.device = torch.device(device)
+        self.shapes: list[torch.Size] = [p.shape for p in self.params]
+        self.numels: list[int] = [p.numel() for p in self.params]
+        self.offsets: list[int] = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def gather(self) -> Tensor:
+        """A new float32 vector holding the current values of the parameters."""
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+                out[a:b].copy_(p.detach().reshape(-1))
+        return out
+
+    def scatter(self, flat: Tensor) -> None:
+        """Writes ``flat`` into the parameters (cast to each parameter's dtype and device)."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"expected a flat buffer of {self.numel} elements, got {flat.numel()}")
+        with torch.no_grad():
+            for p, shape, a, b in zip(self.params, self.shapes, self.offsets, self.offsets[1:]):
+                p.copy_(flat[a:b].view(shape))
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Views of ``flat`` shaped like each parameter (they share ``flat``'s storage)."""
+        return [flat[a:b].view(shape) for shape, a, b in zip(self.shapes, self.offsets, self.offsets[1:])]
+
+
+def parameter_views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[torch.nn.Parameter]:
+    """``torch.nn.Parameter`` views into ``flat``, one per shape, for an outer optimizer.
+
+    Stepping a torch optimizer over these updates ``flat`` in place, so the outer optimizer keeps
+    per-tensor semantics while the buffer that travels stays flat.
+    """
+    views, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        views.append(torch.nn.Parameter(flat[offset : offset + n].view(shape)))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"shapes cover {offset} elements but the buffer has {flat.numel()}")
+    return views

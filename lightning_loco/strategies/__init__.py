@@ -1,0 +1,7 @@
+"""Lightning glue: the ``Strategy`` classes users pass to ``Trainer``."""
+
+from lightning_loco.strategies.base import OptimizerReplica, OuterStepReport, OuterStepStrategy
+from lightning_loco.strategies.diloco import DiLoCoStrategy
+from lightning_loco.strategies.noloco import NoLoCoStrategy
+
+__all__ = ["DiLoCoStrategy", "NoLoCoStrategy", "OptimizerReplica", "OuterStepReport", "OuterStepStrategy"]

@@ -1,0 +1,90 @@
+"""``DiLoCoStrategy``: the baseline; every H inner steps one all-reduce of the pseudo-gradients."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_loco.algorithms.diloco import DiLoCo, OuterOptimizerFactory
+from lightning_loco.strategies.base import OuterStepStrategy
+
+
+class DiLoCoStrategy(OuterStepStrategy):
+    """DiLoCo (Douillard et al., arXiv 2311.08105): the all-reduce baseline.
+
+    Every ``sync_every`` inner optimizer steps the replicas all-reduce their pseudo-gradients
+    Δ = θ − φ, the outer optimizer steps the shared anchor φ with gradient −mean Δ, and every replica
+    restarts from φ.
+
+    Args:
+        sync_every: H, inner optimizer steps between outer steps (paper: 500).
+        outer_lr: learning rate of the default outer SGD (paper: 0.7).
+        outer_momentum: momentum of the default outer SGD (paper: 0.9).
+        nesterov: Nesterov momentum for the default outer SGD (paper: True).
+        outer_optimizer: builds any torch optimizer over the outer parameters (the anchor), e.g.
+            ``functools.partial(torch.optim.Adam, lr=1e-3)``; replaces the SGD above when given.
+        outer_state_device: where the float32 anchor and outer optimizer state live. None: the model's
+            device; "cpu" keeps them off the accelerator.
+        accelerator: as in ``DDPStrategy``.
+        parallel_devices: as in ``DDPStrategy``.
+        cluster_environment: as in ``DDPStrategy``.
+        checkpoint_io: as in ``DDPStrategy``.
+        precision_plugin: as in ``DDPStrategy``.
+        process_group_backend: as in ``DDPStrategy`` ("gloo" on CPU, "nccl" on CUDA by default).
+        timeout: as in ``DDPStrategy``: how long a peer is awaited before the run fails.
+        start_method: as in ``DDPStrategy``: "popen" (default, also torchrun/SLURM), "spawn", "fork".
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        outer_state_device: Optional[str] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        algorithm = DiLoCo(
+            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, outer_optimizer=outer_optimizer
+        )
+        super().__init__(
+            algorithm,
+            sync_every=sync_every,
+            outer_state_device=outer_state_device,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="DiLoCo: H local steps, then an all-reduce of pseudo-gradients and an outer optimizer step",
+            override=True,
+        )

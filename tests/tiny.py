@@ -1,0 +1,191 @@
+"""A tiny regression model, its data, and a recorder: shared by the multi-process tests.
+
+``python tests/tiny.py OUT_DIR CONFIG_JSON`` trains under the configured strategy (Lightning's popen
+launcher re-runs this command in every child process) and saves ``OUT_DIR/rank{r}.pt`` with what
+that replica saw: its weights at the start and after every batch, and every torch.distributed call
+made during training, batch by batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning as L
+
+NUM_SAMPLES = 48
+IN_FEATURES = 4
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(NUM_SAMPLES, IN_FEATURES, generator=g)
+    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    y = x @ w + 0.1 * torch.randn(NUM_SAMPLES, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[list[int]]:
+    """The batches rank ``rank`` sees in ``epoch``: Lightning gives a training dataloader
+    ``DistributedSampler(shuffle=True, seed=0)`` and calls ``set_epoch`` every epoch."""
+    sampler = DistributedSampler(dataset(), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    mine = list(sampler)
+    return [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]
+
+
+class TinyRegressor(L.LightningModule):
+    def __init__(self, lr: float = 0.05, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(IN_FEATURES, 3)
+        self.head = nn.Linear(3, 1)
+        self.lr = lr
+        self.automatic_optimization = not manual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y.float())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = self.loss(batch)
+        if self.automatic_optimization:
+            return loss
+        opt_body, opt_head = self.optimizers()
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        self.manual_backward(loss)
+        opt_body.step()
+        opt_head.step()
+        return None
+
+    def configure_optimizers(self) -> Any:
+        if self.automatic_optimization:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return [torch.optim.SGD(self.body.parameters(), lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=self.lr)]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=4, shuffle=False)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+
+
+# ---------------------------------------------------------------- counting torch.distributed calls
+
+_COUNTED = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+    "send", "recv", "batch_isend_irecv", "monitored_barrier",
+)  # isend/irecv are not wrapped: P2POp accepts only the originals; batch_isend_irecv shows them.
+
+
+class CallLog:
+    def __init__(self) -> None:
+        self.active = False
+        self.events: list[tuple[Any, ...]] = []
+
+    def install(self) -> None:
+        for name in _COUNTED:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                if name == "batch_isend_irecv":
+                    ops = tuple((op.op.__name__, op.peer, op.tensor.numel()) for op in args[0])
+                    self.events.append((name, ops))
+                else:
+                    self.events.append((name,))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    def take(self) -> list[tuple[Any, ...]]:
+        events, self.events = self.events, []
+        return events
+
+
+class Recorder(L.Callback):
+    def __init__(self, out_dir: str, log: CallLog) -> None:
+        self.out_dir, self.call_log = out_dir, log
+        self.record: dict[str, Any] = {"weights": [], "calls": []}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record["initial"] = flat(pl_module)
+        self.call_log.take()
+        self.call_log.active = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.record["weights"].append(flat(pl_module))
+        self.record["calls"].append(self.call_log.take())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.call_log.active = False
+        strategy = trainer.strategy
+        self.record["rank"] = trainer.global_rank
+        self.record["world_size"] = trainer.world_size
+        self.record["strategy"] = type(strategy).__name__
+        self.record["param_dtypes"] = sorted({str(p.dtype) for p in pl_module.parameters()})
+        replicas = getattr(strategy, "replicas", [])
+        self.record["outer_states"] = [
+            {
+                "anchor_dtype": str(r.state.anchor.dtype),
+                "anchor_device": str(r.state.anchor.device),
+                "numel": r.flat.numel,
+                "inner_steps": r.inner_steps,
+                "outer_steps": r.outer_steps,
+            }
+            for r in replicas
+        ]
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save(self.record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def main(out_dir: str, config: dict[str, Any]) -> None:
+    import lightning_loco  # noqa: F401  (registers the strategy names)
+    from lightning_loco import DiLoCoStrategy, NoLoCoStrategy
+
+    log = CallLog()
+    log.install()
+    strategy: Any = config["strategy"]
+    if "strategy_kwargs" in config:
+        cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy}[strategy]
+        strategy = cls(timeout=timedelta(seconds=60), **config["strategy_kwargs"])
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=config["devices"],
+        max_steps=config["max_steps"],
+        accumulate_grad_batches=config.get("accumulate", 1),
+        gradient_clip_val=config.get("clip"),
+        precision=config.get("precision", "32-true"),
+        callbacks=[Recorder(out_dir, log)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False)))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], json.loads(sys.argv[2]))
