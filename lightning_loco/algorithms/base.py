@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_loco.schedules import Round
+
+if TYPE_CHECKING:
+    from lightning_loco.transport import Transport
 
 
 class OuterState(ABC):
@@ -56,6 +59,20 @@ class OuterAlgorithm(ABC):
     @abstractmethod
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         """Finishes the outer step from the group's summed payloads; returns the new live weights."""
+
+    def step(
+        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport"
+    ) -> tuple[Tensor, tuple[int, ...]]:
+        """One whole outer step of this replica over ``transport``: returns the new live weights
+        and the group this replica met."""
+        round_ = self.schedule(outer_step, transport.num_replicas)
+        group = round_.group_of(transport.replica)
+        payload = self.payload(state, weights)
+        if round_.collective:
+            total = transport.all_reduce_sum(payload)
+        else:
+            total = transport.group_sum(payload, group)
+        return self.apply(state, total, len(group)), group
 
 
 def check_positive(name: str, value: float, paper_default: float) -> None:

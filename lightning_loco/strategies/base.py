@@ -272,17 +272,10 @@ class OuterStepStrategy(DDPStrategy):
             )
         assert self._transport is not None
         transport = self._transport
-        round_ = self.algorithm.schedule(replica.outer_steps, transport.num_replicas)
-        group = round_.group_of(transport.replica)
-        weights = replica.flat.gather()
-        payload = self.algorithm.payload(replica.state, weights)
         stats = transport.stats
         sent, received, comm = stats.bytes_sent, stats.bytes_received, stats.seconds
-        if round_.collective:
-            total = transport.all_reduce_sum(payload)
-        else:
-            total = transport.group_sum(payload, group)
-        replica.flat.scatter(self.algorithm.apply(replica.state, total, len(group)))
+        new_weights, group = self.algorithm.step(replica.state, replica.flat.gather(), replica.outer_steps, transport)
+        replica.flat.scatter(new_weights)
         self.last_outer_step = OuterStepReport(
             optimizer_index=index,
             outer_step=replica.outer_steps,

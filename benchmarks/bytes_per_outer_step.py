@@ -1,0 +1,141 @@
+"""Bytes each replica sends per outer step, NoLoCo against DiLoCo, for N = 2, 4, 8 replicas.
+
+    python benchmarks/bytes_per_outer_step.py [--params 1000000] [--replicas 2 4 8] [--rounds 5]
+
+Runs the strategies' outer-step code (``algorithm.step`` over ``TorchDistributedTransport``) in N gloo
+processes on loopback, with a flat model of ``--params`` float32 values. Two figures per row:
+
+* payload: what the transport hands to torch.distributed (exact for point-to-point; for the
+  all-reduce the nominal ring figure 2(N−1)/N model copies, since gloo picks its own algorithm);
+* wire: bytes that crossed the loopback interface during the outer steps (its tx counter, so TCP/IP
+  headers included), divided by N and by the number of rounds. Other traffic on loopback during the
+  run would inflate it: run on a quiet machine.
+
+Writes ``benchmarks/results/bytes_per_outer_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_loco.algorithms import DiLoCo, NoLoCo
+from lightning_loco.transport import TorchDistributedTransport
+
+LO_TX = "/sys/class/net/lo/statistics/tx_bytes"
+ALGORITHMS = {"noloco": NoLoCo, "diloco": DiLoCo}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lo_tx() -> int:
+    with open(LO_TX) as f:
+        return int(f.read())
+
+
+def _worker(rank: int, world: int, port: int, name: str, params: int, rounds: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        algorithm = ALGORITHMS[name]()
+        transport = TorchDistributedTransport(torch.device("cpu"))
+        g = torch.Generator().manual_seed(rank)
+        state = algorithm.init_state(torch.zeros(params), [torch.Size([params])])
+        weights = state.anchor + 0.01 * torch.randn(params, generator=g)
+        algorithm.step(state, weights, 0, transport)  # warm-up round, not measured
+        transport.stats = type(transport.stats)()
+        seconds = []
+        dist.barrier()
+        before = _lo_tx()
+        for t in range(1, rounds + 1):
+            weights = state.anchor + 0.01 * torch.randn(params, generator=g)
+            start = time.perf_counter()
+            algorithm.step(state, weights, t, transport)
+            seconds.append(time.perf_counter() - start)
+        dist.barrier()
+        after = _lo_tx()
+        result = {
+            "payload_sent": transport.stats.bytes_sent / rounds,
+            "seconds": seconds,
+            "lo_tx_delta": after - before,
+        }
+        torch.save(result, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(name: str, world: int, params: int, rounds: int, tmp: Path) -> dict:
+    out = tmp / f"{name}-{world}"
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        _worker, args=(world, _free_port(), name, params, rounds, str(out)), nprocs=world, start_method="spawn"
+    )
+    res = [torch.load(out / f"{r}.pt") for r in range(world)]
+    model_bytes = 4 * params
+    wire = res[0]["lo_tx_delta"] / world / rounds  # rank 0 read the counter before and after
+    slowest = [max(r["seconds"][k] for r in res) for k in range(rounds)]
+    return {
+        "algorithm": name,
+        "replicas": world,
+        "params": params,
+        "payload_bytes_sent": statistics.mean(r["payload_sent"] for r in res),
+        "wire_bytes_sent": wire,
+        "wire_model_copies": wire / model_bytes,
+        "outer_step_seconds_median": statistics.median(slowest),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=1_000_000)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bytes_per_outer_step.json"))
+    args = parser.parse_args()
+    if not os.path.exists(LO_TX):
+        raise SystemExit(f"{LO_TX} is missing: this benchmark needs Linux loopback counters")
+    rows = []
+    tmp = Path(args.out).with_suffix(".tmp")
+    for world in args.replicas:
+        for name in ("noloco", "diloco"):
+            rows.append(measure(name, world, args.params, args.rounds, tmp))
+    for f in sorted(tmp.rglob("*.pt")):
+        f.unlink()
+    for d in sorted(tmp.rglob("*"), reverse=True):
+        d.rmdir()
+    tmp.rmdir()
+    mb = 4 * args.params / 1e6
+    print(f"\nbytes per replica per outer step, {args.params:,} float32 parameters ({mb:.1f} MB), "
+          f"gloo on loopback, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
+    print(f"{'N':>3} {'algorithm':<8} {'payload MB':>11} {'wire MB':>9} {'wire/model':>11} {'s/outer step':>13}")
+    for r in rows:
+        print(f"{r['replicas']:>3} {r['algorithm']:<8} {r['payload_bytes_sent'] / 1e6:>11.2f} "
+              f"{r['wire_bytes_sent'] / 1e6:>9.2f} {r['wire_model_copies']:>11.2f} {r['outer_step_seconds_median']:>13.4f}")
+    for world in args.replicas:
+        by = {r["algorithm"]: r for r in rows if r["replicas"] == world}
+        print(f"N = {world}: DiLoCo/NoLoCo wire bytes {by['diloco']['wire_bytes_sent'] / by['noloco']['wire_bytes_sent']:.2f}, "
+              f"time {by['diloco']['outer_step_seconds_median'] / by['noloco']['outer_step_seconds_median']:.2f} (loopback)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"network": "loopback", "machine": f"{os.cpu_count()} CPUs", "rounds": args.rounds, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Inner-step overhead: steps per second under our strategies against a plain single-process Trainer.
+
+    python benchmarks/overhead.py [--steps 300] [--repeats 3] [--sync-every 50]
+
+The module is the example GPT on Shakespeare (``lightning_loco.examples``). Every configuration runs
+in its own process tree with one thread per process (``OMP_NUM_THREADS=1``), so on a machine with at least N cores each
+replica has a core to itself, as the plain Trainer does. Configurations are interleaved across
+repeats so that drifts in machine load hit all of them alike. Per run, from a callback:
+
+* inner step: median wall time from ``on_train_batch_start`` to ``on_train_batch_end`` over steps
+  that ran no outer step (forward, backward, optimizer; data loading excluded);
+* all steps: mean over every step, outer steps included (the amortised cost per step).
+
+The first 20 steps are warm-up and not counted. Writes ``benchmarks/results/overhead.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "plain": ("auto", 1),
+    "noloco-1": ("noloco", 1),
+    "diloco-1": ("diloco", 1),
+    "noloco-2": ("noloco", 2),
+    "diloco-2": ("diloco", 2),
+}
+WARMUP = 20
+
+
+def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: str) -> None:
+    import torch
+
+    import lightning as L
+    import lightning_loco
+    from lightning_loco.examples.gpt import GPT
+    from lightning_loco.examples.text import ByteTextDataModule
+
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.outer: list[bool] = []
+
+        def on_train_batch_start(self, *args: object) -> None:
+            self.start = time.perf_counter()
+            self.outer_before = getattr(trainer.strategy, "outer_steps", 0)
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.times.append(time.perf_counter() - self.start)
+            self.outer.append(getattr(trainer.strategy, "outer_steps", 0) != self.outer_before)
+
+    strategy = {
+        "auto": "auto",
+        "noloco": lambda: lightning_loco.NoLoCoStrategy(sync_every=sync_every),
+        "diloco": lambda: lightning_loco.DiLoCoStrategy(sync_every=sync_every),
+    }[strategy_name]
+    timer = StepTimer()
+    trainer = L.Trainer(
+        strategy=strategy if isinstance(strategy, str) else strategy(),
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        callbacks=[timer],
+    )
+    trainer.fit(GPT(max_steps=steps), datamodule=ByteTextDataModule())
+    times, outer = timer.times[WARMUP:], timer.outer[WARMUP:]
+    inner = [t for t, o in zip(times, outer) if not o]
+    result = {"inner_step_s": statistics.median(inner), "all_steps_s": statistics.mean(times), "outer_steps": sum(outer)}
+    with open(f"{out}.rank{trainer.global_rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one configuration
+    parser.add_argument("--run-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        name, devices = CONFIGS[args.run]
+        run_one(name, devices, args.steps, args.sync_every, args.run_out)
+        return
+
+    samples: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for config in CONFIGS:
+                base = os.path.join(tmp, f"{config}-{rep}")
+                cmd = [sys.executable, __file__, "--run", config, "--run-out", base,
+                       "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
+                # Lightning's launchers set torch's thread count to cores/N unless OMP_NUM_THREADS is set:
+                # pin one thread per process so every configuration computes alike.
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    sys.exit(f"{config} failed:\n{proc.stderr[-4000:]}")
+                ranks = [json.load(open(os.path.join(tmp, f))) for f in sorted(os.listdir(tmp)) if f.startswith(f"{config}-{rep}.rank")]
+                # the slowest replica sets the pace
+                samples[config].append({k: max(r[k] for r in ranks) for k in ("inner_step_s", "all_steps_s")})
+                print(f"repeat {rep + 1}/{args.repeats} {config}: {samples[config][-1]}", flush=True)
+
+    def summary(config: str, key: str) -> tuple[float, float, float]:
+        values = [s[key] for s in samples[config]]
+        return statistics.median(values), min(values), max(values)
+
+    plain_inner, _, _ = summary("plain", "inner_step_s")
+    plain_all, _, _ = summary("plain", "all_steps_s")
+    rows = []
+    print(f"\nexample GPT on CPU, 1 thread per process, {args.steps} steps, H = {args.sync_every}, "
+          f"{args.repeats} repeats (median [min, max]); ratio = plain steps/s over strategy steps/s")
+    print(f"{'config':<9} {'inner step ms':>22} {'ratio':>6} {'all steps ms':>22} {'ratio':>6}")
+    for config in CONFIGS:
+        inner, all_ = summary(config, "inner_step_s"), summary(config, "all_steps_s")
+        row = {"config": config, "inner_step_s": inner, "all_steps_s": all_,
+               "inner_ratio": inner[0] / plain_inner, "all_ratio": all_[0] / plain_all}
+        rows.append(row)
+        print(f"{config:<9} {inner[0] * 1e3:>7.2f} [{inner[1] * 1e3:.2f}, {inner[2] * 1e3:.2f}] {row['inner_ratio']:>6.3f} "
+              f"{all_[0] * 1e3:>7.2f} [{all_[1] * 1e3:.2f}, {all_[2] * 1e3:.2f}] {row['all_ratio']:>6.3f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": f"{os.cpu_count()} CPUs", "network": "loopback", "steps": args.steps,
+                   "sync_every": args.sync_every, "repeats": args.repeats, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Train a small byte-level GPT on Shakespeare with NoLoCo and with DiLoCo, 4 CPU replicas each.
+
+    python examples/quickstart.py                       # both strategies, then a comparison table
+    python examples/quickstart.py --strategy noloco     # one run
+
+Both runs use the same model, data, seed, token budget and H; they differ only in the strategy.
+The validation loss is each replica's loss on its share of the validation set, averaged over
+replicas (replicas differ under NoLoCo; the papers report this mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import lightning as L
+import lightning_loco
+from lightning_loco.examples.gpt import GPT
+from lightning_loco.examples.text import ByteTextDataModule
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # several replicas share the machine's cores
+    L.seed_everything(0, verbose=False)
+    strategies = {
+        "noloco": lambda: lightning_loco.NoLoCoStrategy(sync_every=args.sync_every),
+        "diloco": lambda: lightning_loco.DiLoCoStrategy(sync_every=args.sync_every),
+    }
+    data = ByteTextDataModule(block_size=64, batch_size=16)
+    model = GPT(block_size=64, max_steps=args.steps, warmup_steps=args.steps // 10)
+    trainer = L.Trainer(
+        strategy=strategies[args.strategy](),
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
+        gradient_clip_val=1.0,
+        check_val_every_n_epoch=None,
+        val_check_interval=10**9,  # validate once, after training
+        limit_val_batches=args.val_batches,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    fit_seconds = time.perf_counter() - start
+    report = trainer.strategy.last_outer_step
+    (metrics,) = trainer.validate(model, datamodule=data, verbose=False)
+    if trainer.global_rank == 0:
+        result = {
+            "strategy": args.strategy,
+            "replicas": trainer.world_size,
+            "steps": args.steps,
+            "sync_every": args.sync_every,
+            "outer_steps": trainer.strategy.outer_steps,
+            "bytes_sent_per_outer_step": report.bytes_sent if report else 0,
+            "fit_seconds": round(fit_seconds, 1),
+            "val_loss": metrics["val_loss"],
+        }
+        print(json.dumps(result))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+
+
+def compare(args: argparse.Namespace) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("noloco", "diloco"):
+            out = os.path.join(tmp, f"{name}.json")
+            cmd = [sys.executable, __file__, "--strategy", name, "--out", out, "--steps", str(args.steps),
+                   "--devices", str(args.devices), "--sync-every", str(args.sync_every)]
+            print(f"training {name} on {args.devices} CPU replicas for {args.steps} steps ...", flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            with open(out) as f:
+                rows.append(json.load(f))
+    print(f"\nbyte-level GPT on Shakespeare, {args.devices} replicas, H = {args.sync_every}, {args.steps} steps")
+    print(f"{'strategy':<8} {'val loss':>9} {'outer steps':>12} {'MB sent/outer step':>19} {'fit s':>7}")
+    for r in rows:
+        mb = r["bytes_sent_per_outer_step"] / 1e6
+        print(f"{r['strategy']:<8} {r['val_loss']:>9.4f} {r['outer_steps']:>12} {mb:>19.3f} {r['fit_seconds']:>7.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", choices=["noloco", "diloco"], help="one run; default: both, compared")
+    parser.add_argument("--steps", type=int, default=300, help="inner optimizer steps per replica")
+    parser.add_argument("--devices", type=int, default=4, help="replicas (CPU processes)")
+    parser.add_argument("--sync-every", type=int, default=50, help="H, inner steps between outer steps")
+    parser.add_argument("--val-batches", type=int, default=40, help="validation batches per replica")
+    parser.add_argument("--out", help="write the result of a single run as JSON")
+    args = parser.parse_args()
+    train(args) if args.strategy else compare(args)
+
+
+if __name__ == "__main__":
+    main()

