@@ -206,3 +206,12 @@ def test_the_call_counter_sees_lightnings_per_batch_broadcast_under_plain_ddp(tm
     recs = run(tmp_path, strategy="ddp", devices=2, max_steps=4)
     for rec in recs:
         assert all(("broadcast",) in calls for calls in rec["calls"][1:])
+
+
+def test_validate_after_fit_keeps_every_replica_its_own_weights(tmp_path):
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 4}, devices=2, max_steps=6,
+               then_validate=True)
+    assert not torch.equal(recs[0]["weights"][-1], recs[1]["weights"][-1])  # mid-phase: replicas differ
+    for r, rec in enumerate(recs):
+        after = torch.load(tmp_path / "out" / f"after_validate{r}.pt")
+        assert torch.equal(after, rec["weights"][-1])  # not overwritten by rank 0's replica

@@ -71,6 +71,12 @@ class TinyRegressor(L.LightningModule):
         opt_head.step()
         return None
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(dataset(), batch_size=8, shuffle=False)
+
     def configure_optimizers(self) -> Any:
         if self.automatic_optimization:
             return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -178,12 +184,17 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         gradient_clip_val=config.get("clip"),
         precision=config.get("precision", "32-true"),
         callbacks=[Recorder(out_dir, log)],
+        limit_val_batches=0 if not config.get("then_validate") else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False)))
+    model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False))
+    trainer.fit(model)
+    if config.get("then_validate"):
+        trainer.validate(model, verbose=False)
+        torch.save(flat(model), os.path.join(out_dir, f"after_validate{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -66,17 +66,8 @@ class DiLoCoStrategy(OuterStepStrategy):
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, outer_optimizer=outer_optimizer
         )
         super().__init__(
-            algorithm,
-            sync_every=sync_every,
-            outer_state_device=outer_state_device,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            algorithm, sync_every, outer_state_device, accelerator, parallel_devices, cluster_environment,
+            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
         )
 
     @classmethod

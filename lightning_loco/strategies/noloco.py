@@ -85,17 +85,8 @@ class NoLoCoStrategy(OuterStepStrategy):
                 "replicas may drift apart. Use averaging_rate=None (γ = outer_lr) or a value inside it."
             )
         super().__init__(
-            algorithm,
-            sync_every=sync_every,
-            outer_state_device=outer_state_device,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            algorithm, sync_every, outer_state_device, accelerator, parallel_devices, cluster_environment,
+            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
         )
 
     @override
