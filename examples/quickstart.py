@@ -1,9 +1,11 @@
-"""Train a small byte-level GPT on Shakespeare with NoLoCo and with DiLoCo, 4 CPU replicas each.
+"""Train a small byte-level GPT on Shakespeare with NoLoCo, GASLoC and DiLoCo, 4 CPU replicas each.
 
-    python examples/quickstart.py                       # both strategies, then a comparison table
+    python examples/quickstart.py                       # all three, then a comparison table
     python examples/quickstart.py --strategy noloco     # one run
+    python examples/quickstart.py --strategy gasloc --strategy-args '{"topology": "ring"}'
 
-Both runs use the same model, data, seed, token budget and H; they differ only in the strategy.
+All runs use the same model, data, seed, token budget and H; they differ only in the strategy
+(each with its defaults, except H).
 The validation loss is each replica's loss on its share of the validation set, averaged over
 replicas (replicas differ under NoLoCo; the papers report this mean).
 """
@@ -28,15 +30,17 @@ from lightning_loco.examples.text import ByteTextDataModule
 
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # several replicas share the machine's cores
-    L.seed_everything(0, verbose=False)
+    L.seed_everything(args.seed, verbose=False)
     strategies = {
-        "noloco": lambda: lightning_loco.NoLoCoStrategy(sync_every=args.sync_every),
-        "diloco": lambda: lightning_loco.DiLoCoStrategy(sync_every=args.sync_every),
+        "noloco": lightning_loco.NoLoCoStrategy,
+        "gasloc": lightning_loco.GASLoCStrategy,
+        "diloco": lightning_loco.DiLoCoStrategy,
     }
+    strategy = strategies[args.strategy](sync_every=args.sync_every, **json.loads(args.strategy_args))
     data = ByteTextDataModule(block_size=64, batch_size=16)
     model = GPT(block_size=64, max_steps=args.steps, warmup_steps=args.steps // 10)
     trainer = L.Trainer(
-        strategy=strategies[args.strategy](),
+        strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
         max_steps=args.steps,
@@ -58,6 +62,8 @@ def train(args: argparse.Namespace) -> None:
     if trainer.global_rank == 0:
         result = {
             "strategy": args.strategy,
+            "strategy_args": json.loads(args.strategy_args),
+            "seed": args.seed,
             "replicas": trainer.world_size,
             "steps": args.steps,
             "sync_every": args.sync_every,
@@ -75,7 +81,7 @@ def train(args: argparse.Namespace) -> None:
 def compare(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("noloco", "diloco"):
+        for name in ("noloco", "gasloc", "diloco"):
             out = os.path.join(tmp, f"{name}.json")
             cmd = [sys.executable, __file__, "--strategy", name, "--out", out, "--steps", str(args.steps),
                    "--devices", str(args.devices), "--sync-every", str(args.sync_every)]
@@ -94,11 +100,13 @@ def compare(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", choices=["noloco", "diloco"], help="one run; default: both, compared")
+    parser.add_argument("--strategy", choices=["noloco", "gasloc", "diloco"], help="one run; default: all, compared")
+    parser.add_argument("--strategy-args", default="{}", help="JSON of extra strategy arguments (single run)")
     parser.add_argument("--steps", type=int, default=300, help="inner optimizer steps per replica")
     parser.add_argument("--devices", type=int, default=4, help="replicas (CPU processes)")
     parser.add_argument("--sync-every", type=int, default=50, help="H, inner steps between outer steps")
     parser.add_argument("--val-batches", type=int, default=40, help="validation batches per replica")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model's initialisation and the data order")
     parser.add_argument("--out", help="write the result of a single run as JSON")
     args = parser.parse_args()
     train(args) if args.strategy else compare(args)

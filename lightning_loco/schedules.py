@@ -78,3 +78,54 @@ def random_groups(num_replicas: int, group_size: int, seed: int, outer_step: int
 def _check_num_replicas(num_replicas: int) -> None:
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+
+
+# ---------------------------------------------------------------- matchings (GASLoC's topologies)
+# A matching pairs some replicas and leaves the others alone for the round (groups of one).
+
+
+def _matching(num_replicas: int, pairs: list[tuple[int, int]]) -> Round:
+    paired = {i for p in pairs for i in p}
+    alone = [(i,) for i in range(num_replicas) if i not in paired]
+    return Round(groups=tuple(tuple(sorted(p)) for p in pairs) + tuple(alone), collective=False)
+
+
+def random_matching(num_replicas: int, seed: int, outer_step: int) -> Round:
+    """A random perfect matching drawn from ``(seed, outer_step)``; with odd N one replica sits out."""
+    _check_num_replicas(num_replicas)
+    perm = torch.randperm(num_replicas, generator=round_generator(seed, outer_step)).tolist()
+    return _matching(num_replicas, [(perm[k], perm[k + 1]) for k in range(0, num_replicas - 1, 2)])
+
+
+def ring_matching(num_replicas: int, outer_step: int) -> Round:
+    """Ring edges (2k, 2k+1) on even rounds and (2k+1, 2k+2) on odd rounds, wrapping around.
+
+    With odd N one replica sits out each round (N − 1 on even rounds, 0 on odd rounds)."""
+    _check_num_replicas(num_replicas)
+    pairs = []
+    for a in range(outer_step % 2, num_replicas, 2):
+        b = a + 1
+        if b == num_replicas:
+            if num_replicas % 2 == 1:
+                break  # odd N: the last replica sits out
+            b = 0  # even N, odd round: the edge that closes the ring
+        pairs.append((a, b))
+    return _matching(num_replicas, pairs)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def exponential_matching(num_replicas: int, outer_step: int) -> Round:
+    """Hypercube rounds: replica i meets i XOR 2^(t mod log2 N). N must be a power of two."""
+    _check_num_replicas(num_replicas)
+    if not is_power_of_two(num_replicas):
+        raise ValueError(
+            f"The exponential topology needs a power-of-two number of replicas, got {num_replicas}. "
+            "Use 2, 4, 8, ... replicas, or topology='random_pairs' or 'ring'."
+        )
+    if num_replicas == 1:
+        return _matching(1, [])
+    bit = 1 << (outer_step % (num_replicas.bit_length() - 1))
+    return _matching(num_replicas, [(i, i ^ bit) for i in range(num_replicas) if i < i ^ bit])

@@ -28,9 +28,13 @@ class Transport(Protocol):
     replica: int
     num_replicas: int
 
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor: ...
+    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
+        """The sum of the group's payloads, as a new tensor; ``payload`` is left unchanged."""
+        ...
 
-    def all_reduce_sum(self, payload: Tensor) -> Tensor: ...
+    def all_reduce_sum(self, payload: Tensor) -> Tensor:
+        """The sum over all replicas, computed in place in ``payload`` and returned."""
+        ...
 
 
 def sum_in_group_order(buffers: dict[int, Tensor], group: Sequence[int]) -> Tensor:
@@ -95,7 +99,7 @@ class TorchDistributedTransport:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         others = [j for j in group if j != self.replica]
         if not others:
-            return payload
+            return payload.clone()  # always a new tensor, as for a real group: callers may update it in place
         start = time.perf_counter()
         send = payload.to(self.device).contiguous()
         received = {j: torch.empty_like(send) for j in others}

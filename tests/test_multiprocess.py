@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import tiny
+from lightning_loco.algorithms import GASLoC
 from lightning_loco.schedules import random_groups
 
 HERE = Path(__file__).parent
@@ -85,6 +86,25 @@ def diloco_outer(lr=0.7, mu=0.9):
         phi = phi - lr * (g + mu * buf)  # Nesterov
         state["anchor"] = [phi] * n
         return state["anchor"]
+
+    return outer
+
+
+def gasloc_outer(eta, gamma, alpha, topology):
+    schedule = GASLoC(topology=topology).schedule  # the schedule itself is tested in test_gasloc.py
+
+    def outer(state, thetas):
+        n = len(thetas)
+        anchors = state["anchor"]
+        x_prev = state.get("x_prev", anchors)
+        z = [a + eta * (th - a) for a, th in zip(anchors, thetas)]
+        new, prev = list(anchors), list(x_prev)
+        for g in schedule(state["t"], n).groups:
+            for i in g:
+                x = z[i] - alpha * sum(z[i] - z[j] for j in g if j != i)
+                new[i], prev[i] = x + gamma * (x - x_prev[i]), x
+        state["anchor"], state["x_prev"] = new, prev
+        return new
 
     return outer
 
@@ -215,3 +235,39 @@ def test_validate_after_fit_keeps_every_replica_its_own_weights(tmp_path):
     for r, rec in enumerate(recs):
         after = torch.load(tmp_path / "out" / f"after_validate{r}.pt")
         assert torch.equal(after, rec["weights"][-1])  # not overwritten by rank 0's replica
+
+
+def test_gasloc_random_pairs_four_replicas(tmp_path):
+    h, steps = 3, 9
+    kwargs = {"sync_every": h, "outer_lr": 0.8, "outer_momentum": 0.6, "gossip_step": 0.3}
+    recs = run(tmp_path, strategy="gasloc", strategy_kwargs=kwargs, devices=4, max_steps=steps)
+    assert_follows(recs, reference(4, steps, h, gasloc_outer(0.8, 0.6, 0.3, "random_pairs")))
+    schedule = GASLoC().schedule
+    for r, rec in enumerate(recs):
+        assert outer_step_batches(rec) == [2, 5, 8]
+        for t, i in enumerate(outer_step_batches(rec)):
+            (peer,) = schedule(t, 4).peers_of(r)
+            numel = rec["outer_states"][0]["numel"]  # only z travels: one model copy each way
+            assert rec["calls"][i] == [("batch_isend_irecv", (("irecv", peer, numel), ("isend", peer, numel)))]
+
+
+def test_gasloc_ring_with_odd_replicas_lets_one_sit_out(tmp_path):
+    h, steps = 2, 6
+    recs = run(tmp_path, strategy="gasloc", strategy_kwargs={"sync_every": h, "topology": "ring"}, devices=3,
+               max_steps=steps)
+    assert_follows(recs, reference(3, steps, h, gasloc_outer(0.7, 0.5, 0.25, "ring")))
+    # ring on 3 replicas: round 0 pairs (0, 1) and 2 sits out; round 1 pairs (1, 2) and 0 sits out
+    assert [len(recs[2]["calls"][i]) for i in (1, 3, 5)] == [0, 1, 0]
+    assert [len(recs[0]["calls"][i]) for i in (1, 3, 5)] == [1, 0, 1]
+
+
+def test_complete_gasloc_follows_diloco_with_the_same_outer_sgd(tmp_path):
+    h, steps, eta, gamma = 2, 8, 0.7, 0.9
+    kwargs = {"sync_every": h, "outer_lr": eta, "outer_momentum": gamma}
+    gasloc = run(tmp_path / "g", strategy="gasloc", strategy_kwargs={**kwargs, "topology": "complete"}, devices=3,
+                 max_steps=steps)
+    diloco = run(tmp_path / "d", strategy="diloco", strategy_kwargs=kwargs, devices=3, max_steps=steps)
+    for g, d in zip(gasloc, diloco):
+        assert all(calls in ([], [("all_reduce",)]) for calls in g["calls"])
+        for a, b in zip(g["weights"], d["weights"]):
+            assert torch.allclose(a, b, atol=1e-5)

@@ -29,6 +29,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "stats": (t.stats.bytes_sent, t.stats.bytes_received, t.stats.calls),
             "all": t.all_reduce_sum(payload.clone()),
             "payload_after": payload,
+            "alone_is_a_copy": t.group_sum(payload, (rank,)).data_ptr() != payload.data_ptr(),
         }
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     finally:
@@ -55,3 +56,4 @@ def test_group_sum_and_all_reduce_across_four_processes(tmp_path):
     for r in range(world):
         assert torch.allclose(res[r]["all"], sum(payloads))
         assert torch.equal(res[r]["payload_after"], payloads[r])  # group_sum does not modify its input
+        assert res[r]["alone_is_a_copy"]  # even for a group of one: callers update the sum in place

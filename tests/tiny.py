@@ -167,13 +167,13 @@ class Recorder(L.Callback):
 
 def main(out_dir: str, config: dict[str, Any]) -> None:
     import lightning_loco  # noqa: F401  (registers the strategy names)
-    from lightning_loco import DiLoCoStrategy, NoLoCoStrategy
+    from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 
     log = CallLog()
     log.install()
     strategy: Any = config["strategy"]
     if "strategy_kwargs" in config:
-        cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy}[strategy]
+        cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}[strategy]
         strategy = cls(timeout=timedelta(seconds=60), **config["strategy_kwargs"])
     trainer = L.Trainer(
         strategy=strategy,

@@ -2,6 +2,7 @@
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.algorithms.diloco import DiLoCo, DiLoCoState
+from lightning_loco.algorithms.gasloc import GASLoC, GASLoCState
 from lightning_loco.algorithms.noloco import NoLoCo, NoLoCoState
 
-__all__ = ["DiLoCo", "DiLoCoState", "NoLoCo", "NoLoCoState", "OuterAlgorithm", "OuterState"]
+__all__ = ["DiLoCo", "DiLoCoState", "GASLoC", "GASLoCState", "NoLoCo", "NoLoCoState", "OuterAlgorithm", "OuterState"]

@@ -44,6 +44,9 @@ class OuterAlgorithm(ABC):
 
     name: ClassVar[str]
 
+    def check_num_replicas(self, num_replicas: int) -> None:
+        """Raises ``ValueError`` if the algorithm cannot run on ``num_replicas`` (checked early)."""
+
     @abstractmethod
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         """Who combines payloads with whom at ``outer_step`` (identical on every replica)."""

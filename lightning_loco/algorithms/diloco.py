@@ -12,34 +12,27 @@ serve as the outer optimizer; it steps per-parameter views of the flat float32 a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_momentum, check_positive
-from lightning_loco.flat import parameter_views
+from lightning_loco.algorithms.outer_optimizer import (
+    OptimizerOuterState,
+    OuterOptimizerFactory,
+    anchor_fields,
+    check_factory,
+    sgd,
+)
 from lightning_loco.schedules import Round, everyone
-
-OuterOptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]
 
 
 @dataclass
-class DiLoCoState(OuterState):
-    anchor: Tensor  # φ, identical on every replica
-    gradient: Tensor  # the outer gradient φ − mean θ; the views' .grad live in it
-    optimizer: Optimizer  # steps parameter views of ``anchor``
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"anchor": self.anchor, "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.anchor.copy_(state_dict["anchor"])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+class DiLoCoState(OptimizerOuterState):
+    """φ (identical on every replica), the outer gradient φ − mean θ, and the outer optimizer."""
 
 
 class DiLoCo(OuterAlgorithm):
@@ -63,39 +56,20 @@ class DiLoCo(OuterAlgorithm):
         nesterov: bool = True,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
     ) -> None:
+        check_factory(outer_optimizer)
         if outer_optimizer is None:
             check_positive("outer_lr", outer_lr, 0.7)
             check_momentum("outer_momentum", outer_momentum, 0.9)
-        elif not callable(outer_optimizer):
-            raise ValueError(
-                "outer_optimizer must be a callable that builds an optimizer from parameters, e.g. "
-                f"functools.partial(torch.optim.SGD, lr=0.7), got {outer_optimizer!r}"
-            )
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.nesterov = bool(nesterov)
-        self.outer_optimizer = outer_optimizer
-
-    def _build_optimizer(self, params: list[torch.nn.Parameter]) -> Optimizer:
-        if self.outer_optimizer is not None:
-            optimizer = self.outer_optimizer(params)
-            if not isinstance(optimizer, Optimizer):
-                raise ValueError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(optimizer)}")
-            return optimizer
-        # torch refuses Nesterov without momentum; with momentum 0 both are plain SGD anyway.
-        nesterov = self.nesterov and self.outer_momentum > 0
-        return partial(torch.optim.SGD, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=nesterov)(params)
+        self.outer_optimizer = outer_optimizer or sgd(self.outer_lr, self.outer_momentum, self.nesterov)
 
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         return everyone(num_replicas)
 
     def init_state(self, weights: Tensor, shapes: Sequence[torch.Size]) -> DiLoCoState:
-        anchor = weights.clone()
-        gradient = torch.zeros_like(anchor)
-        params = parameter_views(anchor, shapes)
-        for p, g in zip(params, parameter_views(gradient, shapes)):
-            p.grad = g.detach()
-        return DiLoCoState(anchor=anchor, gradient=gradient, optimizer=self._build_optimizer(params))
+        return DiLoCoState(**anchor_fields(weights, shapes, self.outer_optimizer))
 
     def payload(self, state: OuterState, weights: Tensor) -> Tensor:
         # The pseudo-gradient Δ_i = θ_i − φ: smaller than θ, so its float32 sum loses fewer bits.
@@ -104,5 +78,4 @@ class DiLoCo(OuterAlgorithm):
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, DiLoCoState)
         state.gradient.copy_(group_sum).div_(-group_size)  # g = φ − mean θ = −Δ̄
-        state.optimizer.step()
-        return state.anchor
+        return state.step()

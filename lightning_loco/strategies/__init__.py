@@ -2,6 +2,7 @@
 
 from lightning_loco.strategies.base import OptimizerReplica, OuterStepReport, OuterStepStrategy
 from lightning_loco.strategies.diloco import DiLoCoStrategy
+from lightning_loco.strategies.gasloc import GASLoCStrategy
 from lightning_loco.strategies.noloco import NoLoCoStrategy
 
-__all__ = ["DiLoCoStrategy", "NoLoCoStrategy", "OptimizerReplica", "OuterStepReport", "OuterStepStrategy"]
+__all__ = ["DiLoCoStrategy", "GASLoCStrategy", "NoLoCoStrategy", "OptimizerReplica", "OuterStepReport", "OuterStepStrategy"]

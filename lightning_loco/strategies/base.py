@@ -169,6 +169,13 @@ class OuterStepStrategy(DDPStrategy):
     # ------------------------------------------------------------------ Lightning hooks
 
     @override
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is built, once devices and nodes are known: check N before any
+        # process starts.
+        self.algorithm.check_num_replicas(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         if self._get_process_group_backend() != "nccl":
@@ -229,6 +236,7 @@ class OuterStepStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         self._trained_module = weakref.ref(self.lightning_module)
         self._transport = TorchDistributedTransport(self._comm_device())
+        self.algorithm.check_num_replicas(self._transport.num_replicas)
         self._replicas = [self._new_replica(optimizer) for optimizer in self.optimizers]
         self._restore_sigterm = disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
 

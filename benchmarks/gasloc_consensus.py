@@ -1,0 +1,75 @@
+"""Pure consensus with GASLoC's mixing: how many rounds until replicas agree, by topology, α and γ.
+
+    python benchmarks/gasloc_consensus.py [--quick]
+
+Runs :class:`lightning_loco.simulator.ReplicaSimulator` (the strategies' own schedule and mixing
+code) with no inner progress (g = 0): replicas start from independent random vectors and only mix.
+A row reports the rounds until the RMS distance of the replicas from their mean falls below 1e-3 of
+its start, "div" when it grows past 1e3 of its start (unstable), or ">max" when neither happens
+within the round budget. Writes ``benchmarks/results/gasloc_consensus.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_loco.algorithms import GASLoC
+from lightning_loco.simulator import ReplicaSimulator
+
+
+def spread(weights: list[torch.Tensor]) -> float:
+    stacked = torch.stack(weights)
+    return (stacked - stacked.mean(0)).pow(2).sum(1).mean().sqrt().item()
+
+
+def rounds_to_consensus(topology: str, n: int, alpha: float, gamma: float, max_rounds: int, dim: int = 8) -> str:
+    g = torch.Generator().manual_seed(0)
+    live = [torch.randn(dim, generator=g) for _ in range(n)]
+    sim = ReplicaSimulator(GASLoC(outer_momentum=gamma, gossip_step=alpha, topology=topology), live)
+    start = spread(live)
+    for r in range(1, max_rounds + 1):
+        live = sim.step(live)
+        s = spread(live)
+        if s < 1e-3 * start:
+            return str(r)
+        if not s < 1e3 * start:
+            return "div"
+    return ">max"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="N = 16 only, fewer γ (a few seconds)")
+    parser.add_argument("--max-rounds", type=int, default=5000)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gasloc_consensus.json"))
+    args = parser.parse_args()
+    alphas = [0.25, 0.5]
+    gammas = [0.0, 0.5, 0.9] if args.quick else [0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95]
+    cases = [("ring", 16), ("random_pairs", 16), ("exponential", 16)]
+    if not args.quick:
+        cases += [("ring", 64), ("random_pairs", 64), ("exponential", 64), ("random_pairs", 256), ("random_pairs", 1024)]
+    rows = []
+    print(f"rounds to 1e-3 of the initial spread (max {args.max_rounds}); columns: γ")
+    print(f"{'topology':<13} {'N':>5} {'α':>5} " + " ".join(f"{g:>6}" for g in gammas))
+    start = time.perf_counter()
+    for topology, n in cases:
+        for alpha in alphas:
+            results = [rounds_to_consensus(topology, n, alpha, gamma, args.max_rounds) for gamma in gammas]
+            rows += [{"topology": topology, "replicas": n, "gossip_step": alpha, "outer_momentum": g, "rounds": r}
+                     for g, r in zip(gammas, results)]
+            print(f"{topology:<13} {n:>5} {alpha:>5} " + " ".join(f"{r:>6}" for r in results), flush=True)
+    print(f"({time.perf_counter() - start:.0f} s)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if not args.quick:
+        with open(args.out, "w") as f:
+            json.dump({"criterion": "RMS spread < 1e-3 of start", "max_rounds": args.max_rounds, "rows": rows}, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""GASLoC's outer step (Cagnasso, Belilovsky, Oyallon, arXiv 2606.11081): gossip, then extrapolate.
+
+**A reconstruction.** The paper's full text and code were not available to us. What is known: gossip
+over sparse random one- or two-peer matchings instead of an all-reduce, local steps, the outer
+momentum reread as gossip acceleration, compatibility with adaptive outer optimizers, and exact
+DiLoCo on a complete graph. The update below is the form that satisfies all of those statements::
+
+    g_i = θ_i,H − θ_i                              # pseudo-gradient of the inner phase
+    z_i = θ_i + η·g_i                              # η = outer_lr
+    x_i = z_i − α·Σ_{j ∈ M_t(i)} (z_i − z_j)       # α = gossip_step, M_t the round's matching
+    θ_i ← x_i + γ·(x_i − x_prev_i);  x_prev_i ← x_i   # γ = outer_momentum
+
+The last line is exactly ``torch.optim.SGD(lr=1, momentum=γ, nesterov=True)`` stepping θ_i with
+gradient d_i = θ_i − x_i, which is how it runs here; any torch optimizer (Adam, for an adaptive
+outer step) may take its place. On the complete topology x_i = mean_j z_j (one all-reduce) and the
+whole update is DiLoCo with outer SGD(lr=η, momentum=γ, Nesterov).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_momentum, check_positive
+from lightning_loco.algorithms.outer_optimizer import (
+    OptimizerOuterState,
+    OuterOptimizerFactory,
+    anchor_fields,
+    check_factory,
+    sgd,
+)
+from lightning_loco.schedules import (
+    Round,
+    everyone,
+    exponential_matching,
+    is_power_of_two,
+    random_matching,
+    ring_matching,
+)
+
+TOPOLOGIES = ("random_pairs", "ring", "exponential", "complete")
+
+# The largest outer momentum γ that our pure-consensus simulation found stable on each topology,
+# for gossip_step α ≤ ¼ and for α ≤ ½ (``benchmarks/gasloc_consensus.py``, N = 16 to 1024; the table
+# is in docs/benchmarks.md). Above these, replicas drift apart instead of agreeing.
+STABLE_MOMENTUM = {"random_pairs": (0.95, 0.7), "ring": (0.95, 0.95), "exponential": (0.8, 0.5)}
+
+
+def stability_note(topology: str, gossip_step: float, outer_momentum: float) -> Optional[str]:
+    """A warning text if (α, γ) lies outside what our consensus simulation found stable, else None."""
+    if topology == "complete":
+        return None  # an exact average: DiLoCo, stable for any momentum < 1
+    quarter, half = STABLE_MOMENTUM[topology]
+    limit = quarter if gossip_step <= 0.25 else half
+    untested = gossip_step > 0.5
+    if outer_momentum <= limit and not untested:
+        return None
+    return (
+        f"GASLoC with topology={topology!r}, gossip_step α={gossip_step} and outer_momentum γ={outer_momentum} "
+        + ("is outside the range we simulated (α ≤ ½)" if untested else f"exceeds the largest γ ({limit}) "
+           "that stayed stable in our consensus simulation for this α")
+        + "; replicas may drift apart. See docs/algorithms.md (GASLoC defaults)."
+    )
+
+
+@dataclass
+class GASLoCState(OptimizerOuterState):
+    """θ_i (the anchor), d_i = θ_i − x_i, the outer optimizer (holding x_prev implicitly), and
+    this round's z_i between ``payload`` and ``apply``."""
+
+    z: Optional[Tensor] = None
+
+
+class GASLoC(OuterAlgorithm):
+    """GASLoC's outer step (our reconstruction; see the module docstring).
+
+    Args:
+        outer_lr: η, the step along the pseudo-gradient before mixing.
+        outer_momentum: γ, the extrapolation (momentum) of the default outer SGD.
+        gossip_step: α, in (0, 1]; with one peer, ½ is an exact pair average.
+        topology: "random_pairs", "ring", "exponential" (N a power of two) or "complete".
+        seed: seeds the random matchings (with the outer-step index).
+        outer_optimizer: builds any torch optimizer over the anchor, stepped with d = θ − x; replaces
+            the default SGD(lr=1, momentum=γ, nesterov=True).
+    """
+
+    name = "gasloc"
+
+    def __init__(
+        self,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.5,
+        gossip_step: float = 0.5,
+        topology: str = "random_pairs",
+        seed: int = 0,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+    ) -> None:
+        check_positive("outer_lr (η)", outer_lr, 0.7)
+        check_momentum("outer_momentum (γ)", outer_momentum, 0.5)
+        if not 0 < gossip_step <= 1:
+            raise ValueError(
+                f"gossip_step (α) must be in (0, 1], got {gossip_step}. "
+                "½ averages a pair exactly; smaller values mix more gently."
+            )
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"Unknown topology {topology!r}. Use one of {', '.join(map(repr, TOPOLOGIES))}.")
+        check_factory(outer_optimizer)
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.gossip_step = float(gossip_step)
+        self.topology = topology
+        self.seed = int(seed)
+        self.outer_optimizer = outer_optimizer or sgd(1.0, self.outer_momentum, nesterov=True)
+
+    def check_num_replicas(self, num_replicas: int) -> None:
+        if self.topology == "exponential" and not is_power_of_two(num_replicas):
+            raise ValueError(
+                f"topology='exponential' needs a power-of-two number of replicas, got {num_replicas}. "
+                "Use 2, 4, 8, ... replicas, or topology='random_pairs' or 'ring'."
+            )
+
+    def schedule(self, outer_step: int, num_replicas: int) -> Round:
+        if self.topology == "random_pairs":
+            return random_matching(num_replicas, self.seed, outer_step)
+        if self.topology == "ring":
+            return ring_matching(num_replicas, outer_step)
+        if self.topology == "exponential":
+            return exponential_matching(num_replicas, outer_step)
+        return everyone(num_replicas)
+
+    def init_state(self, weights: Tensor, shapes: Sequence[torch.Size]) -> GASLoCState:
+        return GASLoCState(**anchor_fields(weights, shapes, self.outer_optimizer))
+
+    def payload(self, state: OuterState, weights: Tensor) -> Tensor:
+        assert isinstance(state, GASLoCState)
+        state.z = torch.lerp(state.anchor, weights, self.outer_lr)  # z = θ + η·(θ_H − θ)
+        return state.z
+
+    def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
+        assert isinstance(state, GASLoCState) and state.z is not None
+        if self.topology == "complete":
+            x = group_sum.div_(group_size)  # the all-reduce may have overwritten z: not needed here
+        else:
+            # x = z − α·Σ_j (z − z_j) = α·S + (1 − α·|G|)·z, with S the group's sum including z
+            x = state.z.mul(1 - self.gossip_step * group_size).add_(group_sum, alpha=self.gossip_step)
+        state.z = None
+        torch.sub(state.anchor, x, out=state.gradient)  # d = θ − x
+        return state.step()

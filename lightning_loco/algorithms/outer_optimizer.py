@@ -1,0 +1,71 @@
+"""An anchor stepped by a torch optimizer: the outer state of DiLoCo and GASLoC.
+
+The anchor is one flat float32 buffer (what the transport moves); the optimizer sees
+``torch.nn.Parameter`` views of it shaped like the model's parameters, so per-tensor optimizers
+behave as they would on the model. The outer gradient lives in a second flat buffer whose views are
+the parameters' ``.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_loco.algorithms.base import OuterState
+from lightning_loco.flat import parameter_views
+
+OuterOptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]
+
+
+@dataclass
+class OptimizerOuterState(OuterState):
+    anchor: Tensor
+    gradient: Tensor  # the views' .grad live in it
+    optimizer: Optimizer  # steps parameter views of ``anchor``
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"anchor": self.anchor, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.anchor.copy_(state_dict["anchor"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def step(self) -> Tensor:
+        """One optimizer step on the anchor with the gradient already in ``self.gradient``."""
+        self.optimizer.step()
+        return self.anchor
+
+
+def check_factory(factory: Optional[OuterOptimizerFactory]) -> None:
+    if factory is not None and not callable(factory):
+        raise ValueError(
+            "outer_optimizer must be a callable that builds an optimizer from parameters, e.g. "
+            f"functools.partial(torch.optim.SGD, lr=0.7), got {factory!r}"
+        )
+
+
+def sgd(lr: float, momentum: float, nesterov: bool) -> OuterOptimizerFactory:
+    """Outer SGD. torch refuses Nesterov without momentum; with momentum 0 both are plain SGD anyway."""
+
+    def build(params: Iterable[torch.nn.Parameter]) -> Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+    return build
+
+
+def anchor_fields(weights: Tensor, shapes: Sequence[torch.Size], factory: OuterOptimizerFactory) -> dict[str, Any]:
+    """The fields of an :class:`OptimizerOuterState` starting at ``weights``."""
+    anchor = weights.clone()
+    gradient = torch.zeros_like(anchor)
+    params = parameter_views(anchor, shapes)
+    for p, g in zip(params, parameter_views(gradient, shapes)):
+        p.grad = g.detach()
+    optimizer = factory(params)
+    if not isinstance(optimizer, Optimizer):
+        raise ValueError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(optimizer)}")
+    return {"anchor": anchor, "gradient": gradient, "optimizer": optimizer}

@@ -1,0 +1,100 @@
+"""``GASLoCStrategy``: gossip over sparse matchings, with the outer momentum as gossip acceleration."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_loco.algorithms.gasloc import GASLoC, stability_note
+from lightning_loco.algorithms.outer_optimizer import OuterOptimizerFactory
+from lightning_loco.strategies.base import OuterStepStrategy
+
+
+class GASLoCStrategy(OuterStepStrategy):
+    """GASLoC (Cagnasso, Belilovsky, Oyallon, arXiv 2606.11081), as reconstructed here (the paper's
+    full text was not available; see ``docs/algorithms.md``).
+
+    Every ``sync_every`` inner optimizer steps each replica moves η along its pseudo-gradient
+    (z = θ + η·g), mixes z with its peer of the round (x = z − α·Σ(z − z_j)), and extrapolates with
+    momentum (θ ← x + γ·(x − x_prev), i.e. Nesterov SGD with lr 1 on d = θ − x). Only z travels:
+    one model copy to one peer per outer step, point to point.
+
+    Args:
+        sync_every: H, inner optimizer steps between outer steps.
+        outer_lr: η, the step along the pseudo-gradient before mixing.
+        outer_momentum: γ, the outer momentum, which also accelerates the gossip.
+        gossip_step: α in (0, 1]: how far a replica moves towards its peer (½ = exact pair average).
+        topology: "random_pairs" (a fresh random perfect matching each outer step), "ring"
+            (alternating even/odd ring edges), "exponential" (hypercube rounds; N a power of two) or
+            "complete" (one all-reduce: exactly DiLoCo with outer SGD(lr=η, momentum=γ, Nesterov)).
+            With odd N in a matching, one replica sits the round out.
+        seed: seeds the random matchings (with the outer-step index); independent of the global RNG.
+        outer_optimizer: builds any torch optimizer over the anchor (e.g. Adam for an adaptive outer
+            step), stepped with d = θ − x; replaces the default SGD(lr=1, momentum=γ, nesterov=True).
+        outer_state_device: where the float32 outer state lives. None: the model's device; "cpu"
+            keeps it off the accelerator.
+        accelerator: as in ``DDPStrategy``.
+        parallel_devices: as in ``DDPStrategy``.
+        cluster_environment: as in ``DDPStrategy``.
+        checkpoint_io: as in ``DDPStrategy``.
+        precision_plugin: as in ``DDPStrategy``.
+        process_group_backend: as in ``DDPStrategy`` ("gloo" on CPU, "nccl" on CUDA by default).
+        timeout: as in ``DDPStrategy``: how long a peer is awaited before the run fails.
+        start_method: as in ``DDPStrategy``: "popen" (default, also torchrun/SLURM), "spawn", "fork".
+    """
+
+    strategy_name = "gasloc"
+
+    def __init__(
+        self,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.5,
+        gossip_step: float = 0.25,
+        topology: Literal["random_pairs", "ring", "exponential", "complete"] = "random_pairs",
+        seed: int = 0,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        outer_state_device: Optional[str] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        algorithm = GASLoC(
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            gossip_step=gossip_step,
+            topology=topology,
+            seed=seed,
+            outer_optimizer=outer_optimizer,
+        )
+        note = stability_note(topology, algorithm.gossip_step, algorithm.outer_momentum)
+        if note is not None and outer_optimizer is None:
+            rank_zero_warn(note)
+        super().__init__(
+            algorithm, sync_every, outer_state_device, accelerator, parallel_devices, cluster_environment,
+            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="GASLoC: H local steps, then gossip with one peer and momentum extrapolation",
+            override=True,
+        )
