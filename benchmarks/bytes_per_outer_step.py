@@ -1,4 +1,4 @@
-"""Bytes each replica sends per outer step, NoLoCo against DiLoCo, for N = 2, 4, 8 replicas.
+"""Bytes each replica sends per outer step: NoLoCo, GASLoC's topologies and DiLoCo, N = 2, 4, 8.
 
     python benchmarks/bytes_per_outer_step.py [--params 1000000] [--replicas 2 4 8] [--rounds 5]
 
@@ -30,11 +30,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_loco.algorithms import DiLoCo, NoLoCo
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.transport import TorchDistributedTransport
 
 LO_TX = "/sys/class/net/lo/statistics/tx_bytes"
-ALGORITHMS = {"noloco": NoLoCo, "diloco": DiLoCo}
+ALGORITHMS = {
+    "noloco": NoLoCo,
+    "gasloc-random_pairs": lambda: GASLoC(topology="random_pairs"),
+    "gasloc-ring": lambda: GASLoC(topology="ring"),
+    "gasloc-exponential": lambda: GASLoC(topology="exponential"),
+    "gasloc-complete": lambda: GASLoC(topology="complete"),
+    "diloco": DiLoCo,
+}
 
 
 def _free_port() -> int:
@@ -113,7 +120,7 @@ def main() -> None:
     rows = []
     tmp = Path(args.out).with_suffix(".tmp")
     for world in args.replicas:
-        for name in ("noloco", "diloco"):
+        for name in ALGORITHMS:
             rows.append(measure(name, world, args.params, args.rounds, tmp))
     for f in sorted(tmp.rglob("*.pt")):
         f.unlink()
@@ -123,9 +130,9 @@ def main() -> None:
     mb = 4 * args.params / 1e6
     print(f"\nbytes per replica per outer step, {args.params:,} float32 parameters ({mb:.1f} MB), "
           f"gloo on loopback, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()})")
-    print(f"{'N':>3} {'algorithm':<8} {'payload MB':>11} {'wire MB':>9} {'wire/model':>11} {'s/outer step':>13}")
+    print(f"{'N':>3} {'algorithm':<20} {'payload MB':>11} {'wire MB':>9} {'wire/model':>11} {'s/outer step':>13}")
     for r in rows:
-        print(f"{r['replicas']:>3} {r['algorithm']:<8} {r['payload_bytes_sent'] / 1e6:>11.2f} "
+        print(f"{r['replicas']:>3} {r['algorithm']:<20} {r['payload_bytes_sent'] / 1e6:>11.2f} "
               f"{r['wire_bytes_sent'] / 1e6:>9.2f} {r['wire_model_copies']:>11.2f} {r['outer_step_seconds_median']:>13.4f}")
     for world in args.replicas:
         by = {r["algorithm"]: r for r in rows if r["replicas"] == world}

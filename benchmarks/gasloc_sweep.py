@@ -58,6 +58,7 @@ def main() -> None:
     # a second seed for the leading configurations and the baselines, to see the run-to-run noise
     seeded = [(s, k, 1) for s, k in [("noloco", {}), ("diloco", {})]]
     seeded += [("gasloc", {"outer_lr": 0.7, "gossip_step": a, "outer_momentum": 0.5}, 1) for a in (0.25, 0.5)]
+    seeded += [("gasloc", {"outer_lr": 0.7, "gossip_step": 0.25, "outer_momentum": 0.3}, 1)]
     configs = [(s, k, 0) for s, k in configs] + seeded
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

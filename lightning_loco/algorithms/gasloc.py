@@ -94,7 +94,7 @@ class GASLoC(OuterAlgorithm):
         self,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.5,
-        gossip_step: float = 0.5,
+        gossip_step: float = 0.25,
         topology: str = "random_pairs",
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
