@@ -271,3 +271,14 @@ def test_complete_gasloc_follows_diloco_with_the_same_outer_sgd(tmp_path):
         assert all(calls in ([], [("all_reduce",)]) for calls in g["calls"])
         for a, b in zip(g["weights"], d["weights"]):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_a_second_fit_of_the_same_model_starts_from_the_replicas_average(tmp_path):
+    steps = 5  # ends mid-phase, replicas differ
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 3}, devices=2, max_steps=steps,
+               fit_twice=True)
+    ends = [rec["weights"][steps - 1] for rec in recs]
+    assert not torch.equal(ends[0], ends[1])
+    for rec in recs:
+        assert len(rec["starts"]) == 2
+        assert torch.allclose(rec["starts"][1], (ends[0] + ends[1]) / 2, atol=1e-6)

@@ -135,7 +135,8 @@ class Recorder(L.Callback):
         self.record: dict[str, Any] = {"weights": [], "calls": []}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record["initial"] = flat(pl_module)
+        self.record.setdefault("starts", []).append(flat(pl_module))
+        self.record["initial"] = self.record["starts"][0]
         self.call_log.take()
         self.call_log.active = True
 
@@ -192,6 +193,9 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     )
     model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False))
     trainer.fit(model)
+    if config.get("fit_twice"):
+        trainer.fit_loop.epoch_loop.max_steps = 2 * config["max_steps"]
+        trainer.fit(model)
     if config.get("then_validate"):
         trainer.validate(model, verbose=False)
         torch.save(flat(model), os.path.join(out_dir, f"after_validate{trainer.global_rank}.pt"))
