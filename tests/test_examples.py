@@ -42,4 +42,5 @@ def test_quickstart_trains_and_reports_a_validation_loss(tmp_path):
     result = json.loads(out.read_text())
     assert result["outer_steps"] == 3 and result["replicas"] == 2
     assert 0 < result["val_loss"] < 5.3  # it learned: a uniform guess over 256 bytes scores ln 256 ≈ 5.55
+    assert 0 < result["val_loss_consensus"] < 5.3
     assert result["bytes_sent_per_outer_step"] == 4 * sum(p.numel() for p in GPT().parameters())

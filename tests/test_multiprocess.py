@@ -4,32 +4,13 @@ Each run is ``python tests/tiny.py`` in a subprocess (Lightning's popen launcher
 for every rank). The results are checked against a reference written here from the spec's formulas.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
 import tiny
 from lightning_loco.algorithms import GASLoC
 from lightning_loco.schedules import random_groups
 
-HERE = Path(__file__).parent
-
-
-def run(tmp_path: Path, **config) -> list[dict]:
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "tiny.py"), str(out), json.dumps(config)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "terminate called" not in proc.stderr
-    return [torch.load(out / f"rank{r}.pt") for r in range(config["devices"])]
+run = tiny.launch
 
 
 def reference(world, steps, sync_every, outer, lr=0.05):
@@ -229,8 +210,8 @@ def test_the_call_counter_sees_lightnings_per_batch_broadcast_under_plain_ddp(tm
 
 
 def test_validate_after_fit_keeps_every_replica_its_own_weights(tmp_path):
-    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 4}, devices=2, max_steps=6,
-               then_validate=True)
+    kwargs = {"sync_every": 4, "average_at_end": False}
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=2, max_steps=6, then_validate=True)
     assert not torch.equal(recs[0]["weights"][-1], recs[1]["weights"][-1])  # mid-phase: replicas differ
     for r, rec in enumerate(recs):
         after = torch.load(tmp_path / "out" / f"after_validate{r}.pt")
@@ -275,8 +256,8 @@ def test_complete_gasloc_follows_diloco_with_the_same_outer_sgd(tmp_path):
 
 def test_a_second_fit_of_the_same_model_starts_from_the_replicas_average(tmp_path):
     steps = 5  # ends mid-phase, replicas differ
-    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 3}, devices=2, max_steps=steps,
-               fit_twice=True)
+    kwargs = {"sync_every": 3, "average_at_end": False}
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=2, max_steps=steps, fit_twice=True)
     ends = [rec["weights"][steps - 1] for rec in recs]
     assert not torch.equal(ends[0], ends[1])
     for rec in recs:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -90,6 +92,24 @@ def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
 
 
+def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
+    """Runs this script under ``config`` in a subprocess; returns every rank's record (or, when a
+    failure is expected, the finished process)."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out), json.dumps(config)], capture_output=True, text=True, timeout=240
+    )
+    if expect_failure:
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        return proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "terminate called" not in proc.stderr
+    records = [torch.load(out / f"rank{r}.pt") for r in range(config["devices"])]
+    for record in records:
+        record["stderr"] = proc.stderr
+    return records
+
+
 # ---------------------------------------------------------------- counting torch.distributed calls
 
 _COUNTED = (
@@ -159,9 +179,11 @@ class Recorder(L.Callback):
                 "numel": r.flat.numel,
                 "inner_steps": r.inner_steps,
                 "outer_steps": r.outer_steps,
+                "state": r.state.state_dict(),
             }
             for r in replicas
         ]
+        self.record["optimizer_states"] = [opt.state_dict() for opt in trainer.optimizers]
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save(self.record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
@@ -176,6 +198,9 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     if "strategy_kwargs" in config:
         cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}[strategy]
         strategy = cls(timeout=timedelta(seconds=60), **config["strategy_kwargs"])
+    callbacks: list[L.Callback] = [Recorder(out_dir, log)]
+    if "checkpoint" in config:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(**config["checkpoint"]))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -184,15 +209,29 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         accumulate_grad_batches=config.get("accumulate", 1),
         gradient_clip_val=config.get("clip"),
         precision=config.get("precision", "32-true"),
-        callbacks=[Recorder(out_dir, log)],
+        callbacks=callbacks,
         limit_val_batches=0 if not config.get("then_validate") else None,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing="checkpoint" in config,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False))
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    if "save_to" in config:
+        trainer.save_checkpoint(config["save_to"])
+    if "interrupted_save_to" in config:
+        # As if rank 0 died after every replica file was written and before the main file was: change the
+        # weights, then let rank 0 skip all it does after that point (write the main file, tidy up).
+        import lightning_loco.checkpoints
+
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        if trainer.global_rank == 0:
+            trainer.strategy.checkpoint_io.save_checkpoint = lambda *args, **kwargs: None
+            lightning_loco.checkpoints.remove_sidecars = lambda *args, **kwargs: None
+        trainer.save_checkpoint(config["interrupted_save_to"])
     if config.get("fit_twice"):
         trainer.fit_loop.epoch_loop.max_steps = 2 * config["max_steps"]
         trainer.fit(model)

@@ -9,12 +9,15 @@ torchrun, SLURM), the process group, the ``DistributedSampler`` and ``reduce``/`
   gradient accumulation, clipping and the precision plugin, and once per optimizer in manual
   optimization) it runs the algorithm's outer step on that optimizer's parameters;
 * no global collective while training: Lightning's per-batch SIGTERM broadcast is replaced by a
-  local check for the duration of ``fit`` (see ``_compat.py``).
+  local check for the duration of ``fit`` (see ``_compat.py``);
+* checkpoints that keep every replica (see ``lightning_loco/checkpoints.py``).
 """
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_loco import checkpoints
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.flat import FlatParameters
 from lightning_loco.strategies._compat import destroy_process_group_at_exit, disable_per_batch_sigterm_broadcast
@@ -84,6 +88,8 @@ class OuterStepStrategy(DDPStrategy):
     Args:
         algorithm: the outer-step maths.
         sync_every: H, inner optimizer steps between outer steps (counted per optimizer).
+        average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
+            all-reduce), so the model in memory is the consensus model.
         outer_state_device: where the float32 outer state lives; ``None`` means the model's device.
         The remaining arguments are ``DDPStrategy``'s, with the same meaning.
     """
@@ -92,6 +98,7 @@ class OuterStepStrategy(DDPStrategy):
         self,
         algorithm: OuterAlgorithm,
         sync_every: int,
+        average_at_end: bool = True,
         outer_state_device: Optional[Union[str, torch.device]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -118,11 +125,13 @@ class OuterStepStrategy(DDPStrategy):
         )
         self.algorithm = algorithm
         self.sync_every = sync_every
+        self.average_at_end = bool(average_at_end)
         self._outer_state_device = device
         self._replicas: list[OptimizerReplica] = []
         self._transport: Optional[TorchDistributedTransport] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
         self._restore_sigterm: Optional[Callable[[], None]] = None
+        self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from a checkpoint, until training starts
         self.last_outer_step: Optional[OuterStepReport] = None
 
     # ------------------------------------------------------------------ configuration checks
@@ -238,6 +247,9 @@ class OuterStepStrategy(DDPStrategy):
         self._transport = TorchDistributedTransport(self._comm_device())
         self.algorithm.check_num_replicas(self._transport.num_replicas)
         self._replicas = [self._new_replica(optimizer) for optimizer in self.optimizers]
+        if self._resumed_outer is not None:
+            self._load_outer_state(self._resumed_outer)
+            self._resumed_outer = None
         self._restore_sigterm = disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
 
     def _new_replica(self, optimizer: Optimizer) -> OptimizerReplica:
@@ -296,17 +308,152 @@ class OuterStepStrategy(DDPStrategy):
         )
         replica.outer_steps += 1
 
-    def average_replicas(self) -> None:
-        """Sets every replica to the average of all replicas (one all-reduce over parameters and
-        floating-point buffers). Collective: every rank must call it."""
-        module = self.lightning_module
-        tensors = [p for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
-        if not tensors or not dist.is_available() or not dist.is_initialized():
-            return
+    def _mean_over_replicas(self, tensors: list[torch.Tensor]) -> tuple[FlatParameters, torch.Tensor]:
+        """The replicas' average of ``tensors`` as one flat float32 vector (one all-reduce; every rank
+        must call it)."""
         flat = FlatParameters(tensors, self._comm_device())
         total = flat.gather()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        flat.scatter(total.div_(dist.get_world_size()))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            total.div_(dist.get_world_size())
+        return flat, total
+
+    def average_replicas(self) -> None:
+        """Sets every replica to the replicas' average: parameters and floating-point buffers, one
+        all-reduce. Collective: every rank must call it."""
+        module = self.lightning_module
+        tensors = list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
+        if tensors:
+            flat, mean = self._mean_over_replicas(tensors)
+            flat.scatter(mean)
+
+    def consensus_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with every floating-point tensor replaced by its average over replicas (new
+        tensors; the model is not changed). Collective: every rank must call it."""
+        keys = [k for k, v in state_dict.items() if torch.is_tensor(v) and v.is_floating_point()]
+        if not keys:
+            return dict(state_dict)
+        flat, mean = self._mean_over_replicas([state_dict[k] for k in keys])
+        out = dict(state_dict)
+        for k, view in zip(keys, flat.views(mean)):
+            out[k] = view.to(dtype=state_dict[k].dtype, device=state_dict[k].device).clone()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Per-replica weights must land after setup's broadcast of rank 0's initial weights.
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
+        Collective: Lightning calls it on every rank."""
+        path = checkpoints.local_path(filepath)
+        save_id = self.broadcast(uuid.uuid4().hex[:12])
+        consensus = self.consensus_state_dict(checkpoint["state_dict"])
+        sidecar = checkpoints.sidecar_name(path, save_id)
+        sidecar_dir = os.path.join(os.path.dirname(os.path.abspath(path)), sidecar)
+        checkpoints.write_replica(sidecar_dir, self.replica_index, self._replica_payload(checkpoint, save_id))
+        self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
+        if self.is_global_zero:
+            meta = {
+                "format": checkpoints.FORMAT_VERSION,
+                "algorithm": self.algorithm.name,
+                "num_replicas": self.num_replicas,
+                "save_id": save_id,
+                "replicas": sidecar,
+            }
+            main = {**checkpoint, "state_dict": consensus, checkpoints.META_KEY: meta}
+            self.checkpoint_io.save_checkpoint(main, path, storage_options=storage_options)
+            checkpoints.remove_sidecars(path, keep=sidecar_dir)
+
+    def _replica_payload(self, checkpoint: dict[str, Any], save_id: str) -> dict[str, Any]:
+        return {
+            "format": checkpoints.FORMAT_VERSION,
+            "save_id": save_id,
+            "replica": self.replica_index,
+            "num_replicas": self.num_replicas,
+            "algorithm": self.algorithm.name,
+            "state_dict": checkpoint["state_dict"],
+            "optimizer_states": checkpoint.get("optimizer_states"),
+            "lr_schedulers": checkpoint.get("lr_schedulers"),
+            "outer": [
+                {"numel": r.flat.numel, "inner_steps": r.inner_steps, "outer_steps": r.outer_steps,
+                 "state": r.state.state_dict()}
+                for r in self._replicas
+            ],
+        }
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            checkpoints.remove_sidecars(checkpoints.local_path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Loads the main file and, on every rank, that replica's own file. Collective."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resumed_outer = None
+        meta = checkpoint.get(checkpoints.META_KEY)
+        if meta is None:
+            return checkpoint  # a plain checkpoint (DDP, one device): every replica starts from it
+        path = checkpoints.local_path(checkpoint_path)
+        if meta["num_replicas"] != self.num_replicas:
+            rank_zero_warn(
+                f"Checkpoint {path} holds {meta['num_replicas']} replicas but this run has {self.num_replicas}: "
+                "every replica starts from the consensus model (the replicas' average) with fresh outer state."
+            )
+            return checkpoint
+        if meta["algorithm"] != self.algorithm.name:
+            raise checkpoints.CheckpointError(
+                f"Checkpoint {path} was written by {meta['algorithm']!r}; its outer state does not fit "
+                f"{self.algorithm.name!r}. Resume it with the {meta['algorithm']!r} strategy, or start a new "
+                f"{self.algorithm.name!r} run from its consensus model: "
+                f"`MyModule.load_from_checkpoint({path!r})`, then fit without ckpt_path."
+            )
+        checkpoints.check_replica_files(path, meta)  # every rank checks every file: all fail together
+        error: Optional[Exception] = None
+        try:
+            payload = checkpoints.read_replica(path, meta, self.replica_index)
+        except checkpoints.CheckpointError as err:
+            error = err
+        # A rank that could not read its file must not leave the others waiting for it in training.
+        if self._any_replica(error is not None):
+            raise error or checkpoints.CheckpointError(
+                f"Another replica could not read its file of checkpoint {path}; its error names the file."
+            )
+        checkpoint["state_dict"] = payload["state_dict"]
+        for key in ("optimizer_states", "lr_schedulers"):
+            if payload.get(key) is not None:
+                checkpoint[key] = payload[key]
+        self._resumed_outer = payload["outer"]
+        return checkpoint
+
+    def _any_replica(self, flag: bool) -> bool:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _load_outer_state(self, saved: list[dict[str, Any]]) -> None:
+        if not saved:
+            return  # saved before training started: fresh outer state
+        if len(saved) != len(self._replicas) or any(s["numel"] != r.flat.numel for s, r in zip(saved, self._replicas)):
+            raise checkpoints.CheckpointError(
+                f"The checkpoint's outer state covers {[s['numel'] for s in saved]} parameters per optimizer, "
+                f"this model's optimizers {[r.flat.numel for r in self._replicas]}: the model or its "
+                "optimizers changed. Start a new run from the checkpoint's consensus model instead."
+            )
+        for replica, entry in zip(self._replicas, saved):
+            replica.state.load_state_dict(entry["state"])
+            replica.inner_steps, replica.outer_steps = entry["inner_steps"], entry["outer_steps"]
 
     def _restore_lightning(self) -> None:
         if self._restore_sigterm is not None:
@@ -316,6 +463,8 @@ class OuterStepStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._restore_lightning()
+        if self.average_at_end:
+            self.average_replicas()
         super().on_train_end()
 
     @override

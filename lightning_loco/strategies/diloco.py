@@ -31,6 +31,9 @@ class DiLoCoStrategy(OuterStepStrategy):
         nesterov: Nesterov momentum for the default outer SGD (paper: True).
         outer_optimizer: builds any torch optimizer over the outer parameters (the anchor), e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``; replaces the SGD above when given.
+        average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
+            all-reduce), so the model in memory is the consensus model. The papers define no final
+            model; this is our choice. False keeps each replica's own weights.
         outer_state_device: where the float32 anchor and outer optimizer state live. None: the model's
             device; "cpu" keeps them off the accelerator.
         accelerator: as in ``DDPStrategy``.
@@ -52,6 +55,7 @@ class DiLoCoStrategy(OuterStepStrategy):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        average_at_end: bool = True,
         outer_state_device: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -66,8 +70,8 @@ class DiLoCoStrategy(OuterStepStrategy):
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, outer_optimizer=outer_optimizer
         )
         super().__init__(
-            algorithm, sync_every, outer_state_device, accelerator, parallel_devices, cluster_environment,
-            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
+            algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
+            cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
         )
 
     @classmethod

@@ -40,6 +40,9 @@ class GASLoCStrategy(OuterStepStrategy):
         seed: seeds the random matchings (with the outer-step index); independent of the global RNG.
         outer_optimizer: builds any torch optimizer over the anchor (e.g. Adam for an adaptive outer
             step), stepped with d = θ − x; replaces the default SGD(lr=1, momentum=γ, nesterov=True).
+        average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
+            all-reduce), so the model in memory is the consensus model. The papers define no final
+            model; this is our choice. False keeps each replica's own weights.
         outer_state_device: where the float32 outer state lives. None: the model's device; "cpu"
             keeps it off the accelerator.
         accelerator: as in ``DDPStrategy``.
@@ -63,6 +66,7 @@ class GASLoCStrategy(OuterStepStrategy):
         topology: Literal["random_pairs", "ring", "exponential", "complete"] = "random_pairs",
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        average_at_end: bool = True,
         outer_state_device: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -85,8 +89,8 @@ class GASLoCStrategy(OuterStepStrategy):
         if note is not None and outer_optimizer is None:
             rank_zero_warn(note)
         super().__init__(
-            algorithm, sync_every, outer_state_device, accelerator, parallel_devices, cluster_environment,
-            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
+            algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
+            cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
         )
 
     @classmethod

@@ -38,6 +38,9 @@ class NoLoCoStrategy(OuterStepStrategy):
         group_size: n, replicas per group (paper: 2). If N is not a multiple of n the last group takes
             the remainder.
         seed: seeds the random groups (with the outer-step index); independent of the global RNG.
+        average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
+            all-reduce), so the model in memory is the consensus model. The papers define no final
+            model; this is our choice. False keeps each replica's own weights.
         outer_state_device: where the float32 anchor and momentum live. None: the model's device;
             "cpu" keeps them off the accelerator.
         accelerator: as in ``DDPStrategy``.
@@ -60,6 +63,7 @@ class NoLoCoStrategy(OuterStepStrategy):
         averaging_rate: Optional[float] = None,
         group_size: int = 2,
         seed: int = 0,
+        average_at_end: bool = True,
         outer_state_device: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -85,8 +89,8 @@ class NoLoCoStrategy(OuterStepStrategy):
                 "replicas may drift apart. Use averaging_rate=None (γ = outer_lr) or a value inside it."
             )
         super().__init__(
-            algorithm, sync_every, outer_state_device, accelerator, parallel_devices, cluster_environment,
-            checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
+            algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
+            cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
         )
 
     @override

@@ -1,0 +1,142 @@
+"""Checkpoints that keep every replica.
+
+Under NoLoCo and GASLoC every replica holds different weights, inner optimizer state and outer
+state; Lightning alone would write rank 0's and drop the rest. Our strategies write:
+
+* ``<dir>/<name>.ckpt`` — an ordinary Lightning checkpoint whose ``state_dict`` is the **consensus
+  model** (the average of the replicas), so ``MyModule.load_from_checkpoint(path)`` and
+  ``ModelCheckpoint.best_model_path`` work as usual. Its loops and callback states are rank 0's, and
+  a ``"lightning_loco"`` entry points to the replica files.
+* ``<dir>/.replicas/<name>.ckpt-<save id>/replica-<k>.pt`` — one file per replica: its own weights,
+  inner optimizer and LR-scheduler states, and outer state with the step counters. Tensors and plain
+  values only, so they load with ``torch.load(weights_only=True)``.
+
+A save is atomic from the reader's point of view: replica files go into a folder with a fresh name,
+and the main file is written last (Lightning's checkpoint IO replaces it in one step). A save killed
+half-way leaves either the previous checkpoint, intact, or no checkpoint at that path, plus an
+orphan replica folder that the next save at that path removes. All ranks must see one shared
+filesystem (Lightning assumes the same for ``ckpt_path``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+
+FORMAT_VERSION = 1
+META_KEY = "lightning_loco"
+SIDECAR_ROOT = ".replicas"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint of ours that cannot be used as it is. The message names the file and what to do."""
+
+
+def local_path(filepath: Any) -> str:
+    path = os.fspath(filepath)
+    if "://" in path and not path.startswith("file://"):
+        raise CheckpointError(
+            f"Per-replica checkpoints need a filesystem path shared by all ranks; got {path!r}. "
+            "Save to a local or network-mounted path."
+        )
+    return path.removeprefix("file://")
+
+
+def sidecar_name(filepath: str, save_id: str) -> str:
+    """The replica folder of a save, relative to the main file's folder."""
+    return os.path.join(SIDECAR_ROOT, f"{os.path.basename(filepath)}-{save_id}")
+
+
+def replica_file(sidecar_dir: str, replica: int) -> str:
+    return os.path.join(sidecar_dir, f"replica-{replica:05d}.pt")
+
+
+def resolve_sidecar(filepath: str, meta: Mapping[str, Any]) -> str:
+    """The replica folder a main file points to (links such as ``save_last="link"`` are followed)."""
+    return os.path.join(os.path.dirname(os.path.realpath(filepath)), meta["replicas"])
+
+
+def write_replica(sidecar_dir: str, replica: int, payload: dict[str, Any]) -> str:
+    """Writes one replica's file under a temporary name, then renames it into place."""
+    os.makedirs(sidecar_dir, exist_ok=True)
+    final = replica_file(sidecar_dir, replica)
+    partial = final + ".partial"
+    torch.save(payload, partial)
+    os.replace(partial, final)
+    return final
+
+
+def remove_sidecars(filepath: str, keep: Optional[str] = None) -> None:
+    """Removes the replica folders of ``filepath`` (all saves at that path) except ``keep``."""
+    root = os.path.join(os.path.dirname(filepath), SIDECAR_ROOT)
+    prefix = os.path.join(root, glob.escape(os.path.basename(filepath)) + "-")
+    for folder in glob.glob(prefix + "*"):
+        if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
+            shutil.rmtree(folder, ignore_errors=True)
+    if os.path.isdir(root) and not os.listdir(root):
+        os.rmdir(root)
+
+
+def read_replica(filepath: str, meta: Mapping[str, Any], replica: int) -> dict[str, Any]:
+    """Loads replica ``replica``'s file of the checkpoint ``filepath``, with errors that say what to do."""
+    path = replica_file(resolve_sidecar(filepath, meta), replica)
+    advice = (
+        "The checkpoint is incomplete: restore that file, resume from another checkpoint, or start a new "
+        f"run from the consensus model (`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path)."
+    )
+    if not os.path.isfile(path):
+        raise CheckpointError(f"Replica file missing: {path} (replica {replica} of checkpoint {filepath}). {advice}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file
+        raise CheckpointError(f"Replica file unreadable: {path} ({type(err).__name__}: {err}). {advice}") from err
+    if payload.get("save_id") != meta.get("save_id") or payload.get("replica") != replica:
+        raise CheckpointError(
+            f"Replica file {path} belongs to another save (save id {payload.get('save_id')!r}, replica "
+            f"{payload.get('replica')!r}; expected {meta.get('save_id')!r}, {replica}). {advice}"
+        )
+    return payload
+
+
+def check_replica_files(filepath: str, meta: Mapping[str, Any]) -> None:
+    """Raises if any replica file of the checkpoint is missing (cheap; every rank can check all)."""
+    sidecar = resolve_sidecar(filepath, meta)
+    missing = [replica_file(sidecar, k) for k in range(meta["num_replicas"]) if not os.path.isfile(replica_file(sidecar, k))]
+    if missing:
+        raise CheckpointError(
+            f"Checkpoint {filepath} is incomplete: {len(missing)} replica file(s) missing, e.g. {missing[0]}. "
+            "Restore them, resume from another checkpoint, or start a new run from the consensus model "
+            f"(`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path)."
+        )
+
+
+def export_consensus(checkpoint_path: Any, output_path: Any, state_dict_only: bool = False) -> str:
+    """Writes the consensus model of a checkpoint as one plain file for inference.
+
+    Args:
+        checkpoint_path: a checkpoint written by one of our strategies (or any Lightning checkpoint).
+        output_path: the file to write.
+        state_dict_only: write just the model's ``state_dict`` (for ``module.load_state_dict``); by
+            default a Lightning checkpoint without training state, which loads with
+            ``MyModule.load_from_checkpoint(output_path)``.
+
+    Neither output needs replica files; both load with ``torch.load(weights_only=True)`` as long as
+    the module's saved hyper-parameters are plain values.
+    """
+    source = local_path(checkpoint_path)
+    checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+    if state_dict_only:
+        out: dict[str, Any] = checkpoint["state_dict"]
+    else:
+        keep = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-lightning_version", "epoch", "global_step")
+        out = {k: checkpoint[k] for k in keep if k in checkpoint}
+    target = local_path(output_path)
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    torch.save(out, target + ".partial")
+    os.replace(target + ".partial", target)
+    return target

@@ -1,0 +1,185 @@
+"""Checkpoints that keep every replica: exact resume, the consensus model, and bad input.
+
+Runs are real multi-process Trainers (``tests/tiny.py``). For exact resume the checkpoint falls in the
+middle of an inner phase (H = 4, saved after step 6) and at the end of a data epoch: Lightning restarts
+a non-resumable DataLoader at the start of its epoch, so only epoch-end checkpoints resume the data
+stream exactly (a resumable DataLoader lifts that; it is Lightning's rule, not ours).
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+
+import tiny
+from lightning_loco.checkpoints import (
+    CheckpointError,
+    check_replica_files,
+    export_consensus,
+    read_replica,
+    remove_sidecars,
+    write_replica,
+)
+
+H, K = 4, 6
+
+
+def assert_same_tree(a, b, where=""):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("algorithm", ["noloco", "diloco", "gasloc"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_exact_resume_from_the_middle_of_an_inner_phase(tmp_path, algorithm, devices):
+    ckpts = tmp_path / "ckpts"
+    checkpoint = {"dirpath": str(ckpts), "filename": "{step}", "every_n_train_steps": K, "save_top_k": -1,
+                  "save_last": "link"}
+    common = {"strategy": algorithm, "strategy_kwargs": {"sync_every": H}, "devices": devices, "max_steps": 2 * K}
+    straight = tiny.launch(tmp_path / "straight", checkpoint=checkpoint, **common)
+    middle = ckpts / f"step={K}.ckpt"
+    resumed = tiny.launch(tmp_path / "resumed", ckpt_path=str(middle), **common)
+
+    for r in range(devices):
+        # every replica's weights after each resumed step, bitwise
+        assert len(resumed[r]["weights"]) == K
+        for step, (a, b) in enumerate(zip(straight[r]["weights"][K:], resumed[r]["weights"])):
+            assert torch.equal(a, b), (r, K + step)
+        # outer state, counters (hence the peer schedule) and inner optimizer state, tensor by tensor
+        assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
+        assert_same_tree(straight[r]["optimizer_states"], resumed[r]["optimizer_states"], "optimizer")
+    if algorithm != "diloco":
+        assert not torch.equal(straight[0]["weights"][K - 1], straight[1]["weights"][K - 1])
+
+    # the main file is the consensus: the replicas' average at the save
+    average = sum(rec["weights"][K - 1] for rec in straight) / devices
+    assert torch.allclose(tiny.flat(tiny.TinyRegressor.load_from_checkpoint(middle)), average, atol=1e-6)
+    # replica files hold tensors and plain values only
+    files = sorted(glob.glob(str(ckpts / ".replicas" / f"step={K}.ckpt-*" / "replica-*.pt")))
+    assert len(files) == devices
+    for f in files:
+        torch.load(f, weights_only=True)
+    # save_last="link": last.ckpt links to the newest checkpoint and loads through the link
+    assert os.path.islink(ckpts / "last.ckpt")
+    assert os.path.realpath(ckpts / "last.ckpt") == os.path.realpath(ckpts / f"step={2 * K}.ckpt")
+    tiny.TinyRegressor.load_from_checkpoint(ckpts / "last.ckpt")
+
+
+def test_export_writes_a_plain_consensus_model(tmp_path):
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "average_at_end": False},
+                       devices=2, max_steps=K, save_to=str(tmp_path / "run.ckpt"))
+    average = (recs[0]["weights"][-1] + recs[1]["weights"][-1]) / 2
+    plain = export_consensus(tmp_path / "run.ckpt", tmp_path / "plain.ckpt")
+    assert "lightning_loco" not in torch.load(plain, weights_only=True)  # no training state, no replica files
+    assert torch.allclose(tiny.flat(tiny.TinyRegressor.load_from_checkpoint(plain)), average, atol=1e-6)
+    state_dict = torch.load(export_consensus(tmp_path / "run.ckpt", tmp_path / "sd.pt", state_dict_only=True),
+                            weights_only=True)
+    module = tiny.TinyRegressor()
+    module.load_state_dict(state_dict)
+    assert torch.allclose(tiny.flat(module), average, atol=1e-6)
+
+
+def test_average_at_end_leaves_the_consensus_in_memory(tmp_path):
+    recs = tiny.launch(tmp_path, strategy="gasloc", strategy_kwargs={"sync_every": H}, devices=2, max_steps=K,
+                       save_to=str(tmp_path / "end.ckpt"))
+    average = (recs[0]["weights"][-1] + recs[1]["weights"][-1]) / 2
+    for r in range(2):  # after fit every replica holds the average
+        saved = torch.load(glob.glob(str(tmp_path / ".replicas" / "end.ckpt-*" / f"replica-0000{r}.pt"))[0],
+                           weights_only=True)
+        module = tiny.TinyRegressor()
+        module.load_state_dict(saved["state_dict"])
+        assert torch.allclose(tiny.flat(module), average, atol=1e-6)
+
+
+def test_save_top_k_removes_old_checkpoints_with_their_replicas_and_a_new_world_size_starts_from_consensus(
+    tmp_path,
+):
+    ckpts = tmp_path / "ckpts"
+    checkpoint = {"dirpath": str(ckpts), "filename": "{step}", "every_n_train_steps": 2, "save_top_k": 1,
+                  "save_last": "link"}
+    recs = tiny.launch(tmp_path / "a", strategy="noloco", strategy_kwargs={"sync_every": 3}, devices=2,
+                       max_steps=8, checkpoint=checkpoint)
+    assert sorted(os.listdir(ckpts)) == [".replicas", "last.ckpt", "step=8.ckpt"]
+    sidecars = os.listdir(ckpts / ".replicas")
+    assert len(sidecars) == 1 and sidecars[0].startswith("step=8.ckpt-")  # older replica folders removed
+
+    # resume "last" with 4 replicas instead of 2: a warning, and every replica starts from the consensus
+    resumed = tiny.launch(tmp_path / "b", strategy="noloco", strategy_kwargs={"sync_every": 3}, devices=4,
+                          max_steps=10, checkpoint=checkpoint, ckpt_path="last")
+    assert "holds 2 replicas but this run has 4" in resumed[0]["stderr"]
+    consensus = (recs[0]["weights"][-1] + recs[1]["weights"][-1]) / 2
+    for rec in resumed:
+        assert torch.allclose(rec["starts"][0], consensus, atol=1e-6)
+        assert rec["outer_states"][0]["inner_steps"] == 2  # fresh outer state: counted from the resume
+
+
+def test_a_ddp_checkpoint_starts_a_noloco_run(tmp_path):
+    ddp = tiny.launch(tmp_path / "ddp", strategy="ddp", devices=2, max_steps=4, save_to=str(tmp_path / "ddp.ckpt"))
+    recs = tiny.launch(tmp_path / "noloco", strategy="noloco", strategy_kwargs={"sync_every": H}, devices=2,
+                       max_steps=8, ckpt_path=str(tmp_path / "ddp.ckpt"))
+    for rec in recs:
+        assert torch.equal(rec["starts"][0], ddp[0]["weights"][-1])  # all replicas load the plain checkpoint
+        assert rec["outer_states"][0]["inner_steps"] == 4 and rec["outer_states"][0]["outer_steps"] == 1
+
+
+def test_missing_replica_file_or_other_algorithm_fails_clearly_and_deletes_nothing(tmp_path):
+    path = tmp_path / "run.ckpt"
+    tiny.launch(tmp_path / "a", strategy="noloco", strategy_kwargs={"sync_every": H}, devices=2, max_steps=4,
+                save_to=str(path))
+    (replica0, replica1) = sorted(glob.glob(str(tmp_path / ".replicas" / "run.ckpt-*" / "replica-*.pt")))
+    os.remove(replica1)
+    before = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and "out" not in p.parts)
+    proc = tiny.launch(tmp_path / "b", expect_failure=True, strategy="noloco", strategy_kwargs={"sync_every": H},
+                       devices=2, max_steps=8, ckpt_path=str(path))
+    assert "replica file(s) missing" in proc.stderr and replica1 in proc.stderr
+    after = sorted(str(p) for p in tmp_path.rglob("*") if p.is_file() and "out" not in p.parts)
+    assert before == after  # nothing overwritten or deleted
+
+    proc = tiny.launch(tmp_path / "c", expect_failure=True, strategy="diloco", strategy_kwargs={"sync_every": H},
+                       devices=2, max_steps=8, ckpt_path=str(path))
+    assert "was written by 'noloco'" in proc.stderr
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    path = tmp_path / "run.ckpt"
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "average_at_end": False},
+                       devices=2, max_steps=4, save_to=str(path), interrupted_save_to=str(path))
+    folders = sorted(glob.glob(str(tmp_path / ".replicas" / "run.ckpt-*")))
+    assert len(folders) == 2  # the complete save's and the interrupted save's orphan
+    main = torch.load(path, weights_only=True)
+    for r in range(2):
+        payload = read_replica(str(path), main["lightning_loco"], r)  # the main file points to the complete save
+        module = tiny.TinyRegressor()
+        module.load_state_dict(payload["state_dict"])
+        assert torch.equal(tiny.flat(module), recs[r]["weights"][-1])  # not the interrupted save's weights + 1
+    remove_sidecars(str(path), keep=os.path.join(tmp_path, main["lightning_loco"]["replicas"]))
+    assert len(glob.glob(str(tmp_path / ".replicas" / "run.ckpt-*"))) == 1  # what the next save cleans up
+
+
+def test_replica_file_errors_name_the_file(tmp_path):
+    meta = {"save_id": "abc", "num_replicas": 2, "replicas": ".replicas/x.ckpt-abc"}
+    main = str(tmp_path / "x.ckpt")
+    sidecar = tmp_path / ".replicas" / "x.ckpt-abc"
+    with pytest.raises(CheckpointError, match="replica-00000.pt"):
+        check_replica_files(main, meta)
+    write_replica(str(sidecar), 0, {"save_id": "abc", "replica": 0})
+    write_replica(str(sidecar), 1, {"save_id": "other", "replica": 1})
+    check_replica_files(main, meta)
+    assert read_replica(main, meta, 0)["replica"] == 0
+    with pytest.raises(CheckpointError, match="another save"):
+        read_replica(main, meta, 1)
+    (sidecar / "replica-00001.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="unreadable.*replica-00001.pt"):
+        read_replica(main, meta, 1)
+    assert not list(sidecar.glob("*.partial"))
