@@ -73,8 +73,10 @@ class TinyRegressor(L.LightningModule):
         opt_head.step()
         return None
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch))
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(dataset(), batch_size=8, shuffle=False)
@@ -160,6 +162,14 @@ class Recorder(L.Callback):
         self.call_log.take()
         self.call_log.active = True
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.record.setdefault("before_validation", []).append(flat(pl_module))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.record.setdefault("after_validation", []).append(flat(pl_module))
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.record["weights"].append(flat(pl_module))
         self.record["calls"].append(self.call_log.take())
@@ -201,6 +211,12 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     callbacks: list[L.Callback] = [Recorder(out_dir, log)]
     if "checkpoint" in config:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(**config["checkpoint"]))
+    logger: Any = False
+    if "monitor" in config:
+        from lightning_loco.monitoring import OuterStepMonitor
+
+        callbacks.append(OuterStepMonitor(**config["monitor"]))
+        logger = L.pytorch.loggers.CSVLogger(out_dir, name="csv", version=0)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -210,8 +226,11 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         gradient_clip_val=config.get("clip"),
         precision=config.get("precision", "32-true"),
         callbacks=callbacks,
-        limit_val_batches=0 if not config.get("then_validate") else None,
-        logger=False,
+        limit_val_batches=None if config.get("then_validate") or "val_check_interval" in config else 0,
+        logger=logger,
+        val_check_interval=config.get("val_check_interval"),
+        check_val_every_n_epoch=None if "val_check_interval" in config else 1,
+        num_sanity_val_steps=0,
         enable_checkpointing="checkpoint" in config,
         enable_progress_bar=False,
         enable_model_summary=False,

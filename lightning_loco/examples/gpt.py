@@ -94,8 +94,11 @@ class GPT(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        # Once per validation epoch, averaged over replicas: the mean replica loss.
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

@@ -19,6 +19,8 @@ import os
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -68,6 +70,8 @@ class OuterStepReport:
     bytes_received: int
     comm_seconds: float
     seconds: float
+    pseudo_gradient_norm: Optional[float] = None  # ‖θ − anchor‖ before the step (when norms are tracked)
+    update_norm: Optional[float] = None  # ‖anchor after − anchor before‖
 
 
 def _parse_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:
@@ -132,7 +136,8 @@ class OuterStepStrategy(DDPStrategy):
         self._trained_module: Optional[weakref.ReferenceType] = None
         self._restore_sigterm: Optional[Callable[[], None]] = None
         self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from a checkpoint, until training starts
-        self.last_outer_step: Optional[OuterStepReport] = None
+        self.outer_step_reports: list[OuterStepReport] = []  # this fit's outer steps, in order
+        self.track_norms = False  # set by OuterStepMonitor: costs one anchor copy per outer step
 
     # ------------------------------------------------------------------ configuration checks
 
@@ -166,6 +171,10 @@ class OuterStepStrategy(DDPStrategy):
     def outer_steps(self) -> int:
         """Outer steps taken by the first optimizer in this ``fit`` (0 before training)."""
         return self._replicas[0].outer_steps if self._replicas else 0
+
+    @property
+    def last_outer_step(self) -> Optional[OuterStepReport]:
+        return self.outer_step_reports[-1] if self.outer_step_reports else None
 
     @property
     def replicas(self) -> list[OptimizerReplica]:
@@ -247,6 +256,7 @@ class OuterStepStrategy(DDPStrategy):
         self._transport = TorchDistributedTransport(self._comm_device())
         self.algorithm.check_num_replicas(self._transport.num_replicas)
         self._replicas = [self._new_replica(optimizer) for optimizer in self.optimizers]
+        self.outer_step_reports = []
         if self._resumed_outer is not None:
             self._load_outer_state(self._resumed_outer)
             self._resumed_outer = None
@@ -294,17 +304,28 @@ class OuterStepStrategy(DDPStrategy):
         transport = self._transport
         stats = transport.stats
         sent, received, comm = stats.bytes_sent, stats.bytes_received, stats.seconds
-        new_weights, group = self.algorithm.step(replica.state, replica.flat.gather(), replica.outer_steps, transport)
+        weights = replica.flat.gather()
+        pseudo_gradient_norm = update_norm = None
+        if self.track_norms:
+            before = replica.state.anchor.clone()
+            pseudo_gradient_norm = torch.linalg.vector_norm(weights - before).item()
+        new_weights, group = self.algorithm.step(replica.state, weights, replica.outer_steps, transport)
         replica.flat.scatter(new_weights)
-        self.last_outer_step = OuterStepReport(
-            optimizer_index=index,
-            outer_step=replica.outer_steps,
-            inner_step=replica.inner_steps,
-            peers=tuple(j for j in group if j != transport.replica),
-            bytes_sent=stats.bytes_sent - sent,
-            bytes_received=stats.bytes_received - received,
-            comm_seconds=stats.seconds - comm,
-            seconds=time.perf_counter() - start,
+        if self.track_norms:
+            update_norm = torch.linalg.vector_norm(replica.state.anchor - before).item()
+        self.outer_step_reports.append(
+            OuterStepReport(
+                optimizer_index=index,
+                outer_step=replica.outer_steps,
+                inner_step=replica.inner_steps,
+                peers=tuple(j for j in group if j != transport.replica),
+                bytes_sent=stats.bytes_sent - sent,
+                bytes_received=stats.bytes_received - received,
+                comm_seconds=stats.seconds - comm,
+                seconds=time.perf_counter() - start,
+                pseudo_gradient_norm=pseudo_gradient_norm,
+                update_norm=update_norm,
+            )
         )
         replica.outer_steps += 1
 
@@ -321,11 +342,35 @@ class OuterStepStrategy(DDPStrategy):
     def average_replicas(self) -> None:
         """Sets every replica to the replicas' average: parameters and floating-point buffers, one
         all-reduce. Collective: every rank must call it."""
-        module = self.lightning_module
-        tensors = list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
+        tensors = self._module_tensors()
         if tensors:
             flat, mean = self._mean_over_replicas(tensors)
             flat.scatter(mean)
+
+    def _module_tensors(self) -> list[torch.Tensor]:
+        module = self.lightning_module
+        return list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
+
+    @contextmanager
+    def consensus_weights(self) -> Iterator[None]:
+        """Swaps the replicas' average into the model, and this replica's own weights back afterwards
+        (exactly, whatever the dtype). Collective: every rank must enter it."""
+        own = FlatParameters(self._module_tensors(), self.outer_state_device)
+        saved = own.gather()
+        self.average_replicas()
+        try:
+            yield
+        finally:
+            own.scatter(saved)
+
+    def replica_spread(self) -> float:
+        """RMS distance of the replicas' parameters from their mean (two all-reduces; every rank must
+        call it): the papers' weight-spread diagnostic."""
+        flat, mean = self._mean_over_replicas(list(self.lightning_module.parameters()))
+        squared = (flat.gather().to(mean.device) - mean).pow(2).sum().reshape(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM)
+        return (squared / self.num_replicas).sqrt().item()
 
     def consensus_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with every floating-point tensor replaced by its average over replicas (new

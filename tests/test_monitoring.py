@@ -1,0 +1,74 @@
+"""OuterStepMonitor in real multi-process runs: logged values against values recomputed from every
+replica's recorded weights, and the consensus swap during validation."""
+
+import csv
+import glob
+
+import pytest
+import torch
+
+import tiny
+from lightning_loco.monitoring import OuterStepMonitor
+from lightning_loco.schedules import random_groups
+
+
+def logged(tmp_path):
+    with open(tmp_path / "out" / "csv" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step" and value != "":
+                out.setdefault(key, []).append((int(row["step"]), float(value)))
+    return out
+
+
+def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
+    h, steps, n = 2, 8, 4
+    recs = tiny.launch(
+        tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "average_at_end": False}, devices=n,
+        max_steps=steps, val_check_interval=4, monitor={"spread_every": 1, "consensus_validation": True},
+        # saves at the end of each validation, where a consensus left in the model would leak into it
+        checkpoint={"dirpath": str(tmp_path / "ckpts"), "filename": "{step}", "save_top_k": -1},
+    )
+    metrics = logged(tmp_path)
+    numel = recs[0]["outer_states"][0]["numel"]
+    # at each outer step's own global step, and only there
+    assert [s for s, _ in metrics["outer/step"]] == [2, 4, 6, 8]
+    assert [v for _, v in metrics["outer/step"]] == [0, 1, 2, 3]
+    assert all(v == 4 * numel for _, v in metrics["outer/bytes_sent"])
+    assert [v for _, v in metrics["outer/peer"]] == [random_groups(n, 2, 0, t).peers_of(0)[0] for t in range(4)]
+    # the spread is the RMS distance of the replicas from their mean, right after the outer step
+    for t, (step, value) in enumerate(metrics["outer/replica_spread"]):
+        weights = torch.stack([rec["weights"][step - 1] for rec in recs]).double()
+        expected = (weights - weights.mean(0)).pow(2).sum(1).mean().sqrt().item()
+        assert value == pytest.approx(expected, rel=1e-5)
+    # the update norm is how far rank 0's anchor moved: from the previous anchor (the live weights right
+    # after the previous outer step, or the initial weights) to the new one
+    anchors = [recs[0]["initial"]] + [recs[0]["weights"][step - 1] for step, _ in metrics["outer/step"]]
+    for t, (_, value) in enumerate(metrics["outer/update_norm"]):
+        assert value == pytest.approx((anchors[t + 1] - anchors[t]).norm().item(), rel=1e-5)
+    assert all(v > 0 for _, v in metrics["outer/pseudo_gradient_norm"])
+    # validation: the replica metric is the module's synced val_loss; the consensus differs from it
+    assert [v for _, v in metrics["val/loss_replicas"]] == pytest.approx([v for _, v in metrics["val_loss"]])
+    assert len(metrics["val/loss_consensus"]) == 2
+    assert metrics["val/loss_consensus"] != metrics["val/loss_replicas"]
+    for rec in recs:
+        # the consensus was swapped out again: every replica has its own weights back, bit for bit
+        assert len(rec["before_validation"]) == 2
+        for before, after in zip(rec["before_validation"], rec["after_validation"]):
+            assert torch.equal(before, after)
+    after = [rec["after_validation"][0] for rec in recs]
+    assert not all(torch.equal(after[0], w) for w in after[1:])  # replicas differ (pair partners may agree)
+    # a checkpoint written at that validation holds the replicas' own weights, not the consensus
+    replica1 = torch.load(glob.glob(str(tmp_path / "ckpts" / ".replicas" / "step=4.ckpt-*" / "replica-00001.pt"))[0],
+                          weights_only=True)
+    module = tiny.TinyRegressor()
+    module.load_state_dict(replica1["state_dict"])
+    assert torch.equal(tiny.flat(module), recs[1]["after_validation"][0])
+
+
+def test_bad_monitor_arguments():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="spread_every"):
+            OuterStepMonitor(spread_every=bad)
