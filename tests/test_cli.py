@@ -57,6 +57,12 @@ def test_each_example_config_trains(tmp_path, name):
     assert [s for s, _ in tags["val/loss_consensus"]] == [1, 3]
     assert tags["val/ppl_replicas"][0][1] == pytest.approx(2.718281828 ** tags["val/loss_replicas"][0][1], rel=1e-4)
     ckpt = glob.glob(str(logdir / "checkpoints" / "*.ckpt"))[0]
+    if name == "noloco":  # validate and test from the checkpoint, every replica with its own weights
+        for subcommand in ("validate", "test"):
+            proc = cli(subcommand, "--config", CONFIGS / f"{name}.yaml", "--ckpt_path", ckpt, "--trainer.devices=2",
+                       "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
+                       f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.batch_size=4")
+            assert ("val_loss" if subcommand == "validate" else "test_loss") in proc.stdout
     out = tmp_path / "plain.ckpt"
     cli("export", ckpt, out)
     from lightning_loco.examples.gpt import GPT

@@ -100,6 +100,11 @@ class GPT(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]

@@ -70,7 +70,8 @@ class ByteTextDataModule(L.LightningDataModule):
         files: text files to read; ``None`` means the Shakespeare corpus.
         block_size: context length in bytes.
         batch_size: sequences per batch on each replica.
-        val_fraction: the last fraction of the concatenated text is the validation set.
+        val_fraction: the last fraction of the concatenated text is held out: the validation set,
+            also used by ``test`` (the corpus is small).
         num_workers: DataLoader worker processes.
     """
 
@@ -108,3 +109,6 @@ class ByteTextDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
