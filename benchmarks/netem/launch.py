@@ -1,0 +1,87 @@
+"""Start one worker process per node on a chosen network and collect what they write.
+
+``mode``: ``"loopback"`` (no emulation), ``"modelled"`` (loopback plus the in-process model,
+:mod:`benchmarks.netem.modelled`) or ``"emulated"`` (one network namespace per node, packet-level,
+:mod:`benchmarks.netem.tun`; needs root). Workers find each other with torch.distributed's ``env://``
+variables, set as torchrun would for ``nnodes = N, nproc_per_node = 1`` (Lightning reads them too).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Optional
+
+from benchmarks.common import ROOT
+from benchmarks.netem import modelled
+from benchmarks.netem.links import Network
+
+MODES = ("loopback", "modelled", "emulated")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(
+    mode: str,
+    network: Network,
+    argv: Callable[[int], Sequence[str]],
+    timeout: float = 1800,
+    env: Optional[dict[str, str]] = None,
+) -> float:
+    """Runs ``argv(i)`` for every node i; returns the wall time. Raises if any worker fails."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    n = len(network.links)
+    base = {
+        **(env or {}),
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    with ExitStack() as stack:
+        procs = []
+        start = time.perf_counter()
+        if mode == "emulated":
+            from benchmarks.netem.tun import EmulatedNetwork
+
+            emu = stack.enter_context(EmulatedNetwork(network))
+            for i in range(n):
+                node_env = {**base, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i),
+                            "MASTER_ADDR": emu.address(0)}
+                procs.append(emu.popen(i, [sys.executable, *argv(i)], env=node_env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        else:
+            extra = {modelled.ENV: modelled.to_env(network)} if mode == "modelled" else {}
+            for i in range(n):
+                node_env = {**os.environ, **base, **extra, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i),
+                            "MASTER_ADDR": "127.0.0.1"}
+                procs.append(subprocess.Popen([sys.executable, *argv(i)], env=node_env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        failures = []
+        try:
+            for i, proc in enumerate(procs):
+                out, err = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+                if proc.returncode != 0:
+                    failures.append(f"worker {i} exited with {proc.returncode}:\n{err[-3000:]}")
+        except subprocess.TimeoutExpired:
+            failures.append(f"workers did not finish within {timeout} s")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        return time.perf_counter() - start

@@ -1,0 +1,79 @@
+"""A network as the benchmarks see it: every node has an access link to a core.
+
+A packet from node i to node j is serialised at i's bandwidth, travels i's one-way delay to the core
+and j's from it, and is serialised again at j's bandwidth (queues are unbounded: nothing is dropped).
+The one-way latency between i and j is therefore ``delay[i] + delay[j]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Link:
+    """One node's access link."""
+
+    mbit: float = 100.0  # bandwidth, both directions
+    delay_ms: float = 25.0  # one-way delay to the core
+    jitter_ms: float = 0.0  # standard deviation of a per-packet extra delay (log-normal)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.mbit * 1e6 / 8
+
+
+@dataclass(frozen=True)
+class Network:
+    """A name for the output and one access link per node."""
+
+    name: str
+    links: tuple[Link, ...] = field(default_factory=tuple)
+
+    def one_way_s(self, i: int, j: int) -> float:
+        return (self.links[i].delay_ms + self.links[j].delay_ms) / 1000
+
+    def transfer_s(self, i: int, j: int, nbytes: int) -> float:
+        """Time for ``nbytes`` from i to j on an idle network: latency plus the slower link's
+        serialisation (the TCP handshake, slow start and headers are not modelled)."""
+        rate = min(self.links[i].bytes_per_s, self.links[j].bytes_per_s)
+        return self.one_way_s(i, j) + nbytes / rate
+
+    def describe(self) -> dict:
+        return {"name": self.name, "links": [asdict(link) for link in self.links]}
+
+
+def uniform(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, jitter_ms: float = 0.0) -> Network:
+    """n nodes, every pair ``one_way_ms`` apart at ``mbit``."""
+    link = Link(mbit=mbit, delay_ms=one_way_ms / 2, jitter_ms=jitter_ms)
+    return Network(f"{mbit:g} Mbit/s, {one_way_ms:g} ms one way", (link,) * n)
+
+
+def one_slow(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, slower: float = 10.0, farther: float = 4.0) -> Network:
+    """Like :func:`uniform`, but node n−1 has ``slower``× less bandwidth and is ``farther``× more distant
+    from every other node (its one-way latency to any peer is ``farther·one_way_ms``)."""
+    base = one_way_ms / 2
+    slow = Link(mbit=mbit / slower, delay_ms=farther * one_way_ms - base)
+    return Network(
+        f"{mbit:g} Mbit/s, {one_way_ms:g} ms; node {n - 1} at {mbit / slower:g} Mbit/s, {farther * one_way_ms:g} ms",
+        (Link(mbit=mbit, delay_ms=base),) * (n - 1) + (slow,),
+    )
+
+
+# ---------------------------------------------------------------- the paper's latency model (NoLoCo Eq. 5)
+
+
+def tree_allreduce_s(n: int, message_s: float) -> float:
+    """A tree all-reduce: reduce up and broadcast down a binary tree, 2·log2(N) message times."""
+    return 2 * message_s * math.ceil(math.log2(n)) if n > 1 else 0.0
+
+
+def ring_allreduce_s(n: int, message_s: float, chunk_s: float) -> float:
+    """A ring all-reduce: 2(N−1) steps, each a latency plus one chunk of 1/N of the model."""
+    return 2 * (n - 1) * (message_s + chunk_s) if n > 1 else 0.0
+
+
+def pair_exchange_s(message_s: float) -> float:
+    """A pair exchange as the paper counts it: 2·t (a send and a receive)."""
+    return 2 * message_s

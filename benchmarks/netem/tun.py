@@ -1,0 +1,210 @@
+"""Packet-level WAN emulation with network namespaces and TUN devices (needs root).
+
+``EmulatedNetwork(network)`` creates, for node i, a namespace ``loco<pid>n<i>`` holding a TUN device
+with address ``10.<a>.<b>.<i+1>/24`` (a subnet chosen from the process id), brings it up, and starts a
+forwarding thread in this process. The thread reads every IPv4 packet a node sends, computes its
+delivery time with the node's and the destination's access links
+(:class:`benchmarks.netem.links.Network`: serialisation at each end, one-way delays, optional
+log-normal jitter that never reorders a flow), and writes it to the destination's TUN at that time.
+
+Only namespaces, devices and addresses of its own are created, nothing is routed anywhere else,
+and ``close()`` (also called on exit, on SIGINT/SIGTERM and by the context manager) deletes the
+namespaces, which removes their devices. Where the kernel has ``netem`` the usual tool would be
+``tc qdisc ... netem delay 50ms rate 100mbit`` on veth pairs; this kernel has none, hence TUN.
+
+Workers are started with :meth:`EmulatedNetwork.popen`, which runs a command inside node i's
+namespace with ``GLOO_SOCKET_IFNAME`` set to its device.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import heapq
+import os
+import random
+import select
+import signal
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from benchmarks.netem.links import Network
+
+TUNSETIFF = 0x400454CA
+IFF_TUN = 0x0001
+IFF_NO_PI = 0x1000
+MTU = 9000  # jumbo frames: fewer packets for a forwarder written in Python
+
+
+def available() -> tuple[bool, str]:
+    """Whether packet-level emulation can run here, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "needs root (network namespaces and TUN devices)"
+    if not os.path.exists("/dev/net/tun"):
+        return False, "no /dev/net/tun"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return False, "`ip netns` does not work here"
+    return True, ""
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+class EmulatedNetwork:
+    """N nodes in their own namespaces, joined by the emulated links of ``network``."""
+
+    def __init__(self, network: Network, seed: int = 0) -> None:
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"packet-level emulation unavailable: {why}")
+        self.network = network
+        self.n = len(network.links)
+        pid = os.getpid()
+        self.prefix = f"loco{pid % 100000}n"
+        self.subnet = f"10.{100 + pid % 100}.{(pid // 100) % 250}"
+        self.namespaces: list[str] = []
+        self.fds: list[int] = []
+        self._rng = random.Random(seed)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.packets = 0
+        self.bytes = 0
+        self._previous_handlers: dict[int, Any] = {}
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if threading.current_thread() is threading.main_thread():
+                self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    # ------------------------------------------------------------------ set-up and tear-down
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def device(self, i: int) -> str:
+        return f"{self.prefix}{i}"
+
+    def _create(self) -> None:
+        for i in range(self.n):
+            name, ns = self.device(i), self.device(i)
+            fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+            self.fds.append(fd)
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+            _ip("netns", "add", ns)
+            self.namespaces.append(ns)
+            _ip("link", "set", name, "netns", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", name)
+            _ip("-n", ns, "link", "set", name, "mtu", str(MTU), "up")
+        self._thread = threading.Thread(target=self._forward, name="netem-forwarder", daemon=True)
+        self._thread.start()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.close()
+        previous = self._previous_handlers.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for ns in self.namespaces:
+            _ip("netns", "del", ns, check=False)  # removes the TUN device inside it too
+        for sig, handler in self._previous_handlers.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, TypeError):
+                pass
+
+    def __enter__(self) -> "EmulatedNetwork":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ workers
+
+    def popen(self, i: int, cmd: Sequence[str], env: Optional[dict[str, str]] = None, **kwargs: Any) -> subprocess.Popen:
+        """Starts ``cmd`` inside node i's namespace; gloo is told to use the node's device."""
+        full_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.device(i)}
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[i], *cmd], env=full_env, **kwargs)
+
+    # ------------------------------------------------------------------ the forwarder
+
+    def _forward(self) -> None:
+        links = self.network.links
+        by_fd = {fd: i for i, fd in enumerate(self.fds)}
+        index_of = {self.address(i): i for i in range(self.n)}
+        tx_free = [0.0] * self.n  # when each node's uplink is free again
+        rx_free = [0.0] * self.n  # when each node's downlink is free again
+        last = {}  # last delivery time per (src, dst): jitter must not reorder a flow
+        queue: list[tuple[float, int, int, bytes]] = []
+        seq = 0
+        poller = select.epoll()
+        for fd in self.fds:
+            poller.register(fd, select.EPOLLIN)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                timeout = 0.05 if not queue else max(0.0, min(0.05, queue[0][0] - now))
+                for fd, _ in poller.poll(timeout):
+                    src = by_fd[fd]
+                    while True:
+                        try:
+                            packet = os.read(fd, 65535)
+                        except BlockingIOError:
+                            break
+                        except OSError:
+                            return
+                        if len(packet) < 20 or packet[0] >> 4 != 4:
+                            continue  # IPv4 only
+                        dst = index_of.get("%d.%d.%d.%d" % tuple(packet[16:20]))
+                        if dst is None or dst == src:
+                            continue
+                        now = time.monotonic()
+                        size = len(packet)
+                        tx_free[src] = max(now, tx_free[src]) + size / links[src].bytes_per_s
+                        at_core = tx_free[src] + links[src].delay_ms / 1000
+                        rx_free[dst] = max(at_core, rx_free[dst]) + size / links[dst].bytes_per_s
+                        deliver = rx_free[dst] + links[dst].delay_ms / 1000
+                        jitter = links[src].jitter_ms + links[dst].jitter_ms
+                        if jitter:
+                            deliver += self._rng.lognormvariate(0, 1) * jitter / 1000
+                        deliver = max(deliver, last.get((src, dst), 0.0))
+                        last[(src, dst)] = deliver
+                        heapq.heappush(queue, (deliver, seq, dst, packet))
+                        seq += 1
+                now = time.monotonic()
+                while queue and queue[0][0] <= now:
+                    _, _, dst, packet = heapq.heappop(queue)
+                    try:
+                        os.write(self.fds[dst], packet)
+                    except OSError:
+                        pass  # the destination's queue is full or gone: dropped, as on a real link
+                    self.packets += 1
+                    self.bytes += len(packet)
+        finally:
+            poller.close()
