@@ -96,6 +96,7 @@ def worker(params: int, rounds: int, out: str) -> None:
 
 
 def measure(mode: str, network: Network, params: int, rounds: int) -> dict:
+    """Times every algorithm on ``network``: per round the slowest replica, and per replica its median."""
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers(
             mode, network, lambda i: ["-m", "benchmarks.b1_sync_latency", "--worker", str(params), str(rounds), out]
@@ -105,6 +106,7 @@ def measure(mode: str, network: Network, params: int, rounds: int) -> dict:
     for name in ALGORITHMS:
         slowest = [max(rank[name][k] for rank in ranks) for k in range(rounds)]
         row[name] = spread(slowest)
+        row.setdefault("per_replica", {})[name] = [statistics.median(rank[name]) for rank in ranks]
     row["diloco_over_noloco"] = row["diloco"]["median"] / row["noloco"]["median"]
     return row
 

@@ -1,6 +1,8 @@
-"""Inner-step overhead: steps per second under our strategies against a plain single-process Trainer.
+"""B4, overhead: inner-step throughput and peak memory of each strategy against a plain
+single-process Trainer on the same module, with and without ``outer_state_device="cpu"``.
 
-    python benchmarks/overhead.py [--steps 300] [--repeats 3] [--sync-every 50]
+    python -m benchmarks.b4_overhead [--steps 300] [--repeats 3] [--sync-every 50]
+    python -m benchmarks.b4_overhead --quick          # under 2 minutes
 
 The module is the example GPT on Shakespeare (``lightning_loco.examples``). Every configuration runs
 in its own process tree with one thread per process (``OMP_NUM_THREADS=1``), so on a machine with at least N cores each
@@ -11,7 +13,11 @@ repeats so that drifts in machine load hit all of them alike. Per run, from a ca
   that ran no outer step (forward, backward, optimizer; data loading excluded);
 * all steps: mean over every step, outer steps included (the amortised cost per step).
 
-The first 20 steps are warm-up and not counted. Writes ``benchmarks/results/overhead.json``.
+The first 20 steps are warm-up and not counted. Peak memory is each process's peak resident set
+size (``ru_maxrss``; the slowest, largest replica counts). On a CPU machine the outer state lives
+in host memory either way, so ``outer_state_device="cpu"`` can only show its cost, not its saving;
+on an accelerator it moves the float32 outer state out of device memory.
+Writes ``benchmarks/results/b4_overhead.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,12 +33,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import RESULTS
+
 CONFIGS = {
     "plain": ("auto", 1),
     "noloco-1": ("noloco", 1),
-    "diloco-1": ("diloco", 1),
     "noloco-2": ("noloco", 2),
+    "gasloc-2": ("gasloc", 2),
     "diloco-2": ("diloco", 2),
+    "noloco-2-cpu-state": ("noloco-cpu", 2),
 }
 WARMUP = 20
 
@@ -63,6 +73,8 @@ def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: 
     strategy = {
         "auto": "auto",
         "noloco": lambda: lightning_loco.NoLoCoStrategy(sync_every=sync_every),
+        "noloco-cpu": lambda: lightning_loco.NoLoCoStrategy(sync_every=sync_every, outer_state_device="cpu"),
+        "gasloc": lambda: lightning_loco.GASLoCStrategy(sync_every=sync_every),
         "diloco": lambda: lightning_loco.DiLoCoStrategy(sync_every=sync_every),
     }[strategy_name]
     timer = StepTimer()
@@ -82,20 +94,25 @@ def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: 
     trainer.fit(GPT(max_steps=steps), datamodule=ByteTextDataModule())
     times, outer = timer.times[WARMUP:], timer.outer[WARMUP:]
     inner = [t for t, o in zip(times, outer) if not o]
-    result = {"inner_step_s": statistics.median(inner), "all_steps_s": statistics.mean(times), "outer_steps": sum(outer)}
+    result = {"inner_step_s": statistics.median(inner), "all_steps_s": statistics.mean(times), "outer_steps": sum(outer),
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     with open(f"{out}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(result, f)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sync-every", type=int, default=50)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "overhead.json"))
+    parser.add_argument("--quick", action="store_true", help="60 steps, 1 repeat, H = 10")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--sync-every", type=int)
+    parser.add_argument("--out", default=str(RESULTS / "b4_overhead.json"))
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one configuration
     parser.add_argument("--run-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.steps = args.steps or (60 if args.quick else 300)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.sync_every = args.sync_every or (10 if args.quick else 50)
     if args.run:
         name, devices = CONFIGS[args.run]
         run_one(name, devices, args.steps, args.sync_every, args.run_out)
@@ -106,17 +123,17 @@ def main() -> None:
         for rep in range(args.repeats):
             for config in CONFIGS:
                 base = os.path.join(tmp, f"{config}-{rep}")
-                cmd = [sys.executable, __file__, "--run", config, "--run-out", base,
+                cmd = [sys.executable, "-m", "benchmarks.b4_overhead", "--run", config, "--run-out", base,
                        "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
                 # Lightning's launchers set torch's thread count to cores/N unless OMP_NUM_THREADS is set:
                 # pin one thread per process so every configuration computes alike.
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent)
                 if proc.returncode != 0:
                     sys.exit(f"{config} failed:\n{proc.stderr[-4000:]}")
                 ranks = [json.load(open(os.path.join(tmp, f))) for f in sorted(os.listdir(tmp)) if f.startswith(f"{config}-{rep}.rank")]
                 # the slowest replica sets the pace
-                samples[config].append({k: max(r[k] for r in ranks) for k in ("inner_step_s", "all_steps_s")})
+                samples[config].append({k: max(r[k] for r in ranks) for k in ("inner_step_s", "all_steps_s", "peak_rss_mb")})
                 print(f"repeat {rep + 1}/{args.repeats} {config}: {samples[config][-1]}", flush=True)
 
     def summary(config: str, key: str) -> tuple[float, float, float]:
@@ -125,17 +142,20 @@ def main() -> None:
 
     plain_inner, _, _ = summary("plain", "inner_step_s")
     plain_all, _, _ = summary("plain", "all_steps_s")
+    plain_rss, _, _ = summary("plain", "peak_rss_mb")
     rows = []
     print(f"\nexample GPT on CPU, 1 thread per process, {args.steps} steps, H = {args.sync_every}, "
           f"{args.repeats} repeats (median [min, max]); ratio = plain steps/s over strategy steps/s")
-    print(f"{'config':<9} {'inner step ms':>22} {'ratio':>6} {'all steps ms':>22} {'ratio':>6}")
+    print(f"{'config':<19} {'inner step ms':>22} {'ratio':>6} {'all steps ms':>22} {'ratio':>6} {'peak MB':>8} {'ratio':>6}")
     for config in CONFIGS:
         inner, all_ = summary(config, "inner_step_s"), summary(config, "all_steps_s")
-        row = {"config": config, "inner_step_s": inner, "all_steps_s": all_,
-               "inner_ratio": inner[0] / plain_inner, "all_ratio": all_[0] / plain_all}
+        rss = summary(config, "peak_rss_mb")
+        row = {"config": config, "inner_step_s": inner, "all_steps_s": all_, "peak_rss_mb": rss,
+               "inner_ratio": inner[0] / plain_inner, "all_ratio": all_[0] / plain_all, "rss_ratio": rss[0] / plain_rss}
         rows.append(row)
-        print(f"{config:<9} {inner[0] * 1e3:>7.2f} [{inner[1] * 1e3:.2f}, {inner[2] * 1e3:.2f}] {row['inner_ratio']:>6.3f} "
-              f"{all_[0] * 1e3:>7.2f} [{all_[1] * 1e3:.2f}, {all_[2] * 1e3:.2f}] {row['all_ratio']:>6.3f}")
+        print(f"{config:<19} {inner[0] * 1e3:>7.2f} [{inner[1] * 1e3:.2f}, {inner[2] * 1e3:.2f}] {row['inner_ratio']:>6.3f} "
+              f"{all_[0] * 1e3:>7.2f} [{all_[1] * 1e3:.2f}, {all_[2] * 1e3:.2f}] {row['all_ratio']:>6.3f} "
+              f"{rss[0]:>8.0f} {row['rss_ratio']:>6.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": f"{os.cpu_count()} CPUs", "network": "loopback", "steps": args.steps,

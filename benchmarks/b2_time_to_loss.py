@@ -1,0 +1,180 @@
+"""B2, time to loss: the Shakespeare GPT example on 4 replicas with the same token budget under DDP,
+DiLoCo, NoLoCo, GASLoC, and independent replicas that never communicate (the floor).
+
+    python -m benchmarks.b2_time_to_loss                 # ~10 min; the slow network is emulated where root
+    python -m benchmarks.b2_time_to_loss --quick         # under 2 minutes (2 replicas, 40 steps, 3 methods)
+
+Every method runs twice: on loopback, which is the compute-only limit (the same work with next to no
+network cost), and on the slow network (100 Mbit/s, 50 ms one way; packet-level emulation with root,
+the in-process model otherwise, and the output says which). A rank-0 callback records the training
+wall time (validation excluded) and the validation loss (mean over replicas) at each validation.
+The target loss is the highest final loss among the communicating methods on loopback, so that all
+of them reach it; time to target is interpolated between validations. Each method's ratio compares
+its time to target on the slow network with its own compute-only time.
+
+The strategies keep their defaults except H (``--sync-every``, 50 for all: the example's setting;
+DiLoCo's paper uses 500, too long for a 300-step run). Writes ``benchmarks/results/<out>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from benchmarks.common import RESULTS, ROOT, machine, table, write_json
+from benchmarks.netem import launch, tun
+from benchmarks.netem.links import Network, one_slow, uniform
+
+METHODS: dict[str, Any] = {
+    "ddp": "ddp",
+    "diloco": {"class_path": "lightning_loco.DiLoCoStrategy", "init_args": {"sync_every": 50}},
+    "noloco": {"class_path": "lightning_loco.NoLoCoStrategy", "init_args": {"sync_every": 50}},
+    "gasloc": {"class_path": "lightning_loco.GASLoCStrategy", "init_args": {"sync_every": 50}},
+    "independent": {"class_path": "lightning_loco.NoLoCoStrategy",
+                    "init_args": {"sync_every": 10**9, "average_at_end": False}},
+}
+
+
+def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out: str) -> dict:
+    base = yaml.safe_load((ROOT / "examples" / "shakespeare" / "noloco.yaml").read_text())
+    trainer = base["trainer"]
+    strategy = METHODS[method]
+    if isinstance(strategy, dict) and method != "independent":
+        strategy = {**strategy, "init_args": {**strategy["init_args"], "sync_every": sync_every}}
+    trainer.update(
+        strategy=strategy, devices=1, num_nodes=n, max_steps=steps, val_check_interval=val_every,
+        limit_val_batches=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = base["data"]["init_args"]
+    tokens_per_step = n * data["batch_size"] * data["block_size"]
+    trainer["callbacks"] = [
+        {"class_path": "benchmarks.netem.lightning_worker.TimeToLoss",
+         "init_args": {"out": out, "tokens_per_step": tokens_per_step}},
+        {"class_path": "benchmarks.netem.lightning_worker.ModelledDDPHook"},
+    ]
+    base["model"]["init_args"]["max_steps"] = steps
+    return base
+
+
+def run(method: str, mode: str, network: Network, steps: int, val_every: int, sync_every: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "curve.json")
+        cfg = Path(tmp) / "config.yaml"
+        cfg.write_text(yaml.safe_dump(config(method, len(network.links), steps, val_every, sync_every, out)))
+        launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.netem.lightning_worker", "fit", "--config", str(cfg)])
+        return json.loads(Path(out).read_text())
+
+
+def time_to(curve: list[dict], target: float, key: str) -> Optional[float]:
+    """Interpolated ``key`` (train_seconds or tokens) at which the validation loss first reaches target."""
+    previous = {"val_loss": float("inf"), key: 0.0}
+    for point in curve:
+        if point["val_loss"] <= target:
+            if previous["val_loss"] == float("inf"):
+                return point[key]
+            frac = (previous["val_loss"] - target) / (previous["val_loss"] - point["val_loss"])
+            return previous[key] + frac * (point[key] - previous[key])
+        previous = point
+    return None
+
+
+def plot(results: dict, target: float, slow_mode: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (method, runs) in enumerate(results.items()):
+        color = f"C{i}"
+        for mode, curve in runs.items():
+            style = "--" if mode == "loopback" else "-"
+            label = f"{method} ({'compute-only' if mode == 'loopback' else mode})"
+            axes[0].plot([p["tokens"] / 1e6 for p in curve], [p["val_loss"] for p in curve], style, color=color,
+                         label=label if mode != "loopback" else None)
+            axes[1].plot([p["train_seconds"] for p in curve], [p["val_loss"] for p in curve], style, color=color,
+                         label=label)
+    for ax in axes:
+        ax.axhline(target, color="grey", lw=0.7, ls=":")
+        ax.set_ylabel("validation loss (mean over replicas)")
+        ax.grid(alpha=0.3)
+    axes[0].set_xlabel("tokens (millions)")
+    axes[1].set_xlabel(f"training wall time, s (solid: {slow_mode} slow network; dashed: loopback)")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: Optional[list[str]] = None, default_network: str = "uniform", default_out: str = "b2_time_to_loss") -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 replicas, 40 steps, DDP/NoLoCo/independent")
+    parser.add_argument("--mode", choices=["emulated", "modelled"], help="the slow network (default: emulated if root)")
+    parser.add_argument("--network", choices=["uniform", "one_slow"], default=default_network)
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS))
+    parser.add_argument("--replicas", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--val-every", type=int)
+    parser.add_argument("--sync-every", type=int, help="H for every low-communication method (default 50; quick: 10)")
+    parser.add_argument("--target", type=float, help="default: the highest final compute-only loss of the communicating methods")
+    parser.add_argument("--out", default=default_out)
+    args = parser.parse_args(argv)
+    emulated_ok, why = tun.available()
+    mode = args.mode or ("emulated" if emulated_ok else "modelled")
+    if mode == "emulated" and not emulated_ok:
+        sys.exit(f"emulated mode unavailable: {why}; use --mode modelled")
+    n = args.replicas or (2 if args.quick else 4)
+    steps = args.steps or (40 if args.quick else 300)
+    val_every = args.val_every or (10 if args.quick else 25)
+    methods = args.methods or (["ddp", "noloco", "independent"] if args.quick else list(METHODS))
+    sync_every = args.sync_every or (10 if args.quick else 50)
+    slow = uniform(n, mbit=100, one_way_ms=50) if args.network == "uniform" else one_slow(n)
+    loopback = Network("loopback", slow.links)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for method in methods:
+        results[method] = {}
+        for which, net in (("loopback", loopback), (mode, slow)):
+            results[method][which] = run(method, "loopback" if which == "loopback" else mode, net, steps, val_every,
+                                         sync_every)
+            last = results[method][which][-1]
+            print(f"{method:<12} {which:<9} final val loss {last['val_loss']:.4f}  train {last['train_seconds']:.1f} s",
+                  flush=True)
+    communicating = [m for m in methods if m != "independent"]
+    target = args.target or round(max(results[m]["loopback"][-1]["val_loss"] for m in communicating) + 0.005, 2)
+    rows = []
+    for method in methods:
+        compute = time_to(results[method]["loopback"], target, "train_seconds")
+        network = time_to(results[method][mode], target, "train_seconds")
+        rows.append({
+            "method": method,
+            "final_loss": results[method][mode][-1]["val_loss"],
+            "tokens_to_target_m": (t / 1e6 if (t := time_to(results[method][mode], target, "tokens")) else None),
+            "compute_only_s": compute,
+            "network_s": network,
+            "ratio": network / compute if network and compute else None,
+            "total_network_s": results[method][mode][-1]["train_seconds"],
+            "total_compute_only_s": results[method]["loopback"][-1]["train_seconds"],
+        })
+    print(f"\nB2: time to validation loss {target} ({n} replicas, {steps} steps, H = {sync_every}, "
+          f"slow network {slow.name}, {mode}); {machine()}")
+    print(table(rows, [("method", "method", "s"), ("final_loss", "final loss", ".4f"),
+                       ("tokens_to_target_m", "M tokens to target", ".2f"), ("compute_only_s", "compute-only s", ".1f"),
+                       ("network_s", f"{mode} s", ".1f"), ("ratio", "ratio", ".2f"),
+                       ("total_network_s", "whole run s", ".1f")]))
+    path = write_json(f"{args.out}.json", {"benchmark": "B2 time to loss", "mode": mode, "network": slow.describe(),
+                                           "replicas": n, "steps": steps, "sync_every": sync_every,
+                                           "target": target, "rows": rows,
+                                           "curves": results})
+    plot(results, target, mode, RESULTS / f"{args.out}.png")
+    print(f"wrote {path} and {RESULTS / (args.out + '.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""B3, uneven bandwidth: one replica behind a link 10× slower and 4× farther than the others.
+
+    python -m benchmarks.b3_uneven_bandwidth            # ~10 min; emulated where root, modelled otherwise
+    python -m benchmarks.b3_uneven_bandwidth --quick    # under 2 minutes
+
+Two parts, both on 4 replicas where node 3 has 10 Mbit/s and a 200 ms one-way latency to every
+peer (the others: 100 Mbit/s, 50 ms):
+
+1. Outer-step wall time per replica for NoLoCo, GASLoC and DiLoCo (B1's workers, 1 M parameters):
+   in an all-reduce everybody waits for the slowest link; in a pair exchange only the slow
+   replica's partner of the round does.
+2. Time to the target validation loss on the Shakespeare example (B2's runs on this network).
+
+Writes ``benchmarks/results/b3_uneven_bandwidth.json`` (+ ``_time_to_loss.json`` and ``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks import b1_sync_latency, b2_time_to_loss
+from benchmarks.common import machine, table, write_json
+from benchmarks.netem import tun
+from benchmarks.netem.links import one_slow
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="outer-step times only, 2 rounds")
+    parser.add_argument("--mode", choices=["emulated", "modelled"])
+    parser.add_argument("--params", type=float, default=1e6)
+    args = parser.parse_args()
+    emulated_ok, why = tun.available()
+    mode = args.mode or ("emulated" if emulated_ok else "modelled")
+    if mode == "emulated" and not emulated_ok:
+        sys.exit(f"emulated mode unavailable: {why}; use --mode modelled")
+    network = one_slow(4)
+    row = b1_sync_latency.measure(mode, network, int(args.params), rounds=2 if args.quick else 4)
+    rows = []
+    for name in ("noloco", "gasloc", "diloco"):
+        per = row["per_replica"][name]
+        rows.append({"algorithm": name, "slowest_s": row[name]["median"], "fast_replicas_s": sorted(per[:3])[1],
+                     "slow_replica_s": per[3], "fast_wait_share": sorted(per[:3])[1] / row[name]["median"]})
+    print(f"\nB3: seconds per outer step with one slow replica ({network.name}; {mode}, "
+          f"{args.params / 1e6:g} M params); {machine()}")
+    print(table(rows, [("algorithm", "algorithm", "s"), ("fast_replicas_s", "fast replicas (median)", ".3f"),
+                       ("slow_replica_s", "slow replica", ".3f"), ("slowest_s", "slowest", ".3f"),
+                       ("fast_wait_share", "fast/slowest", ".2f")]))
+    path = write_json("b3_uneven_bandwidth.json", {"benchmark": "B3 uneven bandwidth", "mode": mode,
+                                                    "network": network.describe(), "rows": rows, "raw": row})
+    print(f"wrote {path}")
+    if not args.quick:
+        b2_time_to_loss.main(["--network", "one_slow", "--mode", mode, "--methods", "diloco", "noloco", "gasloc"],
+                             default_out="b3_uneven_bandwidth_time_to_loss")
+
+
+if __name__ == "__main__":
+    main()

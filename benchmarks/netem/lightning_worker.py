@@ -1,0 +1,95 @@
+"""One rank of a Lightning run on an emulated or modelled network: ``lightning-loco`` plus timing.
+
+Started by :func:`benchmarks.netem.launch.run_workers` with torchrun's environment variables, so
+Lightning treats every process as a node of its own (``num_nodes = N, devices = 1``). Under the
+modelled network (``LOCO_MODELLED_NETWORK`` set) the strategies' transport is replaced by
+:class:`~benchmarks.netem.modelled.ModelledTransport` and DDP's gradient all-reduce gets a
+communication hook that holds it for the modelled time.
+
+``TimeToLoss`` records, on rank 0, the training wall time (validation excluded) and the validation
+loss at every validation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import lightning as L
+from benchmarks.netem import modelled
+
+
+class TimeToLoss(L.Callback):
+    """Writes ``[{"step", "tokens", "train_seconds", "val_loss"}, ...]`` to ``out`` (rank 0)."""
+
+    def __init__(self, out: str, tokens_per_step: int) -> None:
+        self.out, self.tokens_per_step = out, tokens_per_step
+        self.rows: list[dict[str, float]] = []
+        self.start = 0.0
+        self.validation_seconds = 0.0
+        self._val_start = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        now = time.perf_counter()
+        self.validation_seconds += now - self._val_start
+        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
+            return
+        self.rows.append({
+            "step": trainer.global_step,
+            "tokens": trainer.global_step * self.tokens_per_step,
+            "train_seconds": now - self.start - self.validation_seconds,
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+        })
+        if trainer.is_global_zero:
+            with open(self.out, "w") as f:
+                json.dump(self.rows, f)
+
+
+class ModelledDDPHook(L.Callback):
+    """Holds DDP's gradient all-reduce for the modelled time (the modelled network only)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        network = modelled.from_env()
+        model = trainer.strategy.model
+        if network is None or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return
+        world = dist.get_world_size()
+
+        # No annotations: DDP checks them, and this module's are strings (postponed evaluation).
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            buffer = bucket.buffer().div_(world)
+            future = dist.all_reduce(buffer, async_op=True).get_future()
+
+            def held(fut):  # type: ignore[no-untyped-def]
+                modelled.wait_until(start, modelled.allreduce_s(network, buffer.numel() * buffer.element_size()))
+                return fut.value()[0]
+
+            return future.then(held)
+
+        model.register_comm_hook(None, hook)
+
+
+def main() -> None:
+    if modelled.from_env() is not None:
+        import lightning_loco.strategies.base as base
+
+        base.TorchDistributedTransport = modelled.ModelledTransport  # reads the network from the environment
+    from lightning_loco.cli import main as cli_main
+
+    cli_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The benchmarks' --quick modes as smoke tests (no timing is asserted), and the WAN emulator's
+set-up and clean-up where this machine allows namespaces."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def bench(tmp_path, module, *args, timeout=400):
+    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_b1_quick(tmp_path):
+    out = bench(tmp_path, "b1_sync_latency", "--modes", "loopback", "modelled")
+    result = json.loads((tmp_path / "b1_sync_latency.json").read_text())
+    assert {r["mode"] for r in result["rows"]} == {"loopback", "modelled"}
+    assert (tmp_path / "b1_sync_latency.png").exists()
+    assert "modelled" in out  # a modelled row is labelled as such
+    assert [p["replicas"] for p in result["latency_model"]["predictions"]][-1] == 1024
+
+
+def test_b2_quick(tmp_path):
+    out = bench(tmp_path, "b2_time_to_loss", "--mode", "modelled")
+    result = json.loads((tmp_path / "b2_time_to_loss.json").read_text())
+    assert result["mode"] == "modelled" and "modelled" in out
+    assert {r["method"] for r in result["rows"]} == {"ddp", "noloco", "independent"}
+    assert all(curve for runs in result["curves"].values() for curve in runs.values())
+
+
+def test_b3_quick(tmp_path):
+    bench(tmp_path, "b3_uneven_bandwidth", "--mode", "modelled")
+    result = json.loads((tmp_path / "b3_uneven_bandwidth.json").read_text())
+    assert {r["algorithm"] for r in result["rows"]} == {"noloco", "gasloc", "diloco"}
+
+
+def test_b4_quick(tmp_path):
+    bench(tmp_path, "b4_overhead")
+    result = json.loads((tmp_path / "b4_overhead.json").read_text())
+    assert {r["config"] for r in result["rows"]} >= {"plain", "noloco-2", "noloco-2-cpu-state"}
+
+
+def emulator_or_skip():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.netem import tun
+
+    ok, why = tun.available()
+    if not ok:
+        pytest.skip(f"packet-level emulation unavailable here: {why}")
+    return tun
+
+
+def namespaces():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_emulator_carries_traffic_between_namespaces_and_removes_them():
+    tun = emulator_or_skip()
+    from benchmarks.netem.links import uniform
+
+    try:
+        emu = tun.EmulatedNetwork(uniform(2, mbit=100, one_way_ms=10))
+    except RuntimeError as err:
+        pytest.skip(f"namespaces cannot be created here: {err}")
+    try:
+        server = emu.popen(1, [sys.executable, "-c", (
+            "import socket; s = socket.socket(); s.bind(({!r}, 5701)); s.listen(1); c, _ = s.accept(); "
+            "c.sendall(c.recv(100)[::-1])").format(emu.address(1))], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        client = emu.popen(0, [sys.executable, "-c", (
+            "import socket; s = socket.create_connection(({!r}, 5701), timeout=10); s.sendall(b'outer step'); "
+            "print(s.recv(100).decode())").format(emu.address(1))], stdout=subprocess.PIPE, text=True)
+        assert client.communicate(timeout=30)[0].strip() == "pets retuo"
+        server.wait(timeout=10)
+        assert emu.packets > 0
+        assert emu.prefix in namespaces()
+    finally:
+        emu.close()
+    assert emu.prefix not in namespaces()
+
+
+def test_emulator_cleans_up_when_its_process_is_terminated(tmp_path):
+    emulator_or_skip()
+    script = (
+        "import sys, time; sys.path.insert(0, {root!r})\n"
+        "from benchmarks.netem.tun import EmulatedNetwork\n"
+        "from benchmarks.netem.links import uniform\n"
+        "emu = EmulatedNetwork(uniform(3))\n"
+        "print(emu.prefix, flush=True)\n"
+        "time.sleep(60)\n"
+    ).format(root=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    prefix = proc.stdout.readline().strip()
+    assert prefix and prefix in namespaces()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert prefix not in namespaces()
