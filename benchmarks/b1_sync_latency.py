@@ -164,8 +164,9 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
         sub = sorted((r for r in rows if (r["mode"], r["network"], r["params"]) == (mode, net, params)),
                      key=lambda r: r["replicas"])
         ns = [r["replicas"] for r in sub]
+        where = mode if mode == "loopback" else f"{mode}, {net}"
         axes[0].plot(ns, [r["diloco"]["median"] / r["noloco"]["median"] for r in sub], style,
-                     label=f"{mode}, {net}, {params / 1e6:g} M")
+                     label=f"{where}, {params / 1e6:g} M params")
     axes[0].set_xscale("log", base=2)
     axes[0].set_xlabel("replicas N")
     axes[0].set_ylabel("DiLoCo / NoLoCo outer-step time")
@@ -188,6 +189,7 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
         axes[1].set_ylabel("seconds per outer step")
         axes[1].set_title(f"latency model, {model['params'] / 1e6:g} M params, σ = {model['jitter_sigma']}")
         axes[1].legend(fontsize=7)
+    fig.suptitle(f"B1 sync latency; {machine()}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -201,7 +203,12 @@ def main() -> None:
     parser.add_argument("--params", nargs="+", type=float)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--out", default="b1_sync_latency")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
+        plot(saved["rows"], saved["latency_model"], RESULTS / f"{args.out}.png")
+        return
     if args.worker:
         worker(int(float(args.worker[0])), int(args.worker[1]), args.worker[2])
         return

@@ -41,7 +41,7 @@ METHODS: dict[str, Any] = {
 }
 
 
-def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out: str) -> dict:
+def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out: str, root: str) -> dict:
     base = yaml.safe_load((ROOT / "examples" / "shakespeare" / "noloco.yaml").read_text())
     trainer = base["trainer"]
     strategy = METHODS[method]
@@ -50,7 +50,7 @@ def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out
     trainer.update(
         strategy=strategy, devices=1, num_nodes=n, max_steps=steps, val_check_interval=val_every,
         limit_val_batches=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_model_summary=False, default_root_dir=root,
     )
     data = base["data"]["init_args"]
     tokens_per_step = n * data["batch_size"] * data["block_size"]
@@ -67,7 +67,7 @@ def run(method: str, mode: str, network: Network, steps: int, val_every: int, sy
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "curve.json")
         cfg = Path(tmp) / "config.yaml"
-        cfg.write_text(yaml.safe_dump(config(method, len(network.links), steps, val_every, sync_every, out)))
+        cfg.write_text(yaml.safe_dump(config(method, len(network.links), steps, val_every, sync_every, out, tmp)))
         launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.netem.lightning_worker", "fit", "--config", str(cfg)])
         return json.loads(Path(out).read_text())
 
