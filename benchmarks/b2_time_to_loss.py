@@ -85,7 +85,7 @@ def time_to(curve: list[dict], target: float, key: str) -> Optional[float]:
     return None
 
 
-def plot(results: dict, target: float, slow_mode: str, path: Path) -> None:
+def plot(results: dict, target: float, slow_mode: str, path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,15 +105,24 @@ def plot(results: dict, target: float, slow_mode: str, path: Path) -> None:
         ax.axhline(target, color="grey", lw=0.7, ls=":")
         ax.set_ylabel("validation loss (mean over replicas)")
         ax.grid(alpha=0.3)
+    axes[1].set_xscale("log")  # DDP on a slow network takes ten times longer than the rest
     axes[0].set_xlabel("tokens (millions)")
     axes[1].set_xlabel(f"training wall time, s (solid: {slow_mode} slow network; dashed: loopback)")
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=6)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
-def main(argv: Optional[list[str]] = None, default_network: str = "uniform", default_out: str = "b2_time_to_loss") -> None:
+def title(saved: dict) -> str:
+    return (f"{saved['benchmark']}: {saved['replicas']} replicas, H = {saved['sync_every']}; slow network "
+            f"{saved['network']['name']} ({saved['mode']}); {saved['machine']}")
+
+
+def main(argv: Optional[list[str]] = None, default_network: str = "uniform", default_out: str = "b2_time_to_loss",
+         benchmark: str = "B2 time to loss") -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 replicas, 40 steps, DDP/NoLoCo/independent")
     parser.add_argument("--mode", choices=["emulated", "modelled"], help="the slow network (default: emulated if root)")
@@ -125,7 +134,12 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
     parser.add_argument("--sync-every", type=int, help="H for every low-communication method (default 50; quick: 10)")
     parser.add_argument("--target", type=float, help="default: the highest final compute-only loss of the communicating methods")
     parser.add_argument("--out", default=default_out)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
+        plot(saved["curves"], saved["target"], saved["mode"], RESULTS / f"{args.out}.png", title(saved))
+        return
     emulated_ok, why = tun.available()
     mode = args.mode or ("emulated" if emulated_ok else "modelled")
     if mode == "emulated" and not emulated_ok:
@@ -168,11 +182,10 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
                        ("tokens_to_target_m", "M tokens to target", ".2f"), ("compute_only_s", "compute-only s", ".1f"),
                        ("network_s", f"{mode} s", ".1f"), ("ratio", "ratio", ".2f"),
                        ("total_network_s", "whole run s", ".1f")]))
-    path = write_json(f"{args.out}.json", {"benchmark": "B2 time to loss", "mode": mode, "network": slow.describe(),
-                                           "replicas": n, "steps": steps, "sync_every": sync_every,
-                                           "target": target, "rows": rows,
-                                           "curves": results})
-    plot(results, target, mode, RESULTS / f"{args.out}.png")
+    saved = {"benchmark": benchmark, "mode": mode, "network": slow.describe(), "replicas": n,
+             "steps": steps, "sync_every": sync_every, "target": target, "rows": rows, "curves": results}
+    path = write_json(f"{args.out}.json", saved)
+    plot(results, target, mode, RESULTS / f"{args.out}.png", title(json.loads(path.read_text())))
     print(f"wrote {path} and {RESULTS / (args.out + '.png')}")
 
 

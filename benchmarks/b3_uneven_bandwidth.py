@@ -11,18 +11,44 @@ peer (the others: 100 Mbit/s, 50 ms):
    replica's partner of the round does.
 2. Time to the target validation loss on the Shakespeare example (B2's runs on this network).
 
-Writes ``benchmarks/results/b3_uneven_bandwidth.json`` (+ ``_time_to_loss.json`` and ``.png``).
+Writes ``benchmarks/results/b3_uneven_bandwidth.json`` and ``.png`` (+ ``_time_to_loss.json`` and ``.png``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from benchmarks import b1_sync_latency, b2_time_to_loss
-from benchmarks.common import machine, table, write_json
+from benchmarks.common import RESULTS, machine, table, write_json
 from benchmarks.netem import tun
 from benchmarks.netem.links import one_slow
+
+
+def plot(saved: dict, path: Path) -> None:
+    """Each replica's median outer-step time, per algorithm (the slow replica last)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = saved["raw"]["per_replica"]
+    names = [r["algorithm"] for r in saved["rows"]]
+    n = len(per[names[0]])
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.8 / n
+    for k in range(n):
+        label = f"replica {k}" + (" (slow link)" if k == n - 1 else "")
+        ax.bar([i + (k - (n - 1) / 2) * width for i in range(len(names))], [per[a][k] for a in names], width, label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("seconds per outer step (median over rounds)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"B3 uneven bandwidth: {saved['network']['name']} ({saved['mode']}, "
+                 f"{saved['raw']['params'] / 1e6:g} M params); {saved['machine']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
@@ -30,7 +56,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="outer-step times only, 2 rounds")
     parser.add_argument("--mode", choices=["emulated", "modelled"])
     parser.add_argument("--params", type=float, default=1e6)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS / "b3_uneven_bandwidth.json").read_text()), RESULTS / "b3_uneven_bandwidth.png")
+        return
     emulated_ok, why = tun.available()
     mode = args.mode or ("emulated" if emulated_ok else "modelled")
     if mode == "emulated" and not emulated_ok:
@@ -49,10 +79,11 @@ def main() -> None:
                        ("fast_wait_share", "fast/slowest", ".2f")]))
     path = write_json("b3_uneven_bandwidth.json", {"benchmark": "B3 uneven bandwidth", "mode": mode,
                                                     "network": network.describe(), "rows": rows, "raw": row})
-    print(f"wrote {path}")
+    plot(json.loads(path.read_text()), RESULTS / "b3_uneven_bandwidth.png")
+    print(f"wrote {path} and {RESULTS / 'b3_uneven_bandwidth.png'}")
     if not args.quick:
         b2_time_to_loss.main(["--network", "one_slow", "--mode", mode, "--methods", "diloco", "noloco", "gasloc"],
-                             default_out="b3_uneven_bandwidth_time_to_loss")
+                             default_out="b3_uneven_bandwidth_time_to_loss", benchmark="B3 uneven bandwidth, time to loss")
 
 
 if __name__ == "__main__":

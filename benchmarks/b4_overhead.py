@@ -17,7 +17,7 @@ The first 20 steps are warm-up and not counted. Peak memory is each process's pe
 size (``ru_maxrss``; the slowest, largest replica counts). On a CPU machine the outer state lives
 in host memory either way, so ``outer_state_device="cpu"`` can only show its cost, not its saving;
 on an accelerator it moves the float32 outer state out of device memory.
-Writes ``benchmarks/results/b4_overhead.json``.
+Writes ``benchmarks/results/b4_overhead.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, machine
 
 CONFIGS = {
     "plain": ("auto", 1),
@@ -100,6 +100,29 @@ def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: 
         json.dump(result, f)
 
 
+def plot(saved: dict, path: Path) -> None:
+    """Bars of the three ratios (strategy over plain Trainer) per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = saved["rows"]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.27
+    for j, (key, label) in enumerate((("inner_ratio", "inner step time"), ("all_ratio", "time per step, outer steps included"),
+                                      ("rss_ratio", "peak resident memory"))):
+        ax.bar([i + (j - 1) * width for i in range(len(rows))], [r[key] for r in rows], width, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["config"] for r in rows], fontsize=8)
+    ax.set_ylabel("ratio to the plain Trainer")
+    ax.legend(fontsize=7)
+    ax.set_title(f"B4 overhead: example GPT, {saved['steps']} steps, H = {saved['sync_every']}, {saved['repeats']} repeats "
+                 f"(medians); {saved['network']}; {saved['machine']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="60 steps, 1 repeat, H = 10")
@@ -109,7 +132,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "b4_overhead.json"))
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one configuration
     parser.add_argument("--run-out", help=argparse.SUPPRESS)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return
     args.steps = args.steps or (60 if args.quick else 300)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.sync_every = args.sync_every or (10 if args.quick else 50)
@@ -157,10 +184,12 @@ def main() -> None:
               f"{all_[0] * 1e3:>7.2f} [{all_[1] * 1e3:.2f}, {all_[2] * 1e3:.2f}] {row['all_ratio']:>6.3f} "
               f"{rss[0]:>8.0f} {row['rss_ratio']:>6.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    saved = {"machine": machine(), "network": "loopback", "steps": args.steps, "sync_every": args.sync_every,
+             "repeats": args.repeats, "rows": rows}
     with open(args.out, "w") as f:
-        json.dump({"machine": f"{os.cpu_count()} CPUs", "network": "loopback", "steps": args.steps,
-                   "sync_every": args.sync_every, "repeats": args.repeats, "rows": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+        json.dump(saved, f, indent=2)
+    plot(saved, Path(args.out).with_suffix(".png"))
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
 
 
 if __name__ == "__main__":

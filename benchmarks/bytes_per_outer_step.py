@@ -1,6 +1,6 @@
 """Bytes each replica sends per outer step: NoLoCo, GASLoC's topologies and DiLoCo, N = 2, 4, 8.
 
-    python benchmarks/bytes_per_outer_step.py [--params 1000000] [--replicas 2 4 8] [--rounds 5]
+    python -m benchmarks.bytes_per_outer_step [--params 1000000] [--replicas 2 4 8] [--rounds 5]
 
 Runs the strategies' outer-step code (``algorithm.step`` over ``TorchDistributedTransport``) in N gloo
 processes on loopback, with a flat model of ``--params`` float32 values. Two figures per row:

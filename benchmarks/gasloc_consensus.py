@@ -1,6 +1,6 @@
 """Pure consensus with GASLoC's mixing: how many rounds until replicas agree, by topology, α and γ.
 
-    python benchmarks/gasloc_consensus.py [--quick]
+    python -m benchmarks.gasloc_consensus [--quick]
 
 Runs :class:`lightning_loco.simulator.ReplicaSimulator` (the strategies' own schedule and mixing
 code) with no inner progress (g = 0): replicas start from independent random vectors and only mix.

@@ -1,6 +1,6 @@
 """A small sweep of GASLoC's outer hyper-parameters on a real model, beside NoLoCo and DiLoCo.
 
-    python benchmarks/gasloc_sweep.py [--steps 400] [--sync-every 25] [--devices 4]
+    python -m benchmarks.gasloc_sweep [--steps 400] [--sync-every 25] [--devices 4]
 
 Each configuration is one run of ``examples/quickstart.py`` (the byte-level GPT on Shakespeare,
 4 CPU replicas, one seed): same data, seed and token budget; only the strategy's arguments differ.

@@ -24,3 +24,13 @@ def test_readme_links_and_commands_point_at_real_files():
     assert any("examples/shakespeare/noloco.yaml" in line for line in first_lines)
     assert any("pytest" in line for line in first_lines)
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_benchmark_commands_and_plots_in_the_docs_exist():
+    text = (ROOT / "docs" / "benchmarks.md").read_text() + (ROOT / "README.md").read_text()
+    modules = set(re.findall(r"python -m benchmarks\.(\w+)", text))
+    assert {"b1_sync_latency", "b2_time_to_loss", "b3_uneven_bandwidth", "b4_overhead"} <= modules
+    for module in modules:
+        assert (ROOT / "benchmarks" / f"{module}.py").exists(), module
+    for image in re.findall(r"\]\((img/[^)]+)\)", text):
+        assert (ROOT / "docs" / image).exists(), image
