@@ -14,6 +14,14 @@ its time to target on the slow network with its own compute-only time.
 
 The strategies keep their defaults except H (``--sync-every``, 50 for all: the example's setting;
 DiLoCo's paper uses 500, too long for a 300-step run). Writes ``benchmarks/results/<out>.json`` and ``.png``.
+
+With overlap (``--overlap 0 H/4 auto``; ~20 min) every low-communication method runs once per
+``overlap_steps`` value, on both networks, and the table adds the final-loss change against τ = 0
+and the exposed communication: the time landings (or synchronous outer steps) waited for the
+network, as a share of the training wall time::
+
+    python -m benchmarks.b2_time_to_loss --overlap 0 H/4 auto                       # b2_overlap.json
+    python -m benchmarks.b2_time_to_loss --overlap 0 H/4 auto --network one_slow    # b2_overlap_one_slow.json
 """
 
 from __future__ import annotations
@@ -41,12 +49,25 @@ METHODS: dict[str, Any] = {
 }
 
 
+def overlap_value(text: str, sync_every: int) -> Any:
+    """``"auto"``, ``"H/4"`` (a quarter of H) or an integer."""
+    if text == "auto":
+        return "auto"
+    if text.upper().startswith("H/"):
+        return sync_every // int(text[2:])
+    return int(text)
+
+
 def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out: str, root: str) -> dict:
     base = yaml.safe_load((ROOT / "examples" / "shakespeare" / "noloco.yaml").read_text())
     trainer = base["trainer"]
-    strategy = METHODS[method]
-    if isinstance(strategy, dict) and method != "independent":
-        strategy = {**strategy, "init_args": {**strategy["init_args"], "sync_every": sync_every}}
+    name, _, overlap = method.partition("@")  # "noloco@12": NoLoCo with overlap_steps=12
+    strategy = METHODS[name]
+    if isinstance(strategy, dict) and name != "independent":
+        init_args = {**strategy["init_args"], "sync_every": sync_every}
+        if overlap:
+            init_args["overlap_steps"] = overlap_value(overlap, sync_every)
+        strategy = {**strategy, "init_args": init_args}
     trainer.update(
         strategy=strategy, devices=1, num_nodes=n, max_steps=steps, val_check_interval=val_every,
         limit_val_batches=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -63,13 +84,21 @@ def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out
     return base
 
 
-def run(method: str, mode: str, network: Network, steps: int, val_every: int, sync_every: int) -> list[dict]:
+def run(method: str, mode: str, network: Network, steps: int, val_every: int, sync_every: int) -> dict:
+    """One training run: ``{"curve": [...], "rounds": [...], "train_seconds": ...}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "curve.json")
         cfg = Path(tmp) / "config.yaml"
         cfg.write_text(yaml.safe_dump(config(method, len(network.links), steps, val_every, sync_every, out, tmp)))
         launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.netem.lightning_worker", "fit", "--config", str(cfg)])
         return json.loads(Path(out).read_text())
+
+
+def exposed_share(result: dict) -> Optional[float]:
+    """The time outer steps kept training waiting for the network, over the training wall time."""
+    if not result["rounds"] or not result["train_seconds"]:
+        return None
+    return sum(r["comm_seconds"] for r in result["rounds"]) / result["train_seconds"]
 
 
 def time_to(curve: list[dict], target: float, key: str) -> Optional[float]:
@@ -133,9 +162,13 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
     parser.add_argument("--val-every", type=int)
     parser.add_argument("--sync-every", type=int, help="H for every low-communication method (default 50; quick: 10)")
     parser.add_argument("--target", type=float, help="default: the highest final compute-only loss of the communicating methods")
-    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--overlap", nargs="+", metavar="TAU",
+                        help="run each low-communication method with these overlap_steps (integers, H/4, auto)")
+    parser.add_argument("--out")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = default_out if not args.overlap else "b2_overlap" + ("_one_slow" if args.network == "one_slow" else "")
     if args.replot:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
         plot(saved["curves"], saved["target"], saved["mode"], RESULTS / f"{args.out}.png", title(saved))
@@ -149,14 +182,20 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
     val_every = args.val_every or (10 if args.quick else 25)
     methods = args.methods or (["ddp", "noloco", "independent"] if args.quick else list(METHODS))
     sync_every = args.sync_every or (10 if args.quick else 50)
+    if args.overlap:
+        for value in args.overlap:
+            overlap_value(value, sync_every)  # fails early on a bad value
+        methods = [f"{m}@{v}" for m in methods if m in ("diloco", "noloco", "gasloc") for v in args.overlap]
     slow = uniform(n, mbit=100, one_way_ms=50) if args.network == "uniform" else one_slow(n)
     loopback = Network("loopback", slow.links)
     results: dict[str, dict[str, list[dict]]] = {}
+    runs: dict[str, dict[str, dict]] = {}
     for method in methods:
-        results[method] = {}
+        results[method], runs[method] = {}, {}
         for which, net in (("loopback", loopback), (mode, slow)):
-            results[method][which] = run(method, "loopback" if which == "loopback" else mode, net, steps, val_every,
-                                         sync_every)
+            runs[method][which] = run(method, "loopback" if which == "loopback" else mode, net, steps, val_every,
+                                      sync_every)
+            results[method][which] = runs[method][which]["curve"]
             last = results[method][which][-1]
             print(f"{method:<12} {which:<9} final val loss {last['val_loss']:.4f}  train {last['train_seconds']:.1f} s",
                   flush=True)
@@ -175,15 +214,28 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
             "ratio": network / compute if network and compute else None,
             "total_network_s": results[method][mode][-1]["train_seconds"],
             "total_compute_only_s": results[method]["loopback"][-1]["train_seconds"],
+            "exposed_share": exposed_share(runs[method][mode]),
         })
+        if "@" in method:
+            taus = [r["overlap_steps"] for r in runs[method][mode]["rounds"]]
+            synchronous = f"{method.partition('@')[0]}@0"
+            rows[-1].update(
+                tau_used=sorted(taus)[len(taus) // 2] if taus else None,
+                loss_change=(rows[-1]["final_loss"] - results[synchronous][mode][-1]["val_loss"]
+                             if synchronous in results else None),
+            )
     print(f"\nB2: time to validation loss {target} ({n} replicas, {steps} steps, H = {sync_every}, "
           f"slow network {slow.name}, {mode}); {machine()}")
-    print(table(rows, [("method", "method", "s"), ("final_loss", "final loss", ".4f"),
-                       ("tokens_to_target_m", "M tokens to target", ".2f"), ("compute_only_s", "compute-only s", ".1f"),
-                       ("network_s", f"{mode} s", ".1f"), ("ratio", "ratio", ".2f"),
-                       ("total_network_s", "whole run s", ".1f")]))
+    columns = [("method", "method", "s"), ("final_loss", "final loss", ".4f"),
+               ("tokens_to_target_m", "M tokens to target", ".2f"), ("compute_only_s", "compute-only s", ".1f"),
+               ("network_s", f"{mode} s", ".1f"), ("ratio", "ratio", ".2f"),
+               ("total_network_s", "whole run s", ".1f"), ("exposed_share", "exposed comm share", ".3f")]
+    if args.overlap:
+        columns[1:1] = [("tau_used", "median τ", "d"), ("loss_change", "loss vs τ=0", "+.4f")]
+    print(table(rows, columns))
     saved = {"benchmark": benchmark, "mode": mode, "network": slow.describe(), "replicas": n,
-             "steps": steps, "sync_every": sync_every, "target": target, "rows": rows, "curves": results}
+             "steps": steps, "sync_every": sync_every, "target": target, "rows": rows, "curves": results,
+             "rounds": {m: {k: v["rounds"] for k, v in r.items()} for m, r in runs.items()}}
     path = write_json(f"{args.out}.json", saved)
     plot(results, target, mode, RESULTS / f"{args.out}.png", title(json.loads(path.read_text())))
     print(f"wrote {path} and {RESULTS / (args.out + '.png')}")

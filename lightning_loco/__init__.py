@@ -14,6 +14,7 @@ from lightning_loco.strategies import (
     OuterStepReport,
     OuterStepStrategy,
 )
+from lightning_loco.transport import PeerError
 
 __version__ = "0.1.0"
 
@@ -29,4 +30,5 @@ __all__ = [
     "NoLoCoStrategy",
     "OuterStepReport",
     "OuterStepStrategy",
+    "PeerError",
 ]

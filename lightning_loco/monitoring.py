@@ -8,8 +8,13 @@ steps):
   (‖θ − anchor‖ before the step), ``outer/update_norm`` (how far the anchor moved) and
   ``outer/peer`` (the first peer of the logged replica, −1 when it met nobody). Loggers write on
   rank 0, so these describe rank 0's replica; bytes and times are alike on every replica.
+* with ``overlap_steps``, at each landing: ``outer/overlap_steps`` (τ used), ``outer/comm_seconds``
+  is then the time the landing waited for the exchange (the exposed communication),
+  ``outer/exchange_seconds`` how long the exchange took from posting to completion (to within one
+  inner step), and ``outer/correction_norm`` the norm of the change applied at the landing.
 * ``outer/replica_spread`` every ``spread_every`` outer steps: the RMS distance of the replicas from
-  their mean, the papers' weight-spread diagnostic (two all-reduces, so not every step).
+  their mean, the papers' weight-spread diagnostic (two all-reduces, so not every step), measured
+  where a round starts (the same step on every replica, whatever τ).
 * ``val/loss_replicas``: the mean over replicas of each replica's validation loss on its share of the
   validation set (the papers' metric), and with ``consensus_validation`` ``val/loss_consensus``: the
   loss of the replicas' average, swapped in for that pass and swapped out again before any
@@ -66,6 +71,7 @@ class OuterStepMonitor(L.Callback):
         self.consensus_validation = consensus_validation
         self.perplexity = perplexity
         self._seen = 0
+        self._seen_starts = 0
         self._replica_loss = MeanMetric()
         self._warned_no_loss = False
 
@@ -88,6 +94,7 @@ class OuterStepMonitor(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._seen = 0
+        self._seen_starts = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         strategy = self._strategy(trainer)
@@ -95,12 +102,22 @@ class OuterStepMonitor(L.Callback):
             return
         reports = strategy.outer_step_reports[self._seen :]
         self._seen = len(strategy.outer_step_reports)
+        starts = strategy.rounds_started[self._seen_starts :]
+        self._seen_starts = len(strategy.rounds_started)
+        spread: dict[str, float] = {}
+        for index, t in starts:  # rounds start at the same step on every replica: all ranks get here together
+            if index == 0 and self.spread_every and (t + 1) % self.spread_every == 0:
+                spread = {"outer/replica_spread": strategy.replica_spread()}
         for report in reports:
             metrics = self._metrics(report, len(strategy.replicas))
-            if report.optimizer_index == 0 and self.spread_every and (report.outer_step + 1) % self.spread_every == 0:
-                metrics["outer/replica_spread"] = strategy.replica_spread()  # every rank reaches this together
+            if report.optimizer_index == 0:
+                metrics.update(spread)  # with τ = 0 the spread belongs to this report's round
+                spread = {}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+        if spread:
+            for logger in trainer.loggers:
+                logger.log_metrics(spread, step=trainer.global_step)
         last = strategy.last_outer_step
         if last is not None:  # progress bar only, local values, no synchronisation
             pl_module.log("outer_step", float(last.outer_step + 1), prog_bar=True, logger=False)
@@ -119,6 +136,9 @@ class OuterStepMonitor(L.Callback):
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
             "update_norm": report.update_norm,
         }
+        if report.overlap_steps:
+            values.update(overlap_steps=report.overlap_steps, exchange_seconds=report.exchange_seconds,
+                          correction_norm=report.correction_norm)
         return {f"outer/{k}{suffix}": float(v) for k, v in values.items() if v is not None}
 
     # ------------------------------------------------------------------ validation

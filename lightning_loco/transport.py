@@ -8,6 +8,11 @@ Two operations cover every algorithm:
   the two directions of a pair one after the other, twice as slow on a slow link.
 * ``all_reduce_sum``: one collective over all replicas (DiLoCo).
 
+Both also come as ``start_group_sum`` / ``start_all_reduce_sum``, which post the operation and
+return a :class:`PendingSum` at once: the transfer progresses in the background (gloo's own threads
+on CPU, NCCL's stream on GPU) while training goes on, and ``PendingSum.wait()`` returns the sum.
+The blocking forms are ``start_...(...).wait()``.
+
 A replica is one rank today. ``replica_ranks`` maps replica index to global rank so that a replica
 may later span several ranks without changing the algorithms.
 """
@@ -17,7 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from datetime import timedelta
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,10 @@ class Transport(Protocol):
     def all_reduce_sum(self, payload: Tensor) -> Tensor:
         """The sum over all replicas, computed in place in ``payload`` and returned."""
         ...
+
+
+class PeerError(RuntimeError):
+    """An exchange with named peers failed (a peer stopped, or the network failed or timed out)."""
 
 
 def sum_in_group_order(buffers: dict[int, Tensor], group: Sequence[int]) -> Tensor:
@@ -68,6 +78,82 @@ class TransportStats:
         self.last_seconds, self.last_peers = seconds, peers
 
 
+class PendingSum:
+    """An exchange posted by ``start_group_sum`` or ``start_all_reduce_sum`` and not yet waited for.
+
+    ``done()`` never blocks; ``wait()`` blocks until the sum is there (at most the process group's
+    timeout), records the traffic in the transport's stats, and returns the sum. ``ready_at`` (a
+    ``time.perf_counter()`` value) holds completion back until then: the in-process network model
+    uses it to stand for a slower link.
+    """
+
+    def __init__(
+        self,
+        transport: "TorchDistributedTransport",
+        works: list[Any],
+        finish: Callable[[], Tensor],
+        nbytes: int,
+        peers: tuple[int, ...],
+    ) -> None:
+        self.transport, self.works, self.finish, self.nbytes, self.peers = transport, works, finish, nbytes, peers
+        self.started = time.perf_counter()
+        self.ready_at = 0.0
+        self.wait_seconds = 0.0  # time spent blocked in wait()
+        self.seconds = 0.0  # from posting to the end of wait()
+        self._result: Optional[Tensor] = None
+
+    @classmethod
+    def resolved(cls, transport: "TorchDistributedTransport", result: Tensor, peers: tuple[int, ...] = ()) -> "PendingSum":
+        """An exchange that already completed (e.g. restored from a checkpoint): nothing to wait for,
+        nothing more to count."""
+        pending = cls(transport, [], lambda: result, 0, peers)
+        pending._result = result
+        return pending
+
+    def abandon(self, timeout: float) -> bool:
+        """Gives the posted operations up to ``timeout`` seconds to finish, then drops them, whatever
+        happened (used when training stops with a round in flight). Returns whether they finished."""
+        finished = True
+        for work in self.works:
+            try:
+                finished = bool(work.wait(timedelta(seconds=timeout))) and finished
+            except RuntimeError:
+                finished = False
+        self.works, self.finish = [], lambda: torch.empty(0)
+        return finished
+
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        return time.perf_counter() >= self.ready_at and all(w.is_completed() for w in self.works)
+
+    def wait(self) -> Tensor:
+        if self._result is not None:
+            return self._result
+        blocked = time.perf_counter()
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as err:
+            t = self.transport
+            ranks = [t.replica_ranks[j] for j in self.peers]
+            raise PeerError(
+                f"Replica {t.replica} could not complete its exchange with replica(s) {list(self.peers)} "
+                f"(global rank(s) {ranks}): {err}. That peer stopped, or the network between you failed or "
+                "timed out; look at its log for the cause."
+            ) from err
+        remaining = self.ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._result = self.finish()
+        now = time.perf_counter()
+        self.wait_seconds, self.seconds = now - blocked, now - self.started
+        if self.peers or self.works:  # a group of one talks to nobody: nothing to count
+            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds, self.peers)
+        self.works, self.finish = [], lambda: self._result  # type: ignore[assignment,return-value]
+        return self._result
+
+
 class TorchDistributedTransport:
     """``Transport`` over an initialised ``torch.distributed`` process group.
 
@@ -95,34 +181,46 @@ class TorchDistributedTransport:
         self.stats = TransportStats()
 
     def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
+        return self.start_group_sum(payload, group).wait()
+
+    def all_reduce_sum(self, payload: Tensor) -> Tensor:
+        return self.start_all_reduce_sum(payload).wait()
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
+        """Posts the group's exchange (receives first) and returns at once. ``payload`` must not
+        change until the pending sum has been waited for."""
         if self.replica not in group:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         others = [j for j in group if j != self.replica]
         if not others:
-            return payload.clone()  # always a new tensor, as for a real group: callers may update it in place
-        start = time.perf_counter()
+            # always a new tensor, as for a real group: callers may update it in place
+            return PendingSum(self, [], payload.clone, 0, ())
         send = payload.to(self.device).contiguous()
         received = {j: torch.empty_like(send) for j in others}
         ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
         ops += [dist.P2POp(dist.isend, send, self.replica_ranks[j], self.process_group) for j in others]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        received[self.replica] = send
-        total = sum_in_group_order(received, group).to(payload.device)
-        nbytes = send.numel() * send.element_size() * len(others)
-        self.stats.record(nbytes, nbytes, time.perf_counter() - start, tuple(others))
-        return total
+        works = dist.batch_isend_irecv(ops)
 
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
-        start = time.perf_counter()
+        def finish() -> Tensor:
+            received[self.replica] = send
+            return sum_in_group_order(received, group).to(payload.device)
+
+        nbytes = send.numel() * send.element_size() * len(others)
+        return PendingSum(self, works, finish, nbytes, tuple(others))
+
+    def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
+        """Posts the all-reduce and returns at once; the sum lands in ``payload``."""
         buf = payload.to(self.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group)
-        if buf.data_ptr() != payload.data_ptr():
-            payload.copy_(buf)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+
+        def finish() -> Tensor:
+            if buf.data_ptr() != payload.data_ptr():
+                payload.copy_(buf)
+            return payload
+
         # A ring all-reduce sends and receives 2(N−1)/N copies per replica; gloo and NCCL pick their
         # own algorithm, so this is the nominal figure, not a measurement.
         n = self.num_replicas
         nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
         peers = tuple(j for j in range(n) if j != self.replica)
-        self.stats.record(nbytes, nbytes, time.perf_counter() - start, peers)
-        return payload
+        return PendingSum(self, [work] if work is not None else [], finish, nbytes, peers)

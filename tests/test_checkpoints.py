@@ -183,3 +183,26 @@ def test_replica_file_errors_name_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="unreadable.*replica-00001.pt"):
         read_replica(main, meta, 1)
     assert not list(sidecar.glob("*.partial"))
+
+
+@pytest.mark.parametrize("algorithm,merge", [("noloco", "predict_correct"), ("gasloc", "predict_correct"),
+                                             ("diloco", "delayed")])
+def test_exact_resume_from_a_checkpoint_taken_while_a_round_is_in_flight(tmp_path, algorithm, merge):
+    # H = 4, τ = 3: the round that starts after step 4 lands after step 7, so the save after step 6
+    # happens with the round in flight. The replica files keep the received sum and the prediction.
+    ckpts = tmp_path / "ckpts"
+    checkpoint = {"dirpath": str(ckpts), "filename": "{step}", "every_n_train_steps": K, "save_top_k": -1}
+    kwargs = {"sync_every": H, "overlap_steps": 3, "overlap_merge": merge}
+    common = {"strategy": algorithm, "strategy_kwargs": kwargs, "devices": 2, "max_steps": 2 * K}
+    straight = tiny.launch(tmp_path / "straight", checkpoint=checkpoint, **common)
+    middle = ckpts / f"step={K}.ckpt"
+    (sidecar,) = glob.glob(str(ckpts / ".replicas" / f"step={K}.ckpt-*"))
+    saved = torch.load(os.path.join(sidecar, "replica-00000.pt"), weights_only=True)
+    flight = saved["outer"][0]["in_flight"]
+    assert (flight["outer_step"], flight["start_step"], flight["land_step"], flight["merge"]) == (0, H, H + 3, merge)
+    resumed = tiny.launch(tmp_path / "resumed", ckpt_path=str(middle), **common)
+    for r in range(2):
+        for step, (a, b) in enumerate(zip(straight[r]["weights"][K:], resumed[r]["weights"])):
+            assert torch.equal(a, b), (r, K + step)
+        assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
+        assert_same_tree(straight[r]["optimizer_states"], resumed[r]["optimizer_states"], "optimizer")

@@ -8,11 +8,13 @@ made during training, batch by batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
@@ -170,9 +172,18 @@ class Recorder(L.Callback):
         if not trainer.sanity_checking:
             self.record.setdefault("after_validation", []).append(flat(pl_module))
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._batch_start = time.perf_counter()
+        if trainer.global_step == self.record.get("fail_at_step"):
+            raise RuntimeError(f"stopping on purpose at step {trainer.global_step}")
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.record.setdefault("batch_seconds", []).append(time.perf_counter() - self._batch_start)
         self.record["weights"].append(flat(pl_module))
         self.record["calls"].append(self.call_log.take())
+        replicas = getattr(trainer.strategy, "replicas", [])
+        if replicas:
+            self.record.setdefault("anchors", []).append(replicas[0].state.anchor.clone())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.call_log.active = False
@@ -194,8 +205,39 @@ class Recorder(L.Callback):
             for r in replicas
         ]
         self.record["optimizer_states"] = [opt.state_dict() for opt in trainer.optimizers]
+        self.record["reports"] = [dataclasses.asdict(r) for r in getattr(strategy, "outer_step_reports", [])]
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save(self.record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def observe(strategy: Any, record: dict[str, Any], config: dict[str, Any]) -> None:
+    """Records every snapshot the outer step sends (the weights handed to ``algorithm.payload``) and,
+    with ``slow_exchange_s``, holds every exchange's completion back by that many seconds, as a slow
+    link would."""
+    payload = strategy.algorithm.payload
+
+    def recording_payload(state: Any, weights: torch.Tensor) -> torch.Tensor:
+        record.setdefault("snapshots", []).append(weights.clone())
+        return payload(state, weights)
+
+    strategy.algorithm.payload = recording_payload
+    delay = config.get("slow_exchange_s")
+    if delay is None:
+        return
+    make_transport = strategy._make_transport
+
+    def slowed_transport() -> Any:
+        transport = make_transport()
+        for name in ("start_group_sum", "start_all_reduce_sum"):
+            def slowed(*args: Any, _start: Any = getattr(transport, name), **kwargs: Any) -> Any:
+                pending = _start(*args, **kwargs)
+                pending.ready_at = pending.started + delay
+                return pending
+
+            setattr(transport, name, slowed)
+        return transport
+
+    strategy._make_transport = slowed_transport
 
 
 def main(out_dir: str, config: dict[str, Any]) -> None:
@@ -208,7 +250,12 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     if "strategy_kwargs" in config:
         cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}[strategy]
         strategy = cls(timeout=timedelta(seconds=60), **config["strategy_kwargs"])
-    callbacks: list[L.Callback] = [Recorder(out_dir, log)]
+    recorder = Recorder(out_dir, log)
+    callbacks: list[L.Callback] = [recorder]
+    if "fail_at_step" in config:
+        recorder.record["fail_at_step"] = config["fail_at_step"]
+    if not isinstance(strategy, str):
+        observe(strategy, recorder.record, config)
     if "checkpoint" in config:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(**config["checkpoint"]))
     logger: Any = False
@@ -237,6 +284,10 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     )
     model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False))
     trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    if hasattr(trainer.strategy, "outer_step_reports"):  # after the strategy's own end of fit
+        torch.save({"reports": [dataclasses.asdict(r) for r in trainer.strategy.outer_step_reports],
+                    "in_flight": [r.in_flight is not None for r in trainer.strategy.replicas],
+                    "weights": flat(model)}, os.path.join(out_dir, f"after_fit{trainer.global_rank}.pt"))
     if "save_to" in config:
         trainer.save_checkpoint(config["save_to"])
     if "interrupted_save_to" in config:

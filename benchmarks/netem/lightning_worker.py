@@ -7,7 +7,8 @@ modelled network (``LOCO_MODELLED_NETWORK`` set) the strategies' transport is re
 communication hook that holds it for the modelled time.
 
 ``TimeToLoss`` records, on rank 0, the training wall time (validation excluded) and the validation
-loss at every validation.
+loss at every validation, and at the end the strategy's outer-step reports (τ used, the time each
+round's landing waited).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from benchmarks.netem import modelled
 
 
 class TimeToLoss(L.Callback):
-    """Writes ``[{"step", "tokens", "train_seconds", "val_loss"}, ...]`` to ``out`` (rank 0)."""
+    """Writes ``{"curve": [{"step", "tokens", "train_seconds", "val_loss"}, ...], "rounds": [...],
+    "train_seconds"}`` to ``out`` (rank 0)."""
 
     def __init__(self, out: str, tokens_per_step: int) -> None:
         self.out, self.tokens_per_step = out, tokens_per_step
@@ -51,9 +53,20 @@ class TimeToLoss(L.Callback):
             "train_seconds": now - self.start - self.validation_seconds,
             "val_loss": float(trainer.callback_metrics["val_loss"]),
         })
+        self._write(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        reports = getattr(trainer.strategy, "outer_step_reports", [])
+        self.rounds = [{"overlap_steps": r.overlap_steps, "comm_seconds": r.comm_seconds, "seconds": r.seconds}
+                       for r in reports]
+        self.train_seconds = time.perf_counter() - self.start - self.validation_seconds
+        self._write(trainer)
+
+    def _write(self, trainer: L.Trainer) -> None:
         if trainer.is_global_zero:
             with open(self.out, "w") as f:
-                json.dump(self.rows, f)
+                json.dump({"curve": self.rows, "rounds": getattr(self, "rounds", []),
+                           "train_seconds": getattr(self, "train_seconds", None)}, f)
 
 
 class ModelledDDPHook(L.Callback):

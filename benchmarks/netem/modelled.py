@@ -21,7 +21,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 from benchmarks.netem.links import Link, Network
-from lightning_loco.transport import TorchDistributedTransport
+from lightning_loco.transport import PendingSum, TorchDistributedTransport
 
 ENV = "LOCO_MODELLED_NETWORK"
 
@@ -66,23 +66,15 @@ class ModelledTransport(TorchDistributedTransport):
         if self.network is None:
             raise ValueError(f"no network to model: pass network= or set {ENV}")
 
-    def _hold(self, start: float, modelled: float, recorded: bool) -> None:
-        wait_until(start, modelled)
-        if recorded:  # count the modelled time, not the loopback time, as communication
-            extra = time.perf_counter() - start - self.stats.last_seconds
-            self.stats.seconds += extra
-            self.stats.last_seconds += extra
-
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
-        start = time.perf_counter()
-        out = super().group_sum(payload, group)
+    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
+        pending = super().start_group_sum(payload, group)
         peers = [j for j in group if j != self.replica]
-        nbytes = payload.numel() * payload.element_size()
-        self._hold(start, pair_s(self.network, self.replica, peers, nbytes), recorded=bool(peers))
-        return out
+        if peers:  # completion (and the recorded communication time) waits for the modelled finish
+            nbytes = payload.numel() * payload.element_size()
+            pending.ready_at = pending.started + pair_s(self.network, self.replica, peers, nbytes)
+        return pending
 
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
-        start = time.perf_counter()
-        out = super().all_reduce_sum(payload)
-        self._hold(start, allreduce_s(self.network, payload.numel() * payload.element_size()), recorded=True)
-        return out
+    def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
+        pending = super().start_all_reduce_sum(payload)
+        pending.ready_at = pending.started + allreduce_s(self.network, payload.numel() * payload.element_size())
+        return pending

@@ -8,11 +8,16 @@ strategies) and in a single process over simulated replicas (:mod:`lightning_loc
    point to point inside the group, or one all-reduce when the round is ``collective``;
 3. ``apply(state, group_sum, group_size)``: updates the outer state and returns the new live weights.
 
+``local_proxy`` is the outer step with every received quantity replaced by the replica's own: the
+prediction that overlapped training starts from while the real exchange is in flight
+(:mod:`lightning_loco.overlap`).
+
 Algorithms never import ``torch.distributed`` or Lightning: they are plain tensor maths.
 """
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -62,6 +67,14 @@ class OuterAlgorithm(ABC):
     @abstractmethod
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         """Finishes the outer step from the group's summed payloads; returns the new live weights."""
+
+    def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
+        """The new live weights this replica would get if every member of its group had sent what it
+        sends (a new tensor; ``state`` is not changed). The default runs ``payload`` and ``apply`` on
+        a copy of the state; algorithms override it with a closed form that needs no copy."""
+        shadow = copy.deepcopy(state)
+        own = self.payload(shadow, weights)
+        return self.apply(shadow, own * group_size, group_size).clone()
 
     def step(
         self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport"

@@ -75,6 +75,12 @@ class DiLoCo(OuterAlgorithm):
         # The pseudo-gradient Δ_i = θ_i − φ: smaller than θ, so its float32 sum loses fewer bits.
         return weights - state.anchor
 
+    def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
+        """The outer optimizer's step with Δ̄ replaced by this replica's own Δ_i, on a copy."""
+        assert isinstance(state, DiLoCoState)
+        shadow = DiLoCoState(**state.shadow(self.outer_optimizer))
+        return self.apply(shadow, weights - shadow.anchor, 1)  # Δ_i as the group's (single) sum
+
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, DiLoCoState)
         state.gradient.copy_(group_sum).div_(-group_size)  # g = φ − mean θ = −Δ̄

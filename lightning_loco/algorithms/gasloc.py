@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -70,9 +70,21 @@ def stability_note(topology: str, gossip_step: float, outer_momentum: float) -> 
 @dataclass
 class GASLoCState(OptimizerOuterState):
     """θ_i (the anchor), d_i = θ_i − x_i, the outer optimizer (holding x_prev implicitly), and
-    this round's z_i between ``payload`` and ``apply``."""
+    this round's z_i between ``payload`` and ``apply`` (saved with the state while a round is in
+    flight)."""
 
     z: Optional[Tensor] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if self.z is not None:
+            out["z"] = self.z
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        z = state_dict.get("z")
+        self.z = None if z is None else z.to(device=self.anchor.device, dtype=self.anchor.dtype).clone()
 
 
 class GASLoC(OuterAlgorithm):
@@ -139,6 +151,14 @@ class GASLoC(OuterAlgorithm):
         assert isinstance(state, GASLoCState)
         state.z = torch.lerp(state.anchor, weights, self.outer_lr)  # z = θ + η·(θ_H − θ)
         return state.z
+
+    def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
+        """The outer optimizer's step with x = z_i (no mixing), on a copy: with the default SGD,
+        z_i + γ·(z_i − x_prev_i)."""
+        assert isinstance(state, GASLoCState)
+        shadow = GASLoCState(**state.shadow(self.outer_optimizer))
+        torch.sub(shadow.anchor, torch.lerp(state.anchor, weights, self.outer_lr), out=shadow.gradient)
+        return shadow.step()
 
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, GASLoCState) and state.z is not None

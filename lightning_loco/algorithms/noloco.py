@@ -104,6 +104,13 @@ class NoLoCo(OuterAlgorithm):
             return weights
         return torch.cat([weights, state.anchor])
 
+    def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
+        """φ + α·δ + β·(θ − φ): the update with the group's mean replaced by this replica's own values
+        (the γ term vanishes)."""
+        assert isinstance(state, NoLoCoState)
+        proxy = torch.lerp(state.anchor, weights, self.outer_lr)
+        return proxy.add_(state.momentum, alpha=self.outer_momentum)
+
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, NoLoCoState)
         phi, delta = state.anchor, state.momentum

@@ -8,6 +8,7 @@ the parameters' ``.grad``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -34,6 +35,15 @@ class OptimizerOuterState(OuterState):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.anchor.copy_(state_dict["anchor"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def shadow(self, factory: OuterOptimizerFactory) -> dict[str, Any]:
+        """Fields of an independent copy (anchor, gradient, optimizer and its state), for a dry run.
+        ``copy.deepcopy`` would not do: it clones the optimizer's parameter views apart from the
+        anchor and drops their gradients."""
+        shapes = [p.shape for group in self.optimizer.param_groups for p in group["params"]]
+        fields = anchor_fields(self.anchor.clone(), shapes, factory)
+        fields["optimizer"].load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
+        return fields
 
     def step(self) -> Tensor:
         """One optimizer step on the anchor with the gradient already in ``self.gradient``."""

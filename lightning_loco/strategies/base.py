@@ -7,7 +7,8 @@ torchrun, SLURM), the process group, the ``DistributedSampler`` and ``reduce``/`
 * replicas start from rank 0's weights, then train independently (no gradient all-reduce);
 * after every ``sync_every``-th real optimizer step (``optimizer_step`` fires once per update, after
   gradient accumulation, clipping and the precision plugin, and once per optimizer in manual
-  optimization) it runs the algorithm's outer step on that optimizer's parameters;
+  optimization) it runs the algorithm's outer step on that optimizer's parameters, or with
+  ``overlap_steps`` starts it there and lands it later (see ``lightning_loco/overlap.py``);
 * no global collective while training: Lightning's per-batch SIGTERM broadcast is replaced by a
   local check for the duration of ``fit`` (see ``_compat.py``);
 * checkpoints that keep every replica (see ``lightning_loco/checkpoints.py``).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -43,8 +45,17 @@ import lightning.pytorch as pl
 from lightning_loco import checkpoints
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.flat import FlatParameters
+from lightning_loco.overlap import (
+    AutoOverlap,
+    InFlight,
+    OverlapSteps,
+    auto_cap,
+    check_overlap,
+    correction_norm,
+    merge_at_landing,
+)
 from lightning_loco.strategies._compat import destroy_process_group_at_exit, disable_per_batch_sigterm_broadcast
-from lightning_loco.transport import TorchDistributedTransport
+from lightning_loco.transport import PendingSum, TorchDistributedTransport
 
 
 @dataclass
@@ -55,7 +66,10 @@ class OptimizerReplica:
     flat: FlatParameters
     state: OuterState
     inner_steps: int = 0  # optimizer_step calls (counted even if an fp16 scaler skips the step)
-    outer_steps: int = 0
+    outer_steps: int = 0  # rounds started
+    in_flight: Optional[InFlight] = None  # a round started and not landed yet (overlap only)
+    auto: Optional[AutoOverlap] = None  # chooses τ when overlap_steps="auto"
+    last_step_end: Optional[float] = None  # when this optimizer's previous optimizer_step returned
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,9 @@ class OuterStepReport:
     seconds: float
     pseudo_gradient_norm: Optional[float] = None  # ‖θ − anchor‖ before the step (when norms are tracked)
     update_norm: Optional[float] = None  # ‖anchor after − anchor before‖
+    overlap_steps: int = 0  # τ: inner steps between the start of the round and its landing
+    exchange_seconds: Optional[float] = None  # overlapped rounds: posting until the exchange completed
+    correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
 
 
 def _parse_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:
@@ -95,6 +112,10 @@ class OuterStepStrategy(DDPStrategy):
         average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
             all-reduce), so the model in memory is the consensus model.
         outer_state_device: where the float32 outer state lives; ``None`` means the model's device.
+        overlap_steps: τ, inner steps during which the outer step's exchange runs in the background
+            before it lands; 0 is the synchronous outer step, "auto" picks τ from measured times.
+        overlap_merge: "predict_correct" or "delayed": how a landing round meets the τ steps taken
+            meanwhile (``lightning_loco/overlap.py``).
         The remaining arguments are ``DDPStrategy``'s, with the same meaning.
     """
 
@@ -112,9 +133,12 @@ class OuterStepStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        overlap_steps: OverlapSteps = 0,
+        overlap_merge: str = "predict_correct",
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}.")
+        check_overlap(overlap_steps, overlap_merge, sync_every)
         device = _parse_device(outer_state_device)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
         super().__init__(
@@ -129,6 +153,9 @@ class OuterStepStrategy(DDPStrategy):
         )
         self.algorithm = algorithm
         self.sync_every = sync_every
+        self.overlap_steps = overlap_steps
+        self.overlap_merge = overlap_merge
+        self._overlap_group: Optional[Any] = None  # a process group of its own for background exchanges
         self.average_at_end = bool(average_at_end)
         self._outer_state_device = device
         self._replicas: list[OptimizerReplica] = []
@@ -137,6 +164,7 @@ class OuterStepStrategy(DDPStrategy):
         self._restore_sigterm: Optional[Callable[[], None]] = None
         self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from a checkpoint, until training starts
         self.outer_step_reports: list[OuterStepReport] = []  # this fit's outer steps, in order
+        self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
         self.track_norms = False  # set by OuterStepMonitor: costs one anchor copy per outer step
 
     # ------------------------------------------------------------------ configuration checks
@@ -253,20 +281,30 @@ class OuterStepStrategy(DDPStrategy):
         super().on_train_start()
         trainer = self.lightning_module.trainer
         self._trained_module = weakref.ref(self.lightning_module)
-        self._transport = TorchDistributedTransport(self._comm_device())
+        self._transport = self._make_transport()
         self.algorithm.check_num_replicas(self._transport.num_replicas)
         self._replicas = [self._new_replica(optimizer) for optimizer in self.optimizers]
         self.outer_step_reports = []
+        self.rounds_started = []
         if self._resumed_outer is not None:
             self._load_outer_state(self._resumed_outer)
             self._resumed_outer = None
         self._restore_sigterm = disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
 
+    def _make_transport(self) -> TorchDistributedTransport:
+        """The transport of the outer steps. With overlap, background exchanges get a process group
+        of their own, so that collectives on the default group (logging, checkpoints, validation)
+        never interleave with them."""
+        if self.overlap_steps != 0 and self._overlap_group is None and dist.get_world_size() > 1:
+            self._overlap_group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
+        return TorchDistributedTransport(self._comm_device(), process_group=self._overlap_group)
+
     def _new_replica(self, optimizer: Optimizer) -> OptimizerReplica:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         flat = FlatParameters(params, self.outer_state_device)
         state = self.algorithm.init_state(flat.gather(), flat.shapes)
-        return OptimizerReplica(optimizer=optimizer, flat=flat, state=state)
+        auto = AutoOverlap(auto_cap(self.sync_every, self.algorithm.name)) if self.overlap_steps == "auto" else None
+        return OptimizerReplica(optimizer=optimizer, flat=flat, state=state, auto=auto)
 
     @override
     def optimizer_step(
@@ -279,9 +317,35 @@ class OuterStepStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         index, replica = self._replica_of(optimizer)
         replica.inner_steps += 1
+        if replica.auto is not None and replica.last_step_end is not None:
+            replica.auto.observe_step(time.perf_counter() - replica.last_step_end)
+        if replica.in_flight is not None:
+            replica.in_flight.poll()
+            if replica.inner_steps >= replica.in_flight.land_step:
+                self._land(index, replica)
         if replica.inner_steps % self.sync_every == 0:
-            self._outer_step(index, replica)
+            tau = self._overlap_for(replica)
+            if tau == 0:
+                self._outer_step(index, replica)
+            else:
+                self._start_round(index, replica, tau)
+        replica.last_step_end = time.perf_counter()
         return output
+
+    def _overlap_for(self, replica: OptimizerReplica) -> int:
+        if replica.auto is None:
+            return int(self.overlap_steps)
+        tau = replica.auto.choose()
+        if replica.auto.cannot_hide and not replica.auto.warned:
+            replica.auto.warned = True
+            warnings.warn(
+                f"Replica {self.replica_index}: overlap_steps='auto' needs about {replica.auto.needed} inner steps "
+                f"to hide the outer step's exchange but is capped at {replica.auto.cap} "
+                f"({'H/2' if self.algorithm.name == 'noloco' else 'H/4'} with H={self.sync_every}); the rest of "
+                "the exchange is waited for at each landing. A larger sync_every hides more.",
+                stacklevel=2,
+            )
+        return tau
 
     def _replica_of(self, optimizer: Optimizer) -> tuple[int, OptimizerReplica]:
         for index, replica in enumerate(self._replicas):
@@ -292,14 +356,19 @@ class OuterStepStrategy(DDPStrategy):
             "during trainer.fit, on an optimizer returned by configure_optimizers."
         )
 
-    def _outer_step(self, index: int, replica: OptimizerReplica) -> None:
-        start = time.perf_counter()
+    def _check_parameters(self, index: int, replica: OptimizerReplica) -> None:
         if sum(len(g["params"]) for g in replica.optimizer.param_groups) != len(replica.flat.params):
             raise RuntimeError(
                 f"The parameters of optimizer {index} changed during training (e.g. add_param_group). "
                 f"{type(self).__name__} keeps one outer state per optimizer over a fixed parameter list; "
                 "give the optimizer all its parameters in configure_optimizers (frozen ones included)."
             )
+
+    def _outer_step(self, index: int, replica: OptimizerReplica) -> None:
+        """The synchronous outer step (τ = 0)."""
+        start = time.perf_counter()
+        self._check_parameters(index, replica)
+        self.rounds_started.append((index, replica.outer_steps))
         assert self._transport is not None
         transport = self._transport
         stats = transport.stats
@@ -327,7 +396,96 @@ class OuterStepStrategy(DDPStrategy):
                 update_norm=update_norm,
             )
         )
+        if replica.auto is not None:
+            replica.auto.observe_exchange(stats.seconds - comm)
         replica.outer_steps += 1
+
+    def _start_round(self, index: int, replica: OptimizerReplica, tau: int) -> None:
+        """Posts round t's exchange and returns; the round lands ``tau`` optimizer steps later."""
+        start = time.perf_counter()
+        self._check_parameters(index, replica)
+        assert self._transport is not None and replica.in_flight is None
+        transport, algorithm, t = self._transport, self.algorithm, replica.outer_steps
+        self.rounds_started.append((index, t))
+        weights = replica.flat.gather()  # the snapshot S
+        round_ = algorithm.schedule(t, transport.num_replicas)
+        group = round_.group_of(transport.replica)
+        pseudo_gradient_norm = before = None
+        if self.track_norms:
+            before = replica.state.anchor.clone()
+            pseudo_gradient_norm = torch.linalg.vector_norm(weights - before).item()
+        payload = algorithm.payload(replica.state, weights)
+        if self.overlap_merge == "delayed" and round_.collective and payload.data_ptr() == weights.data_ptr():
+            weights = weights.clone()  # an all-reduce sums in place: keep S apart from what travels
+        if round_.collective:
+            pending = transport.start_all_reduce_sum(payload)
+        else:
+            pending = transport.start_group_sum(payload, group)
+        if self.overlap_merge == "predict_correct":
+            reference = algorithm.local_proxy(replica.state, weights, len(group))  # φ̂, while the bytes travel
+            replica.flat.scatter(reference)
+        else:
+            reference = weights
+        replica.in_flight = InFlight(
+            outer_step=t, start_step=replica.inner_steps, land_step=replica.inner_steps + tau, group=tuple(group),
+            pending=pending, reference=reference, merge=self.overlap_merge,
+            pseudo_gradient_norm=pseudo_gradient_norm, anchor_before=before,
+        )
+        replica.outer_steps += 1
+        replica.in_flight.start_seconds = time.perf_counter() - start
+
+    def _land(self, index: int, replica: OptimizerReplica) -> None:
+        """Completes the round in flight: waits for the exchange if it is still running, commits the
+        outer state, and merges the result into the live weights."""
+        flight, replica.in_flight = replica.in_flight, None
+        assert flight is not None and self._transport is not None
+        start = time.perf_counter()
+        total = flight.pending.wait()
+        exchange = flight.completed_after if flight.completed_after is not None else flight.pending.seconds
+        new_anchor = self.algorithm.apply(replica.state, total, len(flight.group))
+        merged, correction = merge_at_landing(flight.merge, replica.flat.gather(), new_anchor, flight.reference)
+        replica.flat.scatter(merged)
+        update_norm = None
+        if flight.anchor_before is not None:
+            update_norm = torch.linalg.vector_norm(replica.state.anchor - flight.anchor_before).item()
+        if replica.auto is not None:
+            replica.auto.observe_exchange(exchange)
+        pending = flight.pending
+        self.outer_step_reports.append(
+            OuterStepReport(
+                optimizer_index=index,
+                outer_step=flight.outer_step,
+                inner_step=replica.inner_steps,
+                peers=tuple(j for j in flight.group if j != self._transport.replica),
+                bytes_sent=pending.nbytes,
+                bytes_received=pending.nbytes,
+                comm_seconds=pending.wait_seconds,
+                seconds=flight.start_seconds + time.perf_counter() - start,
+                pseudo_gradient_norm=flight.pseudo_gradient_norm,
+                update_norm=update_norm,
+                overlap_steps=replica.inner_steps - flight.start_step,  # fewer if fit ended first
+                exchange_seconds=exchange,
+                correction_norm=correction_norm(correction),
+            )
+        )
+
+    def _land_all(self) -> None:
+        for index, replica in enumerate(self._replicas):
+            if replica.in_flight is not None:
+                self._land(index, replica)
+
+    def _abandon_all(self) -> None:
+        for replica in self._replicas:
+            if replica.in_flight is not None:
+                finished = replica.in_flight.pending.abandon(timeout=10.0)
+                if not finished:
+                    warnings.warn(
+                        f"Replica {self.replica_index}: training stopped while outer step "
+                        f"{replica.in_flight.outer_step} was in flight and its exchange did not finish; "
+                        "the round was dropped.",
+                        stacklevel=2,
+                    )
+                replica.in_flight = None
 
     def _mean_over_replicas(self, tensors: list[torch.Tensor]) -> tuple[FlatParameters, torch.Tensor]:
         """The replicas' average of ``tensors`` as one flat float32 vector (one all-reduce; every rank
@@ -429,6 +587,8 @@ class OuterStepStrategy(DDPStrategy):
             "lr_schedulers": checkpoint.get("lr_schedulers"),
             "outer": [
                 {"numel": r.flat.numel, "inner_steps": r.inner_steps, "outer_steps": r.outer_steps,
+                 # a round in flight is saved with its received sum (awaited, not landed): exact resume
+                 "in_flight": r.in_flight.state_dict() if r.in_flight is not None else None,
                  "state": r.state.state_dict()}
                 for r in self._replicas
             ],
@@ -499,6 +659,17 @@ class OuterStepStrategy(DDPStrategy):
         for replica, entry in zip(self._replicas, saved):
             replica.state.load_state_dict(entry["state"])
             replica.inner_steps, replica.outer_steps = entry["inner_steps"], entry["outer_steps"]
+            flight = entry.get("in_flight")
+            if flight is not None:
+                assert self._transport is not None
+                device = replica.state.anchor.device
+                group = tuple(flight["group"])
+                peers = tuple(j for j in group if j != self._transport.replica)
+                replica.in_flight = InFlight(
+                    outer_step=flight["outer_step"], start_step=flight["start_step"], land_step=flight["land_step"],
+                    group=group, pending=PendingSum.resolved(self._transport, flight["sum"].to(device), peers),
+                    reference=flight["reference"].to(device), merge=flight["merge"],
+                )
 
     def _restore_lightning(self) -> None:
         if self._restore_sigterm is not None:
@@ -508,6 +679,7 @@ class OuterStepStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self._restore_lightning()
+        self._land_all()  # a round still in flight lands now, early
         if self.average_at_end:
             self.average_replicas()
         super().on_train_end()
@@ -515,5 +687,12 @@ class OuterStepStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._restore_lightning()
+        self._abandon_all()  # only left after an interrupted fit: on_train_end lands rounds in flight
         self._transport = None
+        if self._overlap_group is not None:
+            try:
+                dist.destroy_process_group(self._overlap_group)
+            except (RuntimeError, ValueError):
+                pass  # the default group is already gone, and this one with it
+            self._overlap_group = None
         super().teardown()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -40,6 +40,13 @@ class GASLoCStrategy(OuterStepStrategy):
         seed: seeds the random matchings (with the outer-step index); independent of the global RNG.
         outer_optimizer: builds any torch optimizer over the anchor (e.g. Adam for an adaptive outer
             step), stepped with d = θ − x; replaces the default SGD(lr=1, momentum=γ, nesterov=True).
+        overlap_steps: τ, inner steps during which the outer step's exchange runs in the background
+            before it lands (0 < τ < H); 0 (default) is the synchronous outer step of the paper.
+            "auto" measures the exchange and the inner steps and picks the smallest τ that hides the
+            exchange, at most H/4; runs with "auto" are not bitwise reproducible.
+        overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
+            (default: start the τ steps from the local prediction of the outer step, add the
+            correction at the landing) or "delayed" (apply the outer step's change at the landing).
         average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
             all-reduce), so the model in memory is the consensus model. The papers define no final
             model; this is our choice. False keeps each replica's own weights.
@@ -66,6 +73,8 @@ class GASLoCStrategy(OuterStepStrategy):
         topology: Literal["random_pairs", "ring", "exponential", "complete"] = "random_pairs",
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        overlap_steps: Union[int, Literal["auto"]] = 0,
+        overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
         average_at_end: bool = True,
         outer_state_device: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -91,6 +100,7 @@ class GASLoCStrategy(OuterStepStrategy):
         super().__init__(
             algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
             cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
+            overlap_steps=overlap_steps, overlap_merge=overlap_merge,
         )
 
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -38,6 +38,13 @@ class NoLoCoStrategy(OuterStepStrategy):
         group_size: n, replicas per group (paper: 2). If N is not a multiple of n the last group takes
             the remainder.
         seed: seeds the random groups (with the outer-step index); independent of the global RNG.
+        overlap_steps: τ, inner steps during which the outer step's exchange runs in the background
+            before it lands (0 < τ < H); 0 (default) is the synchronous outer step of the paper.
+            "auto" measures the exchange and the inner steps and picks the smallest τ that hides the
+            exchange, at most H/2; runs with "auto" are not bitwise reproducible.
+        overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
+            (default: start the τ steps from the local prediction of the outer step, add the
+            correction at the landing) or "delayed" (apply the outer step's change at the landing).
         average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
             all-reduce), so the model in memory is the consensus model. The papers define no final
             model; this is our choice. False keeps each replica's own weights.
@@ -63,6 +70,8 @@ class NoLoCoStrategy(OuterStepStrategy):
         averaging_rate: Optional[float] = None,
         group_size: int = 2,
         seed: int = 0,
+        overlap_steps: Union[int, Literal["auto"]] = 0,
+        overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
         average_at_end: bool = True,
         outer_state_device: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -91,6 +100,7 @@ class NoLoCoStrategy(OuterStepStrategy):
         super().__init__(
             algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
             cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
+            overlap_steps=overlap_steps, overlap_merge=overlap_merge,
         )
 
     @override

@@ -1,0 +1,147 @@
+"""Hiding the outer step's communication behind inner steps: the maths and the bookkeeping.
+
+Round t starts after inner step s = tH: the replica posts its payload (computed from the snapshot
+S = θ(s), exactly the synchronous payload), keeps training, and *lands* the round τ inner steps
+later. At most one round is in flight. With φ⁺ the new anchor the synchronous outer step computes
+from the snapshots, and φ̂ the algorithm's ``local_proxy`` (the same step with every received
+quantity replaced by the replica's own), the two merges are:
+
+* ``"predict_correct"`` (default): at s, θ ← φ̂; at s + τ, θ ← θ + (φ⁺ − φ̂). The τ overlapped steps
+  are taken near where they land.
+* ``"delayed"``: nothing at s; at s + τ, θ ← φ⁺ + (θ − S).
+
+The outer state is committed at the landing in both cases, so the anchors follow the synchronous
+formula applied to the snapshots. τ = 0 never comes here: the strategies run the synchronous step.
+
+This module is plain tensor maths and timing logic; :mod:`lightning_loco.strategies.base` drives it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_loco.transport import PendingSum
+
+MERGES = ("predict_correct", "delayed")
+OverlapSteps = Union[int, str]
+
+
+def check_overlap(overlap_steps: Any, overlap_merge: Any, sync_every: int) -> None:
+    """Raises ``ValueError`` with what to do instead when the overlap arguments cannot work."""
+    if overlap_merge not in MERGES:
+        raise ValueError(
+            f"overlap_merge must be 'predict_correct' (the default: start from the local prediction, correct "
+            f"at the landing) or 'delayed' (apply the outer step late), got {overlap_merge!r}."
+        )
+    if overlap_steps == "auto":
+        return
+    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
+        raise ValueError(
+            f"overlap_steps must be an integer >= 0 or 'auto', got {overlap_steps!r}. 0 (the default) is the "
+            "synchronous outer step."
+        )
+    if overlap_steps >= sync_every:
+        raise ValueError(
+            f"overlap_steps={overlap_steps} must be smaller than sync_every={sync_every}: a round must land "
+            f"before the next one starts. Use at most {sync_every - 1}, or 'auto'."
+        )
+
+
+def auto_cap(sync_every: int, algorithm_name: str) -> int:
+    """The largest τ that ``"auto"`` may choose: H/2 for NoLoCo, H/4 otherwise (where our simulation
+    found the loss change small; see docs/algorithms.md)."""
+    return sync_every // 2 if algorithm_name == "noloco" else sync_every // 4
+
+
+@dataclass
+class InFlight:
+    """One round between its start and its landing, on one replica and for one optimizer."""
+
+    outer_step: int  # t
+    start_step: int  # the optimizer's step count when it started (s)
+    land_step: int  # s + τ
+    group: tuple[int, ...]
+    pending: PendingSum
+    reference: Tensor  # φ̂ for "predict_correct", S for "delayed" (float32, outer-state device)
+    merge: str
+    pseudo_gradient_norm: Optional[float] = None
+    anchor_before: Optional[Tensor] = None  # kept only when norms are tracked
+    start_seconds: float = 0.0  # time the start took from training (posting, prediction)
+    completed_after: Optional[float] = None  # seconds from posting until first seen complete
+
+    @property
+    def overlap_steps(self) -> int:
+        return self.land_step - self.start_step
+
+    def poll(self) -> None:
+        """Notes when the exchange is first seen complete (non-blocking)."""
+        if self.completed_after is None and self.pending.done():
+            self.completed_after = time.perf_counter() - self.pending.started
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the round: the received sum is awaited first (this only waits
+        for the transfer; the model is not touched, so training continues as it would have)."""
+        total = self.pending.wait()
+        return {
+            "outer_step": self.outer_step, "start_step": self.start_step, "land_step": self.land_step,
+            "group": list(self.group), "sum": total, "reference": self.reference, "merge": self.merge,
+        }
+
+
+def merge_at_landing(merge: str, live: Tensor, new_anchor: Tensor, reference: Tensor) -> tuple[Tensor, Tensor]:
+    """The live weights after the landing, and the correction applied to them (both new tensors).
+
+    ``live`` is θ now, ``new_anchor`` φ⁺, ``reference`` φ̂ (predict_correct) or S (delayed)."""
+    if merge == "predict_correct":
+        correction = new_anchor - reference  # φ⁺ − φ̂
+        return live + correction, correction
+    merged = new_anchor + (live - reference)  # φ⁺ + (θ − S)
+    return merged, merged - live
+
+
+class AutoOverlap:
+    """Chooses τ for ``overlap_steps="auto"``: the smallest number of inner steps that covers the
+    exchange times measured in earlier rounds, at most ``cap``.
+
+    The first round runs synchronously (τ = 0) and measures the exchange. Afterwards an overlapped
+    round measures its exchange by polling at every inner step (so to within one step) or, when the
+    landing had to wait, by when the wait ended. Inner-step times are the intervals between a
+    replica's optimizer steps, outer-step work excluded; medians of recent values keep validation
+    passes and stragglers from steering τ. Each replica chooses its own τ from its own timings.
+    """
+
+    def __init__(self, cap: int, history: int = 5) -> None:
+        self.cap = cap
+        self.exchanges: deque[float] = deque(maxlen=history)
+        self.steps: deque[float] = deque(maxlen=4 * history)
+        self.needed: Optional[int] = None  # the τ that would hide the last estimate, uncapped
+        self.warned = False
+
+    def observe_exchange(self, seconds: float) -> None:
+        self.exchanges.append(seconds)
+
+    def observe_step(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+    def choose(self) -> int:
+        if not self.exchanges or not self.steps or self.cap < 1:
+            return 0
+        step = max(statistics.median(self.steps), 1e-9)
+        self.needed = max(1, math.ceil(statistics.median(self.exchanges) / step))
+        return min(self.needed, self.cap)
+
+    @property
+    def cannot_hide(self) -> bool:
+        return self.needed is not None and self.needed > self.cap
+
+
+def correction_norm(correction: Tensor) -> float:
+    return torch.linalg.vector_norm(correction).item()
