@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -83,8 +82,8 @@ class InFlight:
 
     def poll(self) -> None:
         """Notes when the exchange is first seen complete (non-blocking)."""
-        if self.completed_after is None and self.pending.done():
-            self.completed_after = time.perf_counter() - self.pending.started
+        if self.completed_after is None:
+            self.completed_after = self.pending.completed_after()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the round: the received sum is awaited first (this only waits

@@ -19,6 +19,7 @@ may later span several ranks without changing the algorithms.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class PendingSum:
     timeout), records the traffic in the transport's stats, and returns the sum. ``ready_at`` (a
     ``time.perf_counter()`` value) holds completion back until then: the in-process network model
     uses it to stand for a slower link.
+
+    ``watch()`` starts a thread that waits for the operations and notes when they completed: gloo's
+    point-to-point works report completion only once waited for, so without it ``done()`` could not
+    tell a finished transfer from a running one. (NCCL's works report it themselves; their ``wait``
+    is a stream dependency that belongs on the training thread, so they are never watched.)
     """
 
     def __init__(
@@ -100,7 +106,24 @@ class PendingSum:
         self.ready_at = 0.0
         self.wait_seconds = 0.0  # time spent blocked in wait()
         self.seconds = 0.0  # from posting to the end of wait()
+        self.completed_at: Optional[float] = None  # when a watcher saw the operations complete
         self._result: Optional[Tensor] = None
+        self._watcher: Optional[threading.Thread] = None
+        self._error: Optional[RuntimeError] = None
+
+    def watch(self) -> "PendingSum":
+        if self.works and self._watcher is None:
+            self._watcher = threading.Thread(target=self._wait_works, name="lightning_loco-exchange", daemon=True)
+            self._watcher.start()
+        return self
+
+    def _wait_works(self) -> None:
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as err:
+            self._error = err
+        self.completed_at = time.perf_counter()
 
     @classmethod
     def resolved(cls, transport: "TorchDistributedTransport", result: Tensor, peers: tuple[int, ...] = ()) -> "PendingSum":
@@ -114,26 +137,47 @@ class PendingSum:
         """Gives the posted operations up to ``timeout`` seconds to finish, then drops them, whatever
         happened (used when training stops with a round in flight). Returns whether they finished."""
         finished = True
-        for work in self.works:
-            try:
-                finished = bool(work.wait(timedelta(seconds=timeout))) and finished
-            except RuntimeError:
-                finished = False
+        if self._watcher is not None:
+            self._watcher.join(timeout)
+            finished = not self._watcher.is_alive() and self._error is None
+        else:
+            for work in self.works:
+                try:
+                    finished = bool(work.wait(timedelta(seconds=timeout))) and finished
+                except RuntimeError:
+                    finished = False
         self.works, self.finish = [], lambda: torch.empty(0)
         return finished
 
     def done(self) -> bool:
         if self._result is not None:
             return True
-        return time.perf_counter() >= self.ready_at and all(w.is_completed() for w in self.works)
+        if time.perf_counter() < self.ready_at:
+            return False
+        if self._watcher is not None:
+            return not self._watcher.is_alive()
+        return all(w.is_completed() for w in self.works)
+
+    def completed_after(self) -> Optional[float]:
+        """Seconds from posting to completion, if known (``done()`` is true): exact when watched."""
+        if not self.done():
+            return None
+        if self.completed_at is not None:
+            return max(self.completed_at, self.ready_at) - self.started
+        return time.perf_counter() - self.started
 
     def wait(self) -> Tensor:
         if self._result is not None:
             return self._result
         blocked = time.perf_counter()
         try:
-            for work in self.works:
-                work.wait()
+            if self._watcher is not None:
+                self._watcher.join()
+                if self._error is not None:
+                    raise self._error
+            else:
+                for work in self.works:
+                    work.wait()
         except RuntimeError as err:
             t = self.transport
             ranks = [t.replica_ranks[j] for j in self.peers]

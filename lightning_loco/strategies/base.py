@@ -421,6 +421,8 @@ class OuterStepStrategy(DDPStrategy):
             pending = transport.start_all_reduce_sum(payload)
         else:
             pending = transport.start_group_sum(payload, group)
+        if self._comm_device().type == "cpu":
+            pending.watch()  # so that polls see when the transfer is done (see PendingSum)
         if self.overlap_merge == "predict_correct":
             reference = algorithm.local_proxy(replica.state, weights, len(group))  # φ̂, while the bytes travel
             replica.flat.scatter(reference)
