@@ -13,8 +13,8 @@ return a :class:`PendingSum` at once: the transfer progresses in the background 
 on CPU, NCCL's stream on GPU) while training goes on, and ``PendingSum.wait()`` returns the sum.
 The blocking forms are ``start_...(...).wait()``.
 
-A replica is one rank today. ``replica_ranks`` maps replica index to global rank so that a replica
-may later span several ranks without changing the algorithms.
+A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
+buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
 """
 
 from __future__ import annotations
@@ -201,27 +201,48 @@ class PendingSum:
 class TorchDistributedTransport:
     """``Transport`` over an initialised ``torch.distributed`` process group.
 
+    A replica is ``ranks_per_replica`` = k consecutive global ranks that hold the same weights
+    (replica ``i`` is ranks ``i·k … i·k + k − 1``). With k > 1 every rank moves only its own slice
+    of the buffer: rank j of a replica exchanges the j-th of k slices with rank j of each peer
+    replica (or all-reduces it over the ``slice_group`` of the j-th ranks), and the replica's ranks
+    then all-gather the summed slices over ``replica_group``, their fast link. Each rank sends 1/k
+    of a model on the slow link and no rank is a bottleneck; the result is bitwise the same sum as a
+    whole-buffer exchange for point-to-point groups (elementwise sums in the same order).
+
     Args:
         device: where buffers must be to cross the network (CUDA for NCCL, CPU for gloo). Payloads
             elsewhere are copied there and the result is copied back.
-        process_group: the group to use (default: the world).
-        replica_ranks: the global rank of each replica (default: replica ``i`` is rank ``i``).
+        process_group: the group for point-to-point exchanges and, with k = 1, the all-reduce
+            (default: the world). Peers are addressed by global rank.
+        ranks_per_replica: k (default 1: every rank is a replica).
+        replica_group: with k > 1, the process group of this rank's replica.
+        slice_group: with k > 1, the process group of the ranks holding the same slice as this one
+            (local rank j of every replica), for all-reduces.
     """
 
     def __init__(
         self,
         device: torch.device,
         process_group: Optional[Any] = None,
-        replica_ranks: Optional[Sequence[int]] = None,
+        ranks_per_replica: int = 1,
+        replica_group: Optional[Any] = None,
+        slice_group: Optional[Any] = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised torch.distributed process group")
+        world = dist.get_world_size()
+        if ranks_per_replica < 1 or world % ranks_per_replica:
+            raise ValueError(f"ranks_per_replica={ranks_per_replica} must divide the world size {world}")
+        if ranks_per_replica > 1 and (replica_group is None or slice_group is None):
+            raise ValueError("ranks_per_replica > 1 needs replica_group and slice_group")
         self.device = torch.device(device)
         self.process_group = process_group
-        world = dist.get_world_size(process_group)
-        self.replica_ranks = list(range(world)) if replica_ranks is None else list(replica_ranks)
-        self.num_replicas = len(self.replica_ranks)
-        self.replica = self.replica_ranks.index(dist.get_rank())
+        self.ranks_per_replica = k = ranks_per_replica
+        self.replica_group, self.slice_group = replica_group, slice_group
+        rank = dist.get_rank()
+        self.replica, self.local_rank = divmod(rank, k)
+        self.num_replicas = world // k
+        self.replica_ranks = [i * k + self.local_rank for i in range(self.num_replicas)]  # my counterparts
         self.stats = TransportStats()
 
     def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
@@ -229,6 +250,24 @@ class TorchDistributedTransport:
 
     def all_reduce_sum(self, payload: Tensor) -> Tensor:
         return self.start_all_reduce_sum(payload).wait()
+
+    def _slice(self, buf: Tensor) -> Tensor:
+        """This rank's slice of a flat buffer (k equal slices, the last ones shorter if need be)."""
+        if self.ranks_per_replica == 1:
+            return buf
+        return torch.tensor_split(buf, self.ranks_per_replica)[self.local_rank]
+
+    def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
+        """The whole buffer from every rank's slice (an all-gather inside the replica)."""
+        if self.ranks_per_replica == 1:
+            return part
+        sizes = [t.numel() for t in torch.tensor_split(like, self.ranks_per_replica)]
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=part.dtype, device=part.device)
+        padded[: part.numel()] = part
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=self.replica_group)
+        return torch.cat([t[:n] for t, n in zip(parts, sizes)])
 
     def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
         """Posts the group's exchange (receives first) and returns at once. ``payload`` must not
@@ -239,7 +278,7 @@ class TorchDistributedTransport:
         if not others:
             # always a new tensor, as for a real group: callers may update it in place
             return PendingSum(self, [], payload.clone, 0, ())
-        send = payload.to(self.device).contiguous()
+        send = self._slice(payload.to(self.device)).contiguous()
         received = {j: torch.empty_like(send) for j in others}
         ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
         ops += [dist.P2POp(dist.isend, send, self.replica_ranks[j], self.process_group) for j in others]
@@ -247,7 +286,7 @@ class TorchDistributedTransport:
 
         def finish() -> Tensor:
             received[self.replica] = send
-            return sum_in_group_order(received, group).to(payload.device)
+            return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
 
         nbytes = send.numel() * send.element_size() * len(others)
         return PendingSum(self, works, finish, nbytes, tuple(others))
@@ -255,16 +294,19 @@ class TorchDistributedTransport:
     def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
         """Posts the all-reduce and returns at once; the sum lands in ``payload``."""
         buf = payload.to(self.device)
-        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        part = self._slice(buf)
+        group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
+        work = dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
         def finish() -> Tensor:
-            if buf.data_ptr() != payload.data_ptr():
-                payload.copy_(buf)
+            whole = self._gather_slices(part, buf)
+            if whole.data_ptr() != payload.data_ptr():
+                payload.copy_(whole)
             return payload
 
         # A ring all-reduce sends and receives 2(N−1)/N copies per replica; gloo and NCCL pick their
         # own algorithm, so this is the nominal figure, not a measurement.
         n = self.num_replicas
-        nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
+        nbytes = 2 * (n - 1) * part.numel() * part.element_size() // n
         peers = tuple(j for j in range(n) if j != self.replica)
         return PendingSum(self, [work] if work is not None else [], finish, nbytes, peers)

@@ -39,6 +39,23 @@ def test_b2_quick(tmp_path):
     assert all(curve for runs in result["curves"].values() for curve in runs.values())
 
 
+def test_b2_overlap_quick(tmp_path):
+    out = bench(tmp_path, "b2_time_to_loss", "--mode", "modelled", "--overlap", "0", "auto")
+    result = json.loads((tmp_path / "b2_overlap.json").read_text())
+    assert [r["method"] for r in result["rows"]] == ["noloco@0", "noloco@auto"] and "exposed comm share" in out
+    assert result["rows"][0]["loss_change"] == 0.0 and result["rows"][0]["tau_used"] == 0
+    assert result["rounds"]["noloco@auto"]["modelled"][0]["overlap_steps"] == 0  # auto measures round 0
+
+
+def test_replica_groups_quick(tmp_path):
+    bench(tmp_path, "replica_groups", "--mode", "modelled")
+    rows = json.loads((tmp_path / "replica_groups.json").read_text())["rows"]
+    assert [(r["ranks_per_replica"], r["replicas"]) for r in rows] == [(1, 4), (2, 2)]
+    # with two ranks per replica each rank sends half a model on the slow link
+    assert rows[1]["noloco_mb_per_rank"] == rows[0]["noloco_mb_per_rank"] / 2
+    assert (tmp_path / "replica_groups.png").exists()
+
+
 def test_b3_quick(tmp_path):
     bench(tmp_path, "b3_uneven_bandwidth", "--mode", "modelled")
     result = json.loads((tmp_path / "b3_uneven_bandwidth.json").read_text())

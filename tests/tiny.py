@@ -206,6 +206,8 @@ class Recorder(L.Callback):
         ]
         self.record["optimizer_states"] = [opt.state_dict() for opt in trainer.optimizers]
         self.record["reports"] = [dataclasses.asdict(r) for r in getattr(strategy, "outer_step_reports", [])]
+        if isinstance(strategy.model, torch.nn.parallel.DistributedDataParallel):
+            self.record["ddp_group_ranks"] = dist.get_process_group_ranks(strategy.model.process_group)
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save(self.record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 

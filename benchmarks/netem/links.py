@@ -3,12 +3,17 @@
 A packet from node i to node j is serialised at i's bandwidth, travels i's one-way delay to the core
 and j's from it, and is serialised again at j's bandwidth (queues are unbounded: nothing is dropped).
 The one-way latency between i and j is therefore ``delay[i] + delay[j]``.
+
+Nodes may share a *site* (``sites``): nodes of one site reach each other over a fast local link
+(``LAN_MBIT``, ``LAN_DELAY_MS``) that bypasses their access links, as the GPUs of one machine do.
+By default every node is a site of its own.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -24,24 +29,45 @@ class Link:
         return self.mbit * 1e6 / 8
 
 
+LAN_MBIT = 10_000.0  # inside a site (the emulator forwards far less than this: it is never the limit)
+LAN_DELAY_MS = 0.05
+
+
 @dataclass(frozen=True)
 class Network:
-    """A name for the output and one access link per node."""
+    """A name for the output, one access link per node, and optionally each node's site."""
 
     name: str
     links: tuple[Link, ...] = field(default_factory=tuple)
+    sites: Optional[tuple[int, ...]] = None
+
+    def same_site(self, i: int, j: int) -> bool:
+        return self.sites is not None and self.sites[i] == self.sites[j]
+
+    def with_sites(self, ranks_per_site: int) -> "Network":
+        """The same links with consecutive blocks of ``ranks_per_site`` nodes sharing a site."""
+        sites = tuple(i // ranks_per_site for i in range(len(self.links)))
+        name = self.name if ranks_per_site == 1 else f"{self.name}; {ranks_per_site} nodes per site"
+        return Network(name, self.links, sites)
 
     def one_way_s(self, i: int, j: int) -> float:
+        if self.same_site(i, j):
+            return LAN_DELAY_MS / 1000
         return (self.links[i].delay_ms + self.links[j].delay_ms) / 1000
 
     def transfer_s(self, i: int, j: int, nbytes: int) -> float:
         """Time for ``nbytes`` from i to j on an idle network: latency plus the slower link's
         serialisation (the TCP handshake, slow start and headers are not modelled)."""
+        if self.same_site(i, j):
+            return self.one_way_s(i, j) + nbytes / (LAN_MBIT * 1e6 / 8)
         rate = min(self.links[i].bytes_per_s, self.links[j].bytes_per_s)
         return self.one_way_s(i, j) + nbytes / rate
 
     def describe(self) -> dict:
-        return {"name": self.name, "links": [asdict(link) for link in self.links]}
+        out: dict = {"name": self.name, "links": [asdict(link) for link in self.links]}
+        if self.sites is not None:
+            out["sites"] = list(self.sites)
+        return out
 
 
 def uniform(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, jitter_ms: float = 0.0) -> Network:

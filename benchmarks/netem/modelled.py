@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.netem.links import Link, Network
@@ -42,12 +43,14 @@ def pair_s(network: Network, i: int, peers: Sequence[int], nbytes: int) -> float
     return max((network.transfer_s(i, j, nbytes) for j in peers), default=0.0)
 
 
-def allreduce_s(network: Network, nbytes: int) -> float:
-    n = len(network.links)
+def allreduce_s(network: Network, nbytes: int, nodes: Optional[Sequence[int]] = None) -> float:
+    """A ring all-reduce over ``nodes`` (default: all)."""
+    ring = list(range(len(network.links))) if nodes is None else list(nodes)
+    n = len(ring)
     if n < 2:
         return 0.0
-    latency = max(network.one_way_s(i, (i + 1) % n) for i in range(n))
-    rate = min(link.bytes_per_s for link in network.links)
+    latency = max(network.one_way_s(ring[i], ring[(i + 1) % n]) for i in range(n))
+    rate = min(network.links[i].bytes_per_s for i in ring)
     return 2 * (n - 1) * (latency + nbytes / n / rate)
 
 
@@ -66,15 +69,19 @@ class ModelledTransport(TorchDistributedTransport):
         if self.network is None:
             raise ValueError(f"no network to model: pass network= or set {ENV}")
 
+    # Nodes are global ranks; with ranks_per_replica > 1 each rank moves its slice only, and the
+    # all-gather inside the replica is taken to run on a fast local link (it is not held).
+
     def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
         pending = super().start_group_sum(payload, group)
-        peers = [j for j in group if j != self.replica]
+        peers = [self.replica_ranks[j] for j in group if j != self.replica]
         if peers:  # completion (and the recorded communication time) waits for the modelled finish
-            nbytes = payload.numel() * payload.element_size()
-            pending.ready_at = pending.started + pair_s(self.network, self.replica, peers, nbytes)
+            nbytes = self._slice(payload).numel() * payload.element_size()
+            pending.ready_at = pending.started + pair_s(self.network, dist.get_rank(), peers, nbytes)
         return pending
 
     def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
         pending = super().start_all_reduce_sum(payload)
-        pending.ready_at = pending.started + allreduce_s(self.network, payload.numel() * payload.element_size())
+        nbytes = self._slice(payload).numel() * payload.element_size()
+        pending.ready_at = pending.started + allreduce_s(self.network, nbytes, self.replica_ranks)
         return pending

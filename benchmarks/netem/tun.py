@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from benchmarks.netem.links import Network
+from benchmarks.netem.links import LAN_DELAY_MS, LAN_MBIT, Network
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -160,6 +160,8 @@ class EmulatedNetwork:
         index_of = {self.address(i): i for i in range(self.n)}
         tx_free = [0.0] * self.n  # when each node's uplink is free again
         rx_free = [0.0] * self.n  # when each node's downlink is free again
+        lan_free = [0.0] * self.n  # when each node's link inside its site is free again
+        lan_rate = LAN_MBIT * 1e6 / 8
         last = {}  # last delivery time per (src, dst): jitter must not reorder a flow
         queue: list[tuple[float, int, int, bytes]] = []
         seq = 0
@@ -186,6 +188,13 @@ class EmulatedNetwork:
                             continue
                         now = time.monotonic()
                         size = len(packet)
+                        if self.network.same_site(src, dst):  # the fast local link, not the access links
+                            lan_free[src] = max(now, lan_free[src]) + size / lan_rate
+                            deliver = max(lan_free[src] + LAN_DELAY_MS / 1000, last.get((src, dst), 0.0))
+                            last[(src, dst)] = deliver
+                            heapq.heappush(queue, (deliver, seq, dst, packet))
+                            seq += 1
+                            continue
                         tx_free[src] = max(now, tx_free[src]) + size / links[src].bytes_per_s
                         at_core = tx_free[src] + links[src].delay_ms / 1000
                         rx_free[dst] = max(at_core, rx_free[dst]) + size / links[dst].bytes_per_s

@@ -4,7 +4,9 @@
 torchrun, SLURM), the process group, the ``DistributedSampler`` and ``reduce``/``barrier``/
 ``broadcast`` are Lightning's. What it adds:
 
-* replicas start from rank 0's weights, then train independently (no gradient all-reduce);
+* replicas start from rank 0's weights, then train independently (no gradient all-reduce between
+  replicas; with ``ranks_per_replica`` = k > 1 a replica is k consecutive ranks wrapped in torch's
+  ``DistributedDataParallel`` over the replica's own process group);
 * after every ``sync_every``-th real optimizer step (``optimizer_step`` fires once per update, after
   gradient accumulation, clipping and the precision plugin, and once per optimizer in manual
   optimization) it runs the algorithm's outer step on that optimizer's parameters, or with
@@ -116,6 +118,7 @@ class OuterStepStrategy(DDPStrategy):
             before it lands; 0 is the synchronous outer step, "auto" picks τ from measured times.
         overlap_merge: "predict_correct" or "delayed": how a landing round meets the τ steps taken
             meanwhile (``lightning_loco/overlap.py``).
+        ranks_per_replica: k, consecutive global ranks that form one replica (DDP inside it).
         The remaining arguments are ``DDPStrategy``'s, with the same meaning.
     """
 
@@ -135,9 +138,15 @@ class OuterStepStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         overlap_steps: OverlapSteps = 0,
         overlap_merge: str = "predict_correct",
+        ranks_per_replica: int = 1,
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}.")
+        if isinstance(ranks_per_replica, bool) or not isinstance(ranks_per_replica, int) or ranks_per_replica < 1:
+            raise ValueError(
+                f"ranks_per_replica must be an integer >= 1, got {ranks_per_replica!r}. 1 (the default) makes every "
+                "process a replica; the number of devices per node makes every node one replica."
+            )
         check_overlap(overlap_steps, overlap_merge, sync_every)
         device = _parse_device(outer_state_device)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
@@ -156,6 +165,9 @@ class OuterStepStrategy(DDPStrategy):
         self.overlap_steps = overlap_steps
         self.overlap_merge = overlap_merge
         self._overlap_group: Optional[Any] = None  # a process group of its own for background exchanges
+        self.ranks_per_replica = ranks_per_replica
+        self._replica_group: Optional[Any] = None  # with k > 1: this rank's replica (DDP runs on it)
+        self._slice_group: Optional[Any] = None  # with k > 1: local rank j of every replica
         self.average_at_end = bool(average_at_end)
         self._outer_state_device = device
         self._replicas: list[OptimizerReplica] = []
@@ -189,11 +201,11 @@ class OuterStepStrategy(DDPStrategy):
 
     @property
     def num_replicas(self) -> int:
-        return self.world_size
+        return self.world_size // self.ranks_per_replica
 
     @property
     def replica_index(self) -> int:
-        return self.global_rank
+        return self.global_rank // self.ranks_per_replica
 
     @property
     def outer_steps(self) -> int:
@@ -218,7 +230,14 @@ class OuterStepStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         # Called while the Trainer is built, once devices and nodes are known: check N before any
         # process starts.
-        self.algorithm.check_num_replicas(self.num_nodes * self.num_processes)
+        world, k = self.num_nodes * self.num_processes, self.ranks_per_replica
+        if world % k:
+            raise ValueError(
+                f"ranks_per_replica={k} does not divide the {world} processes ({self.num_nodes} node(s) × "
+                f"{self.num_processes} device(s)). Use a divisor of {world}, e.g. the devices per node "
+                f"({self.num_processes}) for one replica per node."
+            )
+        self.algorithm.check_num_replicas(world // k)
         super()._configure_launcher()
 
     @override
@@ -226,10 +245,27 @@ class OuterStepStrategy(DDPStrategy):
         super().setup_distributed()
         if self._get_process_group_backend() != "nccl":
             destroy_process_group_at_exit()
+        k = self.ranks_per_replica
+        if k > 1:
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            world, backend = dist.get_world_size(), self._get_process_group_backend()
+            for i in range(world // k):
+                group = dist.new_group(list(range(i * k, (i + 1) * k)), backend=backend, timeout=self._timeout)
+                if i == self.replica_index:
+                    self._replica_group = group
+            for j in range(k):
+                group = dist.new_group(list(range(j, world, k)), backend=backend, timeout=self._timeout)
+                if j == self.global_rank % k:
+                    self._slice_group = group
 
     @override
     def configure_ddp(self) -> None:
-        """No ``DistributedDataParallel`` wrapper: each replica trains on its own."""
+        """With one rank per replica, no ``DistributedDataParallel`` wrapper: each replica trains on its
+        own. With k > 1, torch's ``DistributedDataParallel`` over the replica's process group averages
+        gradients inside the replica at every step, and never across replicas."""
+        if self.ranks_per_replica > 1:
+            self._ddp_kwargs["process_group"] = self._replica_group
+            super().configure_ddp()
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -246,6 +282,7 @@ class OuterStepStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._make_replicas_consistent(fitting)
         if fitting:
+            self.configure_ddp()
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
@@ -290,6 +327,12 @@ class OuterStepStrategy(DDPStrategy):
             self._load_outer_state(self._resumed_outer)
             self._resumed_outer = None
         self._restore_sigterm = disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
+        if self.ranks_per_replica > 1 and self.num_replicas == 1:
+            rank_zero_warn(
+                f"ranks_per_replica={self.ranks_per_replica} puts all {self.world_size} processes in one replica: "
+                "this is plain DDP and the outer step has nobody to meet. Use a smaller ranks_per_replica, or "
+                "strategy='ddp'."
+            )
 
     def _make_transport(self) -> TorchDistributedTransport:
         """The transport of the outer steps. With overlap, background exchanges get a process group
@@ -297,7 +340,10 @@ class OuterStepStrategy(DDPStrategy):
         never interleave with them."""
         if self.overlap_steps != 0 and self._overlap_group is None and dist.get_world_size() > 1:
             self._overlap_group = dist.new_group(backend=self._get_process_group_backend(), timeout=self._timeout)
-        return TorchDistributedTransport(self._comm_device(), process_group=self._overlap_group)
+        return TorchDistributedTransport(
+            self._comm_device(), process_group=self._overlap_group, ranks_per_replica=self.ranks_per_replica,
+            replica_group=self._replica_group, slice_group=self._slice_group,
+        )
 
     def _new_replica(self, optimizer: Optimizer) -> OptimizerReplica:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -336,6 +382,10 @@ class OuterStepStrategy(DDPStrategy):
         if replica.auto is None:
             return int(self.overlap_steps)
         tau = replica.auto.choose()
+        if self.ranks_per_replica > 1:  # the ranks of a replica land together (they all-gather then)
+            agreed = torch.tensor([float(tau)], device=self._comm_device())
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._replica_group)
+            tau = int(agreed.item())
         if replica.auto.cannot_hide and not replica.auto.warned:
             replica.auto.warned = True
             warnings.warn(
@@ -530,7 +580,7 @@ class OuterStepStrategy(DDPStrategy):
         squared = (flat.gather().to(mean.device) - mean).pow(2).sum().reshape(1)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(squared, op=dist.ReduceOp.SUM)
-        return (squared / self.num_replicas).sqrt().item()
+        return (squared / self.world_size).sqrt().item()  # the k ranks of a replica hold the same weights
 
     def consensus_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with every floating-point tensor replaced by its average over replicas (new
@@ -563,7 +613,10 @@ class OuterStepStrategy(DDPStrategy):
         consensus = self.consensus_state_dict(checkpoint["state_dict"])
         sidecar = checkpoints.sidecar_name(path, save_id)
         sidecar_dir = os.path.join(os.path.dirname(os.path.abspath(path)), sidecar)
-        checkpoints.write_replica(sidecar_dir, self.replica_index, self._replica_payload(checkpoint, save_id))
+        if self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
+            checkpoints.write_replica(sidecar_dir, self.replica_index, self._replica_payload(checkpoint, save_id))
+        else:
+            self._replica_payload(checkpoint, save_id)  # still completes a round in flight, as its replica does
         self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
         if self.is_global_zero:
             meta = {
@@ -691,10 +744,12 @@ class OuterStepStrategy(DDPStrategy):
         self._restore_lightning()
         self._abandon_all()  # only left after an interrupted fit: on_train_end lands rounds in flight
         self._transport = None
-        if self._overlap_group is not None:
-            try:
-                dist.destroy_process_group(self._overlap_group)
-            except (RuntimeError, ValueError):
-                pass  # the default group is already gone, and this one with it
-            self._overlap_group = None
+        for name in ("_overlap_group", "_replica_group", "_slice_group"):
+            group = getattr(self, name)
+            if group is not None:
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError):
+                    pass  # the default group is already gone, and this one with it
+                setattr(self, name, None)
         super().teardown()

@@ -45,6 +45,11 @@ class NoLoCoStrategy(OuterStepStrategy):
         overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
             (default: start the τ steps from the local prediction of the outer step, add the
             correction at the landing) or "delayed" (apply the outer step's change at the landing).
+        ranks_per_replica: k, consecutive global ranks that form one replica (default 1: every
+            process is a replica). Inside a replica torch's ``DistributedDataParallel`` averages
+            gradients at every step over the replica's own process group; between replicas only the
+            outer step travels, each rank moving 1/k of the model. Use the devices per node for one
+            replica per node. The world size must be a multiple of k.
         average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
             all-reduce), so the model in memory is the consensus model. The papers define no final
             model; this is our choice. False keeps each replica's own weights.
@@ -72,6 +77,7 @@ class NoLoCoStrategy(OuterStepStrategy):
         seed: int = 0,
         overlap_steps: Union[int, Literal["auto"]] = 0,
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
+        ranks_per_replica: int = 1,
         average_at_end: bool = True,
         outer_state_device: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -100,7 +106,7 @@ class NoLoCoStrategy(OuterStepStrategy):
         super().__init__(
             algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
             cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,
-            overlap_steps=overlap_steps, overlap_merge=overlap_merge,
+            overlap_steps=overlap_steps, overlap_merge=overlap_merge, ranks_per_replica=ranks_per_replica,
         )
 
     @override

@@ -1,0 +1,156 @@
+"""Replicas of several ranks: one outer step with ``ranks_per_replica`` k = 1 and k = 2 at the same
+number of processes.
+
+    python -m benchmarks.replica_groups            # ~4 min; emulated where root, modelled otherwise
+    python -m benchmarks.replica_groups --quick    # under 2 minutes
+
+Four processes on the slow network (100 Mbit/s, 50 ms one way). With k = 1 they are four replicas,
+each on a site of its own. With k = 2 they are two replicas of two ranks, and the two ranks of a
+replica share a site: a fast local link (``benchmarks.netem.links.LAN_MBIT``) that bypasses their
+access links, as the GPUs of one machine would. Every process runs the strategies' outer-step code
+(``algorithm.step`` over the transport, sliced when k = 2: each rank sends its half on the slow
+link, then the replica all-gathers over the local one) on a flat float32 model; one warm-up round,
+then ``--rounds`` rounds after a barrier; a round's time is the slowest rank's. Writes
+``benchmarks/results/replica_groups.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from benchmarks.common import RESULTS, machine, spread, table, write_json
+from benchmarks.netem import launch, tun
+from benchmarks.netem.links import uniform
+
+ALGORITHMS = ("noloco", "diloco")
+PROCESSES = 4
+
+
+def worker(k: int, params: int, rounds: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.netem import modelled
+    from lightning_loco.algorithms import DiLoCo, NoLoCo
+    from lightning_loco.transport import TorchDistributedTransport
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    try:
+        groups: dict = {}
+        if k > 1:  # every rank creates every group, in the same order
+            for i in range(world // k):
+                g = dist.new_group(list(range(i * k, (i + 1) * k)))
+                groups["replica_group"] = g if i == rank // k else groups.get("replica_group")
+            for j in range(k):
+                g = dist.new_group(list(range(j, world, k)))
+                groups["slice_group"] = g if j == rank % k else groups.get("slice_group")
+        network = modelled.from_env()
+        cls = modelled.ModelledTransport if network is not None else TorchDistributedTransport
+        extra = {"network": network} if network is not None else {}
+        transport = cls(torch.device("cpu"), ranks_per_replica=k, **groups, **extra)
+        replica = rank // k
+        delta = 1e-3 * torch.randn(params, generator=torch.Generator().manual_seed(replica))  # same on a replica
+        results = {}
+        for name in ALGORITHMS:
+            algorithm = {"noloco": NoLoCo, "diloco": DiLoCo}[name]()
+            state = algorithm.init_state(torch.zeros(params), [torch.Size([params])])
+            times, sent = [], transport.stats.bytes_sent
+            for r in range(rounds + 1):
+                dist.barrier()
+                weights = state.anchor + delta
+                start = time.perf_counter()
+                algorithm.step(state, weights, r, transport)
+                if r > 0:
+                    times.append(time.perf_counter() - start)
+            results[name] = times
+            results[f"{name}_bytes"] = (transport.stats.bytes_sent - sent) / (rounds + 1)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(mode: str, k: int, params: int, rounds: int) -> dict:
+    network = uniform(PROCESSES, mbit=100, one_way_ms=50).with_sites(k)
+    with tempfile.TemporaryDirectory() as out:
+        launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.replica_groups", "--worker", str(k),
+                                                     str(params), str(rounds), out])
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(PROCESSES)]
+    row = {"mode": mode, "network": network.name, "ranks_per_replica": k, "replicas": PROCESSES // k,
+           "params": params}
+    for name in ALGORITHMS:
+        row[name] = spread([max(rank[name][i] for rank in ranks) for i in range(rounds)])
+        row[f"{name}_mb_per_rank"] = ranks[0][f"{name}_bytes"] / 1e6  # sent on the slow link per round
+    return row
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    labels = [f"k={r['ranks_per_replica']}, {r['params'] / 1e6:g} M" for r in rows]
+    for j, name in enumerate(ALGORITHMS):
+        ax.bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], [r[name]["median"] for r in rows], 0.38,
+               label=name)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("seconds per outer step")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 M parameters, 2 rounds")
+    parser.add_argument("--mode", choices=["emulated", "modelled"])
+    parser.add_argument("--params", nargs="+", type=float)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(int(args.worker[0]), int(args.worker[1]), int(args.worker[2]), args.worker[3])
+        return
+    emulated_ok, why = tun.available()
+    mode = args.mode or ("emulated" if emulated_ok else "modelled")
+    if mode == "emulated" and not emulated_ok:
+        sys.exit(f"emulated mode unavailable: {why}; use --mode modelled")
+    sizes = [int(p) for p in (args.params or ([1e6] if args.quick else [1e6, 10e6]))]
+    rounds = args.rounds or (2 if args.quick else 3)
+    rows = []
+    for params in sizes:
+        for k in (1, 2):
+            rows.append(measure(mode, k, params, rounds))
+            r = rows[-1]
+            print(f"k={k} {params / 1e6:g} M  noloco {r['noloco']['median']:.3f}s  diloco {r['diloco']['median']:.3f}s",
+                  flush=True)
+    for r in rows:
+        r["noloco_s"], r["diloco_s"] = r["noloco"]["median"], r["diloco"]["median"]
+        r["m_params"] = r["params"] / 1e6
+    title = (f"{PROCESSES} processes, 100 Mbit/s, 50 ms one way ({mode}); k = 2: a replica's ranks share a site; "
+             f"{machine()}")
+    print(f"\nOuter step, seconds (slowest rank, median of {rounds} rounds); {title}")
+    print(table(rows, [("ranks_per_replica", "ranks per replica", "d"), ("replicas", "replicas", "d"),
+                       ("m_params", "M params", "g"), ("noloco_s", "NoLoCo", ".3f"), ("diloco_s", "DiLoCo", ".3f"),
+                       ("noloco_mb_per_rank", "NoLoCo MB/rank", ".2f"),
+                       ("diloco_mb_per_rank", "DiLoCo MB/rank (nominal)", ".2f")]))
+    path = write_json("replica_groups.json", {"benchmark": "replica groups", "mode": mode, "rounds": rounds,
+                                              "rows": rows})
+    plot(rows, RESULTS / "replica_groups.png", title)
+    print(f"wrote {path} and {RESULTS / 'replica_groups.png'}")
+
+
+if __name__ == "__main__":
+    main()
