@@ -31,6 +31,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import RESULTS, machine, spread, table, write_json
 from benchmarks.netem import launch, tun
@@ -44,6 +45,24 @@ def networks(n: int) -> dict[str, Network]:
 
 
 # ---------------------------------------------------------------- worker
+
+
+def time_outer_steps(algorithm: Any, delta: Any, transport: Any, rounds: int) -> list[float]:
+    """Seconds of ``algorithm.step`` over ``transport``: one warm-up round, then ``rounds`` timed
+    rounds, each after a barrier, from live weights = anchor + ``delta`` (a flat float32 model)."""
+    import torch
+    import torch.distributed as dist
+
+    state = algorithm.init_state(torch.zeros(delta.numel()), [delta.shape])
+    times = []
+    for r in range(rounds + 1):
+        dist.barrier()
+        weights = state.anchor + delta
+        start = time.perf_counter()
+        algorithm.step(state, weights, r, transport)
+        if r > 0:
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def worker(params: int, rounds: int, out: str) -> None:
@@ -65,27 +84,21 @@ def worker(params: int, rounds: int, out: str) -> None:
             else TorchDistributedTransport(torch.device("cpu"))
         )
         delta = 1e-3 * torch.randn(params, generator=torch.Generator().manual_seed(rank))
-        shapes = [torch.Size([params])]
         results: dict[str, list[float]] = {}
         for name in ALGORITHMS:
-            times = []
             algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}.get(name)
-            runner = algorithm() if algorithm else None
-            state = runner.init_state(torch.zeros(params), shapes) if runner else None
+            if algorithm is not None:
+                results[name] = time_outer_steps(algorithm(), delta, transport, rounds)
+                continue
+            times = []  # DDP: one all-reduce of a gradient-sized buffer per round
             for r in range(rounds + 1):
                 dist.barrier()
-                if algorithm is None:  # DDP: one all-reduce of a gradient-sized buffer
-                    grad = delta.clone()
-                    start = time.perf_counter()
-                    transport.all_reduce_sum(grad)
-                else:
-                    weights = state.anchor + delta
-                    start = time.perf_counter()
-                    runner.step(state, weights, r, transport)
+                grad = delta.clone()
+                start = time.perf_counter()
+                transport.all_reduce_sum(grad)
                 if r > 0:
                     times.append(time.perf_counter() - start)
             results[name] = times
-            del state
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:

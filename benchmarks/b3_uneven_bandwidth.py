@@ -22,33 +22,20 @@ import sys
 from pathlib import Path
 
 from benchmarks import b1_sync_latency, b2_time_to_loss
-from benchmarks.common import RESULTS, machine, table, write_json
+from benchmarks.common import RESULTS, grouped_bars, machine, table, write_json
 from benchmarks.netem import tun
 from benchmarks.netem.links import one_slow
 
 
 def plot(saved: dict, path: Path) -> None:
     """Each replica's median outer-step time, per algorithm (the slow replica last)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     per = saved["raw"]["per_replica"]
     names = [r["algorithm"] for r in saved["rows"]]
     n = len(per[names[0]])
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    width = 0.8 / n
-    for k in range(n):
-        label = f"replica {k}" + (" (slow link)" if k == n - 1 else "")
-        ax.bar([i + (k - (n - 1) / 2) * width for i in range(len(names))], [per[a][k] for a in names], width, label=label)
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("seconds per outer step (median over rounds)")
-    ax.legend(fontsize=7)
-    ax.set_title(f"B3 uneven bandwidth: {saved['network']['name']} ({saved['mode']}, "
-                 f"{saved['raw']['params'] / 1e6:g} M params); {saved['machine']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    series = {f"replica {k}" + (" (slow link)" if k == n - 1 else ""): [per[a][k] for a in names] for k in range(n)}
+    grouped_bars(path, names, series, "seconds per outer step (median over rounds)",
+                 f"B3 uneven bandwidth: {saved['network']['name']} ({saved['mode']}, "
+                 f"{saved['raw']['params'] / 1e6:g} M params); {saved['machine']}")
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine
+from benchmarks.common import RESULTS, grouped_bars, machine
 
 CONFIGS = {
     "plain": ("auto", 1),
@@ -102,25 +102,13 @@ def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: 
 
 def plot(saved: dict, path: Path) -> None:
     """Bars of the three ratios (strategy over plain Trainer) per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = saved["rows"]
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    width = 0.27
-    for j, (key, label) in enumerate((("inner_ratio", "inner step time"), ("all_ratio", "time per step, outer steps included"),
-                                      ("rss_ratio", "peak resident memory"))):
-        ax.bar([i + (j - 1) * width for i in range(len(rows))], [r[key] for r in rows], width, label=label)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(rows)), [r["config"] for r in rows], fontsize=8)
-    ax.set_ylabel("ratio to the plain Trainer")
-    ax.legend(fontsize=7)
-    ax.set_title(f"B4 overhead: example GPT, {saved['steps']} steps, H = {saved['sync_every']}, {saved['repeats']} repeats "
-                 f"(medians); {saved['network']}; {saved['machine']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    series = {label: [r[key] for r in rows] for key, label in (
+        ("inner_ratio", "inner step time"), ("all_ratio", "time per step, outer steps included"),
+        ("rss_ratio", "peak resident memory"))}
+    grouped_bars(path, [r["config"] for r in rows], series, "ratio to the plain Trainer",
+                 f"B4 overhead: example GPT, {saved['steps']} steps, H = {saved['sync_every']}, {saved['repeats']} "
+                 f"repeats (medians); {saved['network']}; {saved['machine']}", size=(9, 3.8), reference=1.0)
 
 
 def main() -> None:

@@ -38,3 +38,33 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
         cells.append([("-" if row.get(k) is None else format(row[k], f)) for k, _, f in columns])
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def grouped_bars(
+    path: Path,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float]],
+    ylabel: str,
+    title: str,
+    size: tuple[float, float] = (8, 3.8),
+    reference: float | None = None,
+) -> None:
+    """A PNG of grouped bars: one group per x label, one bar per series in every group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    width = 0.8 / len(series)
+    for j, (label, values) in enumerate(series.items()):
+        offset = (j - (len(series) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(groups))], list(values), width, label=label)
+    if reference is not None:
+        ax.axhline(reference, color="grey", lw=0.8)
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

@@ -21,11 +21,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine, spread, table, write_json
+from benchmarks.b1_sync_latency import time_outer_steps
+from benchmarks.common import RESULTS, grouped_bars, machine, spread, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import uniform
 
@@ -61,17 +61,8 @@ def worker(k: int, params: int, rounds: int, out: str) -> None:
         delta = 1e-3 * torch.randn(params, generator=torch.Generator().manual_seed(replica))  # same on a replica
         results = {}
         for name in ALGORITHMS:
-            algorithm = {"noloco": NoLoCo, "diloco": DiLoCo}[name]()
-            state = algorithm.init_state(torch.zeros(params), [torch.Size([params])])
-            times, sent = [], transport.stats.bytes_sent
-            for r in range(rounds + 1):
-                dist.barrier()
-                weights = state.anchor + delta
-                start = time.perf_counter()
-                algorithm.step(state, weights, r, transport)
-                if r > 0:
-                    times.append(time.perf_counter() - start)
-            results[name] = times
+            sent = transport.stats.bytes_sent
+            results[name] = time_outer_steps({"noloco": NoLoCo, "diloco": DiLoCo}[name](), delta, transport, rounds)
             results[f"{name}_bytes"] = (transport.stats.bytes_sent - sent) / (rounds + 1)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
@@ -94,22 +85,9 @@ def measure(mode: str, k: int, params: int, rounds: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
     labels = [f"k={r['ranks_per_replica']}, {r['params'] / 1e6:g} M" for r in rows]
-    for j, name in enumerate(ALGORITHMS):
-        ax.bar([i + (j - 0.5) * 0.38 for i in range(len(rows))], [r[name]["median"] for r in rows], 0.38,
-               label=name)
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set_ylabel("seconds per outer step")
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    grouped_bars(path, labels, {name: [r[name]["median"] for r in rows] for name in ALGORITHMS},
+                 "seconds per outer step", title, size=(7, 3.6))
 
 
 def main() -> None:

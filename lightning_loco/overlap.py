@@ -76,10 +76,6 @@ class InFlight:
     start_seconds: float = 0.0  # time the start took from training (posting, prediction)
     completed_after: Optional[float] = None  # seconds from posting until first seen complete
 
-    @property
-    def overlap_steps(self) -> int:
-        return self.land_step - self.start_step
-
     def poll(self) -> None:
         """Notes when the exchange is first seen complete (non-blocking)."""
         if self.completed_after is None:

@@ -112,7 +112,8 @@ class PendingSum:
         self._error: Optional[RuntimeError] = None
 
     def watch(self) -> "PendingSum":
-        if self.works and self._watcher is None:
+        """Starts the watcher thread (CPU transports only; see the class docstring). Returns self."""
+        if self.works and self._watcher is None and self.transport.device.type == "cpu":
             self._watcher = threading.Thread(target=self._wait_works, name="lightning_loco-exchange", daemon=True)
             self._watcher.start()
         return self

@@ -13,30 +13,38 @@ from lightning_loco.schedules import random_groups
 run = tiny.launch
 
 
-def reference(world, steps, sync_every, outer, lr=0.05):
-    """Every replica's weights after every step: inner SGD on its shard, outer step by the formula."""
-    modules = [tiny.TinyRegressor(lr) for _ in range(world)]
+def reference(replicas, steps, sync_every, outer, lr=0.05, ranks_per_replica=1):
+    """Every replica's weights after every step: inner SGD on its shard, outer step by the formula.
+
+    With ``ranks_per_replica`` = k > 1 a replica is ONE model whose batch is the union of its k ranks'
+    batches (each rank reads its own shard of a DistributedSampler over all ranks; DDP averages the
+    ranks' gradients, which for equal batch sizes is the gradient of the mean loss)."""
+    world = replicas * ranks_per_replica
+    modules = [tiny.TinyRegressor(lr) for _ in range(replicas)]
     data = tiny.dataset()
     per_epoch = len(tiny.shard_batches(0, world, 4, 0))
     params = [list(m.parameters()) for m in modules]
-    state = {"anchor": [tiny.flat(modules[0]).double()] * world, "momentum": [0.0] * world, "t": 0}
-    history = [[] for _ in range(world)]
+    state = {"anchor": [tiny.flat(modules[0]).double()] * replicas, "momentum": [0.0] * replicas, "t": 0}
+    history = [[] for _ in range(replicas)]
     for step in range(steps):
-        for r in range(world):
-            x, y = data[tiny.shard_batches(r, world, 4, step // per_epoch)[step % per_epoch]]
-            modules[r].zero_grad()
-            modules[r].loss((x, y)).backward()
+        for a in range(replicas):
+            losses = []
+            for r in range(a * ranks_per_replica, (a + 1) * ranks_per_replica):
+                x, y = data[tiny.shard_batches(r, world, 4, step // per_epoch)[step % per_epoch]]
+                losses.append(modules[a].loss((x, y)))
+            modules[a].zero_grad()
+            (sum(losses) / len(losses)).backward()
             with torch.no_grad():
-                for p in params[r]:
+                for p in params[a]:
                     p -= lr * p.grad
         if (step + 1) % sync_every == 0:
             thetas = [tiny.flat(m).double() for m in modules]
             anchors = outer(state, thetas)
-            for r in range(world):
-                torch.nn.utils.vector_to_parameters(anchors[r].float(), params[r])
+            for a in range(replicas):
+                torch.nn.utils.vector_to_parameters(anchors[a].float(), params[a])
             state["t"] += 1
-        for r in range(world):
-            history[r].append(tiny.flat(modules[r]))
+        for a in range(replicas):
+            history[a].append(tiny.flat(modules[a]))
     return history
 
 

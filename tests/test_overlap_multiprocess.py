@@ -4,9 +4,7 @@ an interrupted fit, and a peer that fails while a round is in flight."""
 
 import csv
 import os
-import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -197,15 +195,8 @@ def test_a_fit_interrupted_with_a_round_in_flight_stops_cleanly(tmp_path):
     assert time.perf_counter() - start < 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _failing_peer(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    tiny.init_gloo(rank, 2, port, timeout_s=20)
     if rank == 1:
         os._exit(0)  # the peer stops before it posts its side of the round
     transport = TorchDistributedTransport(torch.device("cpu"))
@@ -222,7 +213,7 @@ def _failing_peer(rank: int, port: int, out: str) -> None:
 
 def test_a_peer_that_stops_during_a_round_gives_an_error_naming_it(tmp_path):
     out = str(tmp_path / "result.pt")
-    mp.start_processes(_failing_peer, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_failing_peer, args=(tiny.free_port(), out), nprocs=2, start_method="spawn")
     result = torch.load(out)
     assert "replica(s) [1]" in result["message"] and "global rank(s) [1]" in result["message"]
     assert result["seconds"] < 25  # within the process group's timeout, not a hang
@@ -240,8 +231,7 @@ def test_auto_measures_the_first_round_then_overlaps_up_to_its_cap(tmp_path):
 
 
 def _watched_exchange(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    tiny.init_gloo(rank, 2, port, timeout_s=20)
     transport = TorchDistributedTransport(torch.device("cpu"))
     pending = transport.start_group_sum(torch.full((1000,), float(rank)), (0, 1)).watch()
     time.sleep(1.0)  # training would go on here
@@ -257,7 +247,7 @@ def test_a_watched_exchange_reports_its_completion_before_it_is_waited_for(tmp_p
     # gloo's point-to-point works only report completion once waited for; the watcher thread lets the
     # strategy see, without blocking, that the transfer is done (what "auto" measures).
     out = str(tmp_path / "watched.pt")
-    mp.start_processes(_watched_exchange, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_watched_exchange, args=(tiny.free_port(), out), nprocs=2, start_method="spawn")
     result = torch.load(out)
     done, after = result["seen"]
     assert done and after is not None and after < 0.9

@@ -3,8 +3,6 @@ between replicas, the sliced exchange, checkpoints, and bad input."""
 
 import glob
 import os
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
@@ -16,50 +14,16 @@ import lightning_loco
 import tiny
 from lightning_loco.transport import TorchDistributedTransport
 from test_checkpoints import assert_same_tree
-from test_multiprocess import noloco_outer
+from test_multiprocess import noloco_outer, reference
 
 run = tiny.launch
-
-
-def union_reference(replicas, ranks_per_replica, steps, sync_every, outer, lr=0.05):
-    """Each replica as ONE model whose batch is the union of its ranks' batches (every rank still
-    reads its own shard of a DistributedSampler over all ranks), plain SGD, and the outer step between
-    replicas by the formula."""
-    world = replicas * ranks_per_replica
-    modules = [tiny.TinyRegressor(lr) for _ in range(replicas)]
-    data = tiny.dataset()
-    per_epoch = len(tiny.shard_batches(0, world, 4, 0))
-    params = [list(m.parameters()) for m in modules]
-    state = {"anchor": [tiny.flat(modules[0]).double()] * replicas, "momentum": [0.0] * replicas, "t": 0}
-    history = [[] for _ in range(replicas)]
-    for step in range(steps):
-        for a in range(replicas):
-            ranks = range(a * ranks_per_replica, (a + 1) * ranks_per_replica)
-            # DDP averages the ranks' gradients; with equal batch sizes that is the gradient of the mean loss
-            losses = []
-            for r in ranks:
-                x, y = data[tiny.shard_batches(r, world, 4, step // per_epoch)[step % per_epoch]]
-                losses.append(modules[a].loss((x, y)))
-            modules[a].zero_grad()
-            (sum(losses) / len(losses)).backward()
-            with torch.no_grad():
-                for p in params[a]:
-                    p -= lr * p.grad
-        if (step + 1) % sync_every == 0:
-            anchors = outer(state, [tiny.flat(m).double() for m in modules])
-            for a in range(replicas):
-                torch.nn.utils.vector_to_parameters(anchors[a].float(), params[a])
-            state["t"] += 1
-        for a in range(replicas):
-            history[a].append(tiny.flat(modules[a]))
-    return history
 
 
 def test_two_replicas_of_two_ranks_equal_two_replicas_with_the_union_batch(tmp_path):
     h, steps = 3, 9
     recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "ranks_per_replica": 2},
                devices=4, max_steps=steps)
-    expected = union_reference(2, 2, steps, h, noloco_outer(0.5, 0.7, 0.7, 2))
+    expected = reference(2, steps, h, noloco_outer(0.5, 0.7, 0.7, 2), ranks_per_replica=2)  # union batches
     numel = recs[0]["outer_states"][0]["numel"]
     for r, rec in enumerate(recs):
         replica = r // 2
@@ -128,15 +92,8 @@ def test_bad_ranks_per_replica():
                   accelerator="cpu", devices=6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sliced_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=30))
+    tiny.init_gloo(rank, 4, port, timeout_s=30)
     try:
         replica_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         slice_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -155,7 +112,7 @@ def _sliced_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_the_sliced_exchange_equals_a_whole_model_exchange(tmp_path):
-    mp.start_processes(_sliced_worker, args=(_free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    mp.start_processes(_sliced_worker, args=(tiny.free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(4)]
     assert [x["replica"] for x in res] == [0, 0, 1, 1]
     for x in res:

@@ -1,25 +1,17 @@
 """The transport over real gloo processes (torch.distributed only, no Lightning)."""
 
 import os
-import socket
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import tiny
 from lightning_loco.transport import TorchDistributedTransport, sum_in_group_order
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    tiny.init_gloo(rank, world, port, timeout_s=30)
     try:
         t = TorchDistributedTransport(torch.device("cpu"))
         payload = torch.full((5,), float(rank + 1)) + torch.arange(5) * 1e-3 * rank
@@ -38,7 +30,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def test_group_sum_and_all_reduce_across_four_processes(tmp_path):
     world = 4
-    mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, tiny.free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     payloads = [torch.full((5,), float(r + 1)) + torch.arange(5) * 1e-3 * r for r in range(world)]
     # pairs (0, 2) and (1, 3): both members hold bitwise the same sum

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -112,6 +113,22 @@ def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
     for record in records:
         record["stderr"] = proc.stderr
     return records
+
+
+# ---------------------------------------------------------------- plain torch.distributed workers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30) -> None:
+    """Joins a gloo process group on localhost (for workers started with ``torch.multiprocessing``);
+    the short timeout makes a hang fail fast."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 # ---------------------------------------------------------------- counting torch.distributed calls

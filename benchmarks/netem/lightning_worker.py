@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist

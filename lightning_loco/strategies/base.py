@@ -71,7 +71,7 @@ class OptimizerReplica:
     outer_steps: int = 0  # rounds started
     in_flight: Optional[InFlight] = None  # a round started and not landed yet (overlap only)
     auto: Optional[AutoOverlap] = None  # chooses τ when overlap_steps="auto"
-    last_step_end: Optional[float] = None  # when this optimizer's previous optimizer_step returned
+    last_step_end: Optional[float] = None  # "auto" only: when this optimizer's previous optimizer_step returned
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,8 @@ class OuterStepStrategy(DDPStrategy):
                 self._outer_step(index, replica)
             else:
                 self._start_round(index, replica, tau)
-        replica.last_step_end = time.perf_counter()
+        if replica.auto is not None:
+            replica.last_step_end = time.perf_counter()
         return output
 
     def _overlap_for(self, replica: OptimizerReplica) -> int:
@@ -471,8 +472,7 @@ class OuterStepStrategy(DDPStrategy):
             pending = transport.start_all_reduce_sum(payload)
         else:
             pending = transport.start_group_sum(payload, group)
-        if self._comm_device().type == "cpu":
-            pending.watch()  # so that polls see when the transfer is done (see PendingSum)
+        pending.watch()  # so that polls see when the transfer is done (see PendingSum)
         if self.overlap_merge == "predict_correct":
             reference = algorithm.local_proxy(replica.state, weights, len(group))  # φ̂, while the bytes travel
             replica.flat.scatter(reference)
