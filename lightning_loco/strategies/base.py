@@ -91,6 +91,7 @@ class OuterStepReport:
     overlap_steps: int = 0  # τ: inner steps between the start of the round and its landing
     exchange_seconds: Optional[float] = None  # overlapped rounds: posting until the exchange completed
     correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
+    peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
 
 
 def _parse_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:
