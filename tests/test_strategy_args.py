@@ -1,5 +1,6 @@
 """Registration, argument checks and the Lightning compatibility shims (no processes)."""
 
+import functools
 import warnings
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 import lightning as L
 import lightning_loco
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_loco import DiLoCoStrategy, NoLoCoStrategy
+from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.strategies._compat import disable_per_batch_sigterm_broadcast
 
 
@@ -70,6 +71,31 @@ def test_diloco_strategy_rejects_bad_arguments():
         DiLoCoStrategy(outer_lr=-0.7)
     with pytest.raises(ValueError, match="outer_momentum"):
         DiLoCoStrategy(outer_momentum=1.0)
+
+
+@pytest.mark.parametrize("cls", [DiLoCoStrategy, GASLoCStrategy])
+def test_a_custom_outer_optimizer_makes_the_default_sgd_momentum_unchecked(cls):
+    custom = functools.partial(torch.optim.SGD, lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor a stability warning about a γ that is not used
+        strategy = cls(outer_momentum=1.5, outer_optimizer=custom)
+    assert strategy.algorithm.outer_optimizer is custom
+    with pytest.raises(ValueError, match=r"outer_momentum.*must be in \[0, 1\)"):
+        cls(outer_momentum=1.5)
+
+
+def test_gasloc_with_a_custom_outer_optimizer_still_checks_what_it_uses():
+    custom = functools.partial(torch.optim.Adam, lr=1e-3)
+    with pytest.raises(ValueError, match="outer_lr"):
+        GASLoCStrategy(outer_lr=0.0, outer_optimizer=custom)  # η still makes z = θ + η·g
+    with pytest.raises(ValueError, match="gossip_step"):
+        GASLoCStrategy(gossip_step=1.5, outer_optimizer=custom)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GASLoCStrategy(gossip_step=0.5, outer_momentum=0.8, outer_optimizer=custom)  # warns with the default SGD
+    with pytest.warns(UserWarning, match="simulated") as caught:
+        GASLoCStrategy(gossip_step=0.9, outer_optimizer=custom)  # α itself is outside what we simulated
+    assert all("outer_momentum" not in str(w.message) for w in caught)
 
 
 def test_gamma_outside_stability_interval_warns():

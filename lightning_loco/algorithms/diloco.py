@@ -23,9 +23,9 @@ from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_mom
 from lightning_loco.algorithms.outer_optimizer import (
     OptimizerOuterState,
     OuterOptimizerFactory,
+    SGDFactory,
     anchor_fields,
     check_factory,
-    sgd,
 )
 from lightning_loco.schedules import Round, everyone
 
@@ -63,7 +63,7 @@ class DiLoCo(OuterAlgorithm):
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.nesterov = bool(nesterov)
-        self.outer_optimizer = outer_optimizer or sgd(self.outer_lr, self.outer_momentum, self.nesterov)
+        self.outer_optimizer = outer_optimizer or SGDFactory(self.outer_lr, self.outer_momentum, self.nesterov)
 
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         return everyone(num_replicas)

@@ -29,9 +29,9 @@ from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_mom
 from lightning_loco.algorithms.outer_optimizer import (
     OptimizerOuterState,
     OuterOptimizerFactory,
+    SGDFactory,
     anchor_fields,
     check_factory,
-    sgd,
 )
 from lightning_loco.schedules import (
     Round,
@@ -50,17 +50,20 @@ TOPOLOGIES = ("random_pairs", "ring", "exponential", "complete")
 STABLE_MOMENTUM = {"random_pairs": (0.95, 0.7), "ring": (0.95, 0.95), "exponential": (0.8, 0.5)}
 
 
-def stability_note(topology: str, gossip_step: float, outer_momentum: float) -> Optional[str]:
-    """A warning text if (α, γ) lies outside what our consensus simulation found stable, else None."""
+def stability_note(topology: str, gossip_step: float, outer_momentum: Optional[float]) -> Optional[str]:
+    """A warning text if (α, γ) lies outside what our consensus simulation found stable, else None.
+    ``outer_momentum`` None means a custom outer optimizer, for which γ means nothing: only α is
+    checked then."""
     if topology == "complete":
         return None  # an exact average: DiLoCo, stable for any momentum < 1
     quarter, half = STABLE_MOMENTUM[topology]
     limit = quarter if gossip_step <= 0.25 else half
     untested = gossip_step > 0.5
-    if outer_momentum <= limit and not untested:
+    if not untested and (outer_momentum is None or outer_momentum <= limit):
         return None
+    momentum = "" if outer_momentum is None else f" and outer_momentum γ={outer_momentum}"
     return (
-        f"GASLoC with topology={topology!r}, gossip_step α={gossip_step} and outer_momentum γ={outer_momentum} "
+        f"GASLoC with topology={topology!r}, gossip_step α={gossip_step}{momentum} "
         + ("is outside the range we simulated (α ≤ ½)" if untested else f"exceeds the largest γ ({limit}) "
            "that stayed stable in our consensus simulation for this α")
         + "; replicas may drift apart. See docs/algorithms.md (GASLoC defaults)."
@@ -92,7 +95,8 @@ class GASLoC(OuterAlgorithm):
 
     Args:
         outer_lr: η, the step along the pseudo-gradient before mixing.
-        outer_momentum: γ, the extrapolation (momentum) of the default outer SGD.
+        outer_momentum: γ, the extrapolation (momentum) of the default outer SGD. Not used (nor checked)
+            when ``outer_optimizer`` is given.
         gossip_step: α, in (0, 1]; with one peer, ½ is an exact pair average.
         topology: "random_pairs", "ring", "exponential" (N a power of two) or "complete".
         seed: seeds the random matchings (with the outer-step index).
@@ -111,8 +115,10 @@ class GASLoC(OuterAlgorithm):
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
     ) -> None:
-        check_positive("outer_lr (η)", outer_lr, 0.7)
-        check_momentum("outer_momentum (γ)", outer_momentum, 0.5)
+        check_factory(outer_optimizer)
+        check_positive("outer_lr (η)", outer_lr, 0.7)  # η is used with any outer optimizer (z = θ + η·g)
+        if outer_optimizer is None:  # γ only configures the default SGD, as in DiLoCo
+            check_momentum("outer_momentum (γ)", outer_momentum, 0.5)
         if not 0 < gossip_step <= 1:
             raise ValueError(
                 f"gossip_step (α) must be in (0, 1], got {gossip_step}. "
@@ -120,13 +126,12 @@ class GASLoC(OuterAlgorithm):
             )
         if topology not in TOPOLOGIES:
             raise ValueError(f"Unknown topology {topology!r}. Use one of {', '.join(map(repr, TOPOLOGIES))}.")
-        check_factory(outer_optimizer)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.gossip_step = float(gossip_step)
         self.topology = topology
         self.seed = int(seed)
-        self.outer_optimizer = outer_optimizer or sgd(1.0, self.outer_momentum, nesterov=True)
+        self.outer_optimizer = outer_optimizer or SGDFactory(1.0, self.outer_momentum, nesterov=True)
 
     def check_num_replicas(self, num_replicas: int) -> None:
         if self.topology == "exponential" and not is_power_of_two(num_replicas):

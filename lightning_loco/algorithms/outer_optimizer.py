@@ -9,6 +9,7 @@ the parameters' ``.grad``.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -59,13 +60,34 @@ def check_factory(factory: Optional[OuterOptimizerFactory]) -> None:
         )
 
 
-def sgd(lr: float, momentum: float, nesterov: bool) -> OuterOptimizerFactory:
-    """Outer SGD. torch refuses Nesterov without momentum; with momentum 0 both are plain SGD anyway."""
+def check_picklable(factory: Optional[OuterOptimizerFactory], start_method: str) -> None:
+    """With ``start_method`` "spawn" or "forkserver" the strategy travels to every process by pickle:
+    a lambda or a function defined inside another cannot. "popen" and "fork" pickle nothing."""
+    if factory is None or start_method not in ("spawn", "forkserver"):
+        return
+    try:
+        pickle.dumps(factory)
+    except Exception as error:
+        raise ValueError(
+            f"outer_optimizer {factory!r} cannot be pickled, which start_method={start_method!r} needs to send "
+            "it to every process. Use a module-level function or functools.partial, e.g. "
+            "functools.partial(torch.optim.Adam, lr=1e-3), instead of a lambda or a local function "
+            f"(or start_method='popen'). Pickling failed with: {error}"
+        ) from error
 
-    def build(params: Iterable[torch.nn.Parameter]) -> Optimizer:
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
-    return build
+@dataclass(frozen=True)
+class SGDFactory:
+    """Builds the default outer SGD. A class rather than a closure, so that strategies pickle (spawn).
+    torch refuses Nesterov without momentum; with momentum 0 both are plain SGD anyway."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+
+    def __call__(self, params: Iterable[torch.nn.Parameter]) -> Optimizer:
+        nesterov = self.nesterov and self.momentum > 0
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=nesterov)
 
 
 def anchor_fields(weights: Tensor, shapes: Sequence[torch.Size], factory: OuterOptimizerFactory) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_loco.algorithms.diloco import DiLoCo, OuterOptimizerFactory
+from lightning_loco.algorithms.outer_optimizer import check_picklable
 from lightning_loco.strategies.base import OuterStepStrategy
 
 
@@ -31,6 +32,9 @@ class DiLoCoStrategy(OuterStepStrategy):
         nesterov: Nesterov momentum for the default outer SGD (paper: True).
         outer_optimizer: builds any torch optimizer over the outer parameters (the anchor), e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``; replaces the SGD above when given.
+            In a LightningCLI config: ``outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.001}}``
+            (the parameters are left out). With ``start_method`` "spawn" or "forkserver" it must pickle:
+            a module-level function or a ``functools.partial``, not a lambda or a local function.
         overlap_steps: τ, inner steps during which the outer step's exchange runs in the background
             before it lands (0 < τ < H); 0 (default) is the synchronous outer step of the paper.
             "auto" measures the exchange and the inner steps and picks the smallest τ that hides the
@@ -84,6 +88,7 @@ class DiLoCoStrategy(OuterStepStrategy):
         algorithm = DiLoCo(
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, outer_optimizer=outer_optimizer
         )
+        check_picklable(outer_optimizer, start_method)
         super().__init__(
             algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
             cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout, start_method,

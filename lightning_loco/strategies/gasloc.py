@@ -15,7 +15,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_loco.algorithms.gasloc import GASLoC, stability_note
-from lightning_loco.algorithms.outer_optimizer import OuterOptimizerFactory
+from lightning_loco.algorithms.outer_optimizer import OuterOptimizerFactory, check_picklable
 from lightning_loco.strategies.base import OuterStepStrategy
 
 
@@ -31,7 +31,8 @@ class GASLoCStrategy(OuterStepStrategy):
     Args:
         sync_every: H, inner optimizer steps between outer steps.
         outer_lr: η, the step along the pseudo-gradient before mixing.
-        outer_momentum: γ, the outer momentum, which also accelerates the gossip.
+        outer_momentum: γ, the outer momentum, which also accelerates the gossip (the momentum of the
+            default outer SGD; unused with ``outer_optimizer``).
         gossip_step: α in (0, 1]: how far a replica moves towards its peer (½ = exact pair average).
         topology: "random_pairs" (a fresh random perfect matching each outer step), "ring"
             (alternating even/odd ring edges), "exponential" (hypercube rounds; N a power of two) or
@@ -39,7 +40,11 @@ class GASLoCStrategy(OuterStepStrategy):
             With odd N in a matching, one replica sits the round out.
         seed: seeds the random matchings (with the outer-step index); independent of the global RNG.
         outer_optimizer: builds any torch optimizer over the anchor (e.g. Adam for an adaptive outer
-            step), stepped with d = θ − x; replaces the default SGD(lr=1, momentum=γ, nesterov=True).
+            step), stepped with d = θ − x; replaces the default SGD(lr=1, momentum=γ, nesterov=True), so
+            ``outer_momentum`` is then neither used nor checked. In a LightningCLI config:
+            ``outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.001}}``
+            (the parameters are left out). With ``start_method`` "spawn" or "forkserver" it must pickle:
+            a module-level function or a ``functools.partial``, not a lambda or a local function.
         overlap_steps: τ, inner steps during which the outer step's exchange runs in the background
             before it lands (0 < τ < H); 0 (default) is the synchronous outer step of the paper.
             "auto" measures the exchange and the inner steps and picks the smallest τ that hides the
@@ -100,8 +105,11 @@ class GASLoCStrategy(OuterStepStrategy):
             seed=seed,
             outer_optimizer=outer_optimizer,
         )
-        note = stability_note(topology, algorithm.gossip_step, algorithm.outer_momentum)
-        if note is not None and outer_optimizer is None:
+        check_picklable(outer_optimizer, start_method)
+        # With a custom outer optimizer γ is not used: only α can leave the simulated range then.
+        momentum = algorithm.outer_momentum if outer_optimizer is None else None
+        note = stability_note(topology, algorithm.gossip_step, momentum)
+        if note is not None:
             rank_zero_warn(note)
         super().__init__(
             algorithm, sync_every, average_at_end, outer_state_device, accelerator, parallel_devices,
