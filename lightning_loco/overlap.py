@@ -73,6 +73,7 @@ class InFlight:
     merge: str
     pseudo_gradient_norm: Optional[float] = None
     anchor_before: Optional[Tensor] = None  # kept only when norms are tracked
+    own_payload: Optional[Tensor] = None  # kept only when norms are tracked (for the peer distance)
     start_seconds: float = 0.0  # time the start took from training (posting, prediction)
     completed_after: Optional[float] = None  # seconds from posting until first seen complete
 

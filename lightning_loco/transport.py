@@ -111,6 +111,11 @@ class PendingSum:
         self._watcher: Optional[threading.Thread] = None
         self._error: Optional[RuntimeError] = None
 
+    @property
+    def watcher(self) -> Optional[threading.Thread]:
+        """The thread waiting for the operations (``None`` unless watched)."""
+        return self._watcher
+
     def watch(self) -> "PendingSum":
         """Starts the watcher thread (CPU transports only; see the class docstring). Returns self."""
         if self.works and self._watcher is None and self.transport.device.type == "cpu":
@@ -179,18 +184,12 @@ class PendingSum:
             else:
                 for work in self.works:
                     work.wait()
+            remaining = self.ready_at - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            self._result = self.finish()  # with k > 1, an all-gather inside the replica
         except RuntimeError as err:
-            t = self.transport
-            ranks = [t.replica_ranks[j] for j in self.peers]
-            raise PeerError(
-                f"Replica {t.replica} could not complete its exchange with replica(s) {list(self.peers)} "
-                f"(global rank(s) {ranks}): {err}. That peer stopped, or the network between you failed or "
-                "timed out; look at its log for the cause."
-            ) from err
-        remaining = self.ready_at - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        self._result = self.finish()
+            raise self.transport.peer_error(self.peers, err) from err
         now = time.perf_counter()
         self.wait_seconds, self.seconds = now - blocked, now - self.started
         if self.peers or self.works:  # a group of one talks to nobody: nothing to count
@@ -246,6 +245,14 @@ class TorchDistributedTransport:
         self.replica_ranks = [i * k + self.local_rank for i in range(self.num_replicas)]  # my counterparts
         self.stats = TransportStats()
 
+    def peer_error(self, peers: Sequence[int], err: BaseException) -> PeerError:
+        ranks = [self.replica_ranks[j] for j in peers]
+        return PeerError(
+            f"Replica {self.replica} could not complete its exchange with replica(s) {list(peers)} "
+            f"(global rank(s) {ranks}): {err}. That peer stopped, or the network between you failed or "
+            "timed out; look at its log for the cause."
+        )
+
     def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
         return self.start_group_sum(payload, group).wait()
 
@@ -283,7 +290,10 @@ class TorchDistributedTransport:
         received = {j: torch.empty_like(send) for j in others}
         ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
         ops += [dist.P2POp(dist.isend, send, self.replica_ranks[j], self.process_group) for j in others]
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+            raise self.peer_error(others, err) from err
 
         def finish() -> Tensor:
             received[self.replica] = send
@@ -297,7 +307,12 @@ class TorchDistributedTransport:
         buf = payload.to(self.device)
         part = self._slice(buf)
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
-        work = dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        n = self.num_replicas
+        peers = tuple(j for j in range(n) if j != self.replica)
+        try:
+            work = dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        except RuntimeError as err:
+            raise self.peer_error(peers, err) from err
 
         def finish() -> Tensor:
             whole = self._gather_slices(part, buf)
@@ -307,7 +322,5 @@ class TorchDistributedTransport:
 
         # A ring all-reduce sends and receives 2(N−1)/N copies per replica; gloo and NCCL pick their
         # own algorithm, so this is the nominal figure, not a measurement.
-        n = self.num_replicas
         nbytes = 2 * (n - 1) * part.numel() * part.element_size() // n
-        peers = tuple(j for j in range(n) if j != self.replica)
         return PendingSum(self, [work] if work is not None else [], finish, nbytes, peers)

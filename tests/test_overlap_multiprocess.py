@@ -174,7 +174,7 @@ def test_the_end_of_fit_lands_the_round_in_flight_and_the_monitor_logs_overlap(t
     for end in ends:
         assert [(x["outer_step"], x["inner_step"], x["overlap_steps"]) for x in end["reports"]] == [
             (0, h + 2, 2), (1, 2 * h + 1, 1)]  # the second round landed when fit ended, one step in
-        assert all(x["correction_norm"] > 0 for x in end["reports"]) and end["in_flight"] == [False]
+        assert all(x["correction_norm"] > 0 for x in end["reports"]) and end["replicas_left"] == 0
     assert torch.equal(ends[0]["weights"], ends[1]["weights"])  # then average_at_end
     assert not torch.equal(ends[0]["weights"], recs[0]["weights"][-1])
 

@@ -195,6 +195,11 @@ class Recorder(L.Callback):
             raise RuntimeError(f"stopping on purpose at step {trainer.global_step}")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.record.get("ready_at_step"):  # signal tests: "send your signal now"
+            Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.out_dir) / f"ready{trainer.global_rank}").write_text(str(os.getpid()))
+        if self.record.get("step_sleep_s"):
+            time.sleep(self.record["step_sleep_s"])
         self.record.setdefault("batch_seconds", []).append(time.perf_counter() - self._batch_start)
         self.record["weights"].append(flat(pl_module))
         self.record["calls"].append(self.call_log.take())
@@ -210,6 +215,19 @@ class Recorder(L.Callback):
         self.record["strategy"] = type(strategy).__name__
         self.record["param_dtypes"] = sorted({str(p.dtype) for p in pl_module.parameters()})
         replicas = getattr(strategy, "replicas", [])
+        if self.record.get("track_release"):  # weak references to every piece of outer state
+            import weakref
+
+            objects = [r for r in replicas] + [r.state for r in replicas] + [r.flat for r in replicas]
+            objects += [t for r in replicas for t in r.state.state_dict().values() if torch.is_tensor(t)]
+            objects += [r.state.gradient for r in replicas if hasattr(r.state, "gradient")]
+            objects += [t for r in replicas if hasattr(r.state, "optimizer")
+                        for per_param in r.state.optimizer.state.values() for t in per_param.values()
+                        if torch.is_tensor(t)]
+            objects += [x for r in replicas if r.in_flight is not None
+                        for x in (r.in_flight, r.in_flight.pending, r.in_flight.reference)]
+            objects.append(strategy._transport)
+            self.weak_outer = [weakref.ref(o) for o in objects]
         self.record["outer_states"] = [
             {
                 "anchor_dtype": str(r.state.anchor.dtype),
@@ -227,6 +245,8 @@ class Recorder(L.Callback):
             self.record["ddp_group_ranks"] = dist.get_process_group_ranks(strategy.model.process_group)
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save(self.record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+        if self.record.get("track_release"):
+            self.record.clear()  # it holds the outer state's own tensors (state_dict() does not copy)
 
 
 def observe(strategy: Any, record: dict[str, Any], config: dict[str, Any]) -> None:
@@ -268,11 +288,13 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     strategy: Any = config["strategy"]
     if "strategy_kwargs" in config:
         cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}[strategy]
-        strategy = cls(timeout=timedelta(seconds=60), **config["strategy_kwargs"])
+        timeout = timedelta(seconds=config.get("pg_timeout_s", 60))
+        strategy = cls(timeout=timeout, **config["strategy_kwargs"])
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
-    if "fail_at_step" in config:
-        recorder.record["fail_at_step"] = config["fail_at_step"]
+    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release"):
+        if key in config:
+            recorder.record[key] = config[key]
     if not isinstance(strategy, str):
         observe(strategy, recorder.record, config)
     if "checkpoint" in config:
@@ -292,7 +314,8 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         gradient_clip_val=config.get("clip"),
         precision=config.get("precision", "32-true"),
         callbacks=callbacks,
-        limit_val_batches=None if config.get("then_validate") or "val_check_interval" in config else 0,
+        limit_val_batches=None if config.get("then_validate") or "val_check_interval" in config
+        or "validate_ckpt_path" in config else 0,
         logger=logger,
         val_check_interval=config.get("val_check_interval"),
         check_val_every_n_epoch=None if "val_check_interval" in config else 1,
@@ -302,10 +325,33 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         enable_model_summary=False,
     )
     model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False))
-    trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    if "hide_replica_files_on_rank" in config and os.environ.get("LOCAL_RANK", "0") == str(
+        config["hide_replica_files_on_rank"]
+    ):
+        # a shared filesystem that lags on this node: it does not see the replica files yet
+        isfile = os.path.isfile
+        os.path.isfile = lambda path: False if "/.replicas/" in str(path) else isfile(path)
+    if "validate_ckpt_path" in config:
+        trainer.validate(model, ckpt_path=config["validate_ckpt_path"], verbose=False)
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save(flat(model), os.path.join(out_dir, f"validated{trainer.global_rank}.pt"))
+    try:
+        trainer.fit(model, ckpt_path=config.get("ckpt_path"))
+    except BaseException as err:  # what each rank saw, for tests of failures
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"error{trainer.global_rank}.json"), "w") as f:
+            json.dump({"type": type(err).__name__, "message": str(err), "pid": os.getpid()}, f)
+        raise
     if hasattr(trainer.strategy, "outer_step_reports"):  # after the strategy's own end of fit
+        import gc
+
+        gc.collect()
+        weak = getattr(recorder, "weak_outer", [])
         torch.save({"reports": [dataclasses.asdict(r) for r in trainer.strategy.outer_step_reports],
-                    "in_flight": [r.in_flight is not None for r in trainer.strategy.replicas],
+                    "replicas_left": len(trainer.strategy.replicas),
+                    "outer_steps": trainer.strategy.outer_steps,
+                    "outer_state_alive": [type(w()).__name__ for w in weak if w() is not None],
+                    "outer_state_tracked": len(weak),
                     "weights": flat(model)}, os.path.join(out_dir, f"after_fit{trainer.global_rank}.pt"))
     if "save_to" in config:
         trainer.save_checkpoint(config["save_to"])

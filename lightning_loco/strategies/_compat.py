@@ -1,19 +1,101 @@
-"""Where we reach into Lightning internals. Each use is guarded and tested against the installed version.
+"""Every private Lightning symbol our strategies use, in one place, checked against the installed version.
 
-Lightning >= 2.5.2 broadcasts a SIGTERM flag from rank 0 on every training batch
-(``_TrainingEpochLoop._broadcast_sigterm_tensor``). That blocking global collective per step is
-exactly what low-communication training removes, so our strategies replace it, for the duration of
-``fit``, with a check of this process's own flag. A process that receives SIGTERM still stops as
-before; the others are no longer told by rank 0 (launchers such as torchrun and SLURM signal every
-process anyway).
+Lightning has no public API for a strategy that launches like DDP but never wraps the model, keeps
+per-replica state and avoids Lightning's hidden global collectives. We therefore rely on a few
+private names. They are listed in ``PRIVATE_SYMBOLS`` and ``check_lightning()`` verifies them when
+the strategies are imported, so a Lightning release that renames one fails at import with a message
+that names it, instead of misbehaving in the middle of a run.
+
+Two behaviours of Lightning are replaced while one of our strategies runs:
+
+* **The per-batch SIGTERM broadcast** (``_TrainingEpochLoop._broadcast_sigterm_tensor``, Lightning
+  >= 2.5.2): a blocking global collective on every training batch, exactly what low-communication
+  training removes. It becomes a check of this process's own flag.
+* **The broadcast in Lightning's SIGTERM handler** (``_SignalConnector._sigterm_notifier_fn``): on
+  SIGTERM every rank calls ``dist.broadcast(src=0)``, which only the per-batch broadcast above used
+  to match. A rank signalled alone (a preempted node) would wait there for the whole process-group
+  timeout. Our handler does what Lightning's does without the broadcast: it forwards the signal to
+  the processes this one launched and sets the flag, so the process stops at its next batch.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
+import signal as _signal
 from typing import Any, Callable, Optional
 
+log = logging.getLogger("lightning_loco")
+
+# (module, attribute path, what we use it for). Checked by check_lightning().
+PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.overrides.distributed", "_sync_module_states", "broadcast rank 0's initial weights"),
+    ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "move inner optimizer state to the device"),
+    ("lightning.fabric.utilities.distributed", "_destroy_dist_connection", "destroy the gloo group at exit"),
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher", "check N before processes start"),
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend", "gloo or NCCL"),
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy.configure_ddp", "DDP inside a replica (k > 1)"),
+    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector._sigterm_notifier_fn",
+     "replace the broadcast in the SIGTERM handler"),
+    ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector.register_signal_handlers",
+     "reads the SIGTERM handler when a run starts"),
+)
+# Optional: Lightning < 2.5.2 has no per-batch SIGTERM broadcast, so there is nothing to replace.
+OPTIONAL_SYMBOLS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor",
+     "replace the per-batch SIGTERM broadcast"),
+)
+# Instance attributes set by DDPStrategy.__init__ (checked on a fresh instance).
+PRIVATE_ATTRIBUTES: tuple[str, ...] = ("_ddp_kwargs", "_timeout", "_layer_sync", "_process_group_backend")
+
+
+class LightningCompatibilityError(ImportError):
+    """The installed Lightning lacks a private symbol our strategies rely on."""
+
+
+def _resolve(module: str, path: str) -> Any:
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def missing_symbols() -> list[str]:
+    """Names of the private Lightning symbols the installed version lacks (empty when all are there)."""
+    missing = []
+    for module, path, _ in PRIVATE_SYMBOLS:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+    from lightning.pytorch.strategies import DDPStrategy
+
+    probe = DDPStrategy()
+    missing += [f"DDPStrategy().{name}" for name in PRIVATE_ATTRIBUTES if not hasattr(probe, name)]
+    return missing
+
+
+def check_lightning() -> None:
+    """Raises :class:`LightningCompatibilityError` naming every private symbol the installed
+    Lightning lacks."""
+    missing = missing_symbols()
+    if missing:
+        import lightning
+
+        uses = {f"{m}.{p}": why for m, p, why in PRIVATE_SYMBOLS}
+        lines = "\n".join(f"  - {name}" + (f" (to {uses[name]})" if name in uses else "") for name in missing)
+        raise LightningCompatibilityError(
+            f"lightning_loco needs private Lightning symbols that lightning {lightning.__version__} does not have:\n"
+            f"{lines}\nInstall a supported version: pip install 'lightning>=2.4,<2.7'."
+        )
+
+
+# ---------------------------------------------------------------- SIGTERM
+
 _SIGTERM_HOOK = "_broadcast_sigterm_tensor"
+_NOTIFIER = "_sigterm_notifier_fn"
 
 
 def disable_per_batch_sigterm_broadcast(epoch_loop: Any) -> Optional[Callable[[], None]]:
@@ -40,6 +122,39 @@ def disable_per_batch_sigterm_broadcast(epoch_loop: Any) -> Optional[Callable[[]
     return restore
 
 
+def local_sigterm_handler(trainer: Any) -> Callable[[], None]:
+    """Makes the trainer's SIGTERM handler local: it forwards the signal to the processes this one
+    launched (as Lightning's does) and sets the flag the training loop checks, with no collective.
+
+    Must be called before ``Trainer`` registers its signal handlers (``Strategy.setup`` is). Returns
+    a function that undoes the change.
+    """
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None:
+        raise LightningCompatibilityError(
+            "This Lightning's Trainer has no _signal_connector: install a supported version "
+            "(pip install 'lightning>=2.4,<2.7')."
+        )
+
+    def notify(signum: Any, frame: Any) -> None:
+        name = _signal.Signals(signum).name if isinstance(signum, int) else str(signum)
+        log.info("rank %s: received %s; stopping at the next batch", trainer.global_rank, name)
+        if not connector.received_sigterm:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # the popen launcher's children (rank 0 only); a no-op elsewhere
+        connector.received_sigterm = True
+
+    setattr(connector, _NOTIFIER, notify)
+
+    def restore() -> None:
+        connector.__dict__.pop(_NOTIFIER, None)
+
+    return restore
+
+
+# ---------------------------------------------------------------- process groups
+
 _destroy_registered = False
 
 
@@ -55,3 +170,16 @@ def destroy_process_group_at_exit() -> None:
 
     atexit.register(_destroy_dist_connection)
     _destroy_registered = True
+
+
+def sync_module_states(module: Any) -> None:
+    """Every rank gets rank 0's parameters and buffers (what DistributedDataParallel does at wrap time)."""
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+
+    _sync_module_states(module)
+
+
+def optimizers_to_device(optimizers: Any, device: Any) -> None:
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)

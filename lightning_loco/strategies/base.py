@@ -12,13 +12,17 @@ torchrun, SLURM), the process group, the ``DistributedSampler`` and ``reduce``/`
   optimization) it runs the algorithm's outer step on that optimizer's parameters, or with
   ``overlap_steps`` starts it there and lands it later (see ``lightning_loco/overlap.py``);
 * no global collective while training: Lightning's per-batch SIGTERM broadcast is replaced by a
-  local check for the duration of ``fit`` (see ``_compat.py``);
+  local check for the duration of ``fit``, and its SIGTERM handler no longer broadcasts (see
+  ``_compat.py``): a signalled rank stops at its next batch, its peers with a ``PeerError`` at their
+  next exchange with it;
 * checkpoints that keep every replica (see ``lightning_loco/checkpoints.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 import warnings
 import uuid
@@ -33,12 +37,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -56,8 +58,18 @@ from lightning_loco.overlap import (
     correction_norm,
     merge_at_landing,
 )
-from lightning_loco.strategies._compat import destroy_process_group_at_exit, disable_per_batch_sigterm_broadcast
+from lightning_loco.strategies._compat import (
+    check_lightning,
+    destroy_process_group_at_exit,
+    disable_per_batch_sigterm_broadcast,
+    local_sigterm_handler,
+    optimizers_to_device,
+    sync_module_states,
+)
 from lightning_loco.transport import PendingSum, TorchDistributedTransport
+
+check_lightning()  # a Lightning without the private symbols we use fails here, naming them
+log = logging.getLogger("lightning_loco")
 
 
 @dataclass
@@ -92,6 +104,15 @@ class OuterStepReport:
     exchange_seconds: Optional[float] = None  # overlapped rounds: posting until the exchange completed
     correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
     peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
+
+
+def peer_distance(own: torch.Tensor, group_sum: torch.Tensor, group_size: int) -> Optional[float]:
+    """‖own payload − the group's mean payload‖: how far this replica stood from the replicas it just
+    met, known after every exchange at no extra cost. ``None`` for a replica that met nobody."""
+    if group_size < 2:
+        return None
+    mean = group_sum.to(own.device) / group_size
+    return torch.linalg.vector_norm(own - mean).item()
 
 
 def _parse_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:
@@ -175,6 +196,9 @@ class OuterStepStrategy(DDPStrategy):
         self._transport: Optional[TorchDistributedTransport] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
         self._restore_sigterm: Optional[Callable[[], None]] = None
+        self._restore_sigterm_handler: Optional[Callable[[], None]] = None
+        self._final_outer_steps = 0
+        self._lingering: list[threading.Thread] = []  # watchers of abandoned rounds still waiting
         self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from a checkpoint, until training starts
         self.outer_step_reports: list[OuterStepReport] = []  # this fit's outer steps, in order
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
@@ -210,8 +234,9 @@ class OuterStepStrategy(DDPStrategy):
 
     @property
     def outer_steps(self) -> int:
-        """Outer steps taken by the first optimizer in this ``fit`` (0 before training)."""
-        return self._replicas[0].outer_steps if self._replicas else 0
+        """Outer steps (rounds started) of the first optimizer, resumed ones included; after ``fit``,
+        the count it ended with (0 before training)."""
+        return self._replicas[0].outer_steps if self._replicas else self._final_outer_steps
 
     @property
     def last_outer_step(self) -> Optional[OuterStepReport]:
@@ -239,6 +264,13 @@ class OuterStepStrategy(DDPStrategy):
                 f"({self.num_processes}) for one replica per node."
             )
         self.algorithm.check_num_replicas(world // k)
+        if world // k == 1:
+            rank_zero_warn(
+                f"{type(self).__name__} with a single replica ({world} process(es), ranks_per_replica={k}): "
+                "there is nobody to exchange with, so the outer steps only move this replica along its own "
+                "pseudo-gradient. Use devices > 1 (or more nodes) for several replicas"
+                + (", or strategy='ddp' for plain data parallelism." if k > 1 else ".")
+            )
         super()._configure_launcher()
 
     @override
@@ -277,6 +309,11 @@ class OuterStepStrategy(DDPStrategy):
                 f"outer_state_device={str(device)!r} does not match the model's device "
                 f"{str(self.root_device)!r}. Use None or 'cpu'."
             )
+        # Every trainer call starts without resume state: only fit(ckpt_path=...) may set it, and it
+        # does so after this (load_checkpoint runs after setup; see restore_checkpoint_after_setup).
+        self._resumed_outer = None
+        if self._restore_sigterm_handler is None:  # Trainer registers its handlers after setup
+            self._restore_sigterm_handler = local_sigterm_handler(trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -288,16 +325,16 @@ class OuterStepStrategy(DDPStrategy):
             self._check_optimizers()
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _make_replicas_consistent(self, fitting: bool) -> None:
         trained = self._trained_module is not None and self._trained_module() is self.lightning_module
         if not trained:
             # What DistributedDataParallel would do: every replica starts from rank 0's weights.
-            _sync_module_states(self.model)
+            sync_module_states(self.model)
         elif fitting:
             # A second fit of a model these replicas already trained: start it from their average.
-            rank_zero_info(f"{type(self).__name__}: starting this fit from the average of the replicas.")
+            log.info("%s: starting this fit from the average of the replicas.", type(self).__name__)
             self.average_replicas()
         # validate/test/predict after fit: every replica keeps its own weights.
 
@@ -328,11 +365,16 @@ class OuterStepStrategy(DDPStrategy):
             self._load_outer_state(self._resumed_outer)
             self._resumed_outer = None
         self._restore_sigterm = disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
-        if self.ranks_per_replica > 1 and self.num_replicas == 1:
+        self._warn_if_no_outer_step(trainer)
+
+    def _warn_if_no_outer_step(self, trainer: "pl.Trainer") -> None:
+        remaining = trainer.max_steps - trainer.global_step
+        if trainer.max_steps >= 0 and all(r.inner_steps + remaining < self.sync_every * (r.outer_steps + 1)
+                                          for r in self._replicas):
             rank_zero_warn(
-                f"ranks_per_replica={self.ranks_per_replica} puts all {self.world_size} processes in one replica: "
-                "this is plain DDP and the outer step has nobody to meet. Use a smaller ranks_per_replica, or "
-                "strategy='ddp'."
+                f"No outer step will happen in this fit: {max(remaining, 0)} optimizer step(s) are left before "
+                f"max_steps={trainer.max_steps}, fewer than the next outer step needs (sync_every={self.sync_every}), "
+                "so the replicas never meet. Lower sync_every or raise max_steps."
             )
 
     def _make_transport(self) -> TorchDistributedTransport:
@@ -430,8 +472,15 @@ class OuterStepStrategy(DDPStrategy):
         if self.track_norms:
             before = replica.state.anchor.clone()
             pseudo_gradient_norm = torch.linalg.vector_norm(weights - before).item()
-        new_weights, group = self.algorithm.step(replica.state, weights, replica.outer_steps, transport)
-        replica.flat.scatter(new_weights)
+        algorithm = self.algorithm
+        round_ = algorithm.schedule(replica.outer_steps, transport.num_replicas)
+        group = round_.group_of(transport.replica)
+        payload = algorithm.payload(replica.state, weights)
+        # an all-reduce sums in place: keep this replica's own payload for the distance
+        own = payload.clone() if self.track_norms and round_.collective else payload
+        total = transport.all_reduce_sum(payload) if round_.collective else transport.group_sum(payload, group)
+        distance = peer_distance(own, total, len(group)) if self.track_norms else None
+        replica.flat.scatter(algorithm.apply(replica.state, total, len(group)))
         if self.track_norms:
             update_norm = torch.linalg.vector_norm(replica.state.anchor - before).item()
         self.outer_step_reports.append(
@@ -446,6 +495,7 @@ class OuterStepStrategy(DDPStrategy):
                 seconds=time.perf_counter() - start,
                 pseudo_gradient_norm=pseudo_gradient_norm,
                 update_norm=update_norm,
+                peer_distance=distance,
             )
         )
         if replica.auto is not None:
@@ -469,6 +519,9 @@ class OuterStepStrategy(DDPStrategy):
         payload = algorithm.payload(replica.state, weights)
         if self.overlap_merge == "delayed" and round_.collective and payload.data_ptr() == weights.data_ptr():
             weights = weights.clone()  # an all-reduce sums in place: keep S apart from what travels
+        own = None
+        if self.track_norms:  # for the peer distance at the landing
+            own = payload.clone() if round_.collective else payload
         if round_.collective:
             pending = transport.start_all_reduce_sum(payload)
         else:
@@ -482,7 +535,7 @@ class OuterStepStrategy(DDPStrategy):
         replica.in_flight = InFlight(
             outer_step=t, start_step=replica.inner_steps, land_step=replica.inner_steps + tau, group=tuple(group),
             pending=pending, reference=reference, merge=self.overlap_merge,
-            pseudo_gradient_norm=pseudo_gradient_norm, anchor_before=before,
+            pseudo_gradient_norm=pseudo_gradient_norm, anchor_before=before, own_payload=own,
         )
         replica.outer_steps += 1
         replica.in_flight.start_seconds = time.perf_counter() - start
@@ -494,6 +547,9 @@ class OuterStepStrategy(DDPStrategy):
         assert flight is not None and self._transport is not None
         start = time.perf_counter()
         total = flight.pending.wait()
+        distance = None
+        if flight.own_payload is not None:
+            distance = peer_distance(flight.own_payload, total, len(flight.group))
         exchange = flight.completed_after if flight.completed_after is not None else flight.pending.seconds
         new_anchor = self.algorithm.apply(replica.state, total, len(flight.group))
         merged, correction = merge_at_landing(flight.merge, replica.flat.gather(), new_anchor, flight.reference)
@@ -519,6 +575,7 @@ class OuterStepStrategy(DDPStrategy):
                 overlap_steps=replica.inner_steps - flight.start_step,  # fewer if fit ended first
                 exchange_seconds=exchange,
                 correction_norm=correction_norm(correction),
+                peer_distance=distance,
             )
         )
 
@@ -527,10 +584,13 @@ class OuterStepStrategy(DDPStrategy):
             if replica.in_flight is not None:
                 self._land(index, replica)
 
+    abandon_timeout_s: float = 10.0  # how long an interrupted fit waits for a round in flight
+
     def _abandon_all(self) -> None:
         for replica in self._replicas:
             if replica.in_flight is not None:
-                finished = replica.in_flight.pending.abandon(timeout=10.0)
+                pending = replica.in_flight.pending
+                finished = pending.abandon(timeout=self.abandon_timeout_s)
                 if not finished:
                     warnings.warn(
                         f"Replica {self.replica_index}: training stopped while outer step "
@@ -538,6 +598,8 @@ class OuterStepStrategy(DDPStrategy):
                         "the round was dropped.",
                         stacklevel=2,
                     )
+                if pending.watcher is not None and pending.watcher.is_alive():
+                    self._lingering.append(pending.watcher)
                 replica.in_flight = None
 
     def _mean_over_replicas(self, tensors: list[torch.Tensor]) -> tuple[FlatParameters, torch.Tensor]:
@@ -658,7 +720,11 @@ class OuterStepStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Loads the main file and, on every rank, that replica's own file. Collective."""
+        """Loads the main file and, on every rank, that replica's own file. Collective.
+
+        Only ``fit(ckpt_path=...)`` restores outer state (anchors, momenta, counters, a round in
+        flight); ``validate``/``test``/``predict`` with a checkpoint load each replica's weights only.
+        """
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resumed_outer = None
         meta = checkpoint.get(checkpoints.META_KEY)
@@ -678,30 +744,37 @@ class OuterStepStrategy(DDPStrategy):
                 f"{self.algorithm.name!r} run from its consensus model: "
                 f"`MyModule.load_from_checkpoint({path!r})`, then fit without ckpt_path."
             )
-        checkpoints.check_replica_files(path, meta)  # every rank checks every file: all fail together
-        error: Optional[Exception] = None
+        payload: Optional[dict[str, Any]] = None
+        error: Optional[checkpoints.CheckpointError] = None
         try:
+            checkpoints.check_replica_files(path, meta)  # every rank checks every file
             payload = checkpoints.read_replica(path, meta, self.replica_index)
         except checkpoints.CheckpointError as err:
             error = err
-        # A rank that could not read its file must not leave the others waiting for it in training.
-        if self._any_replica(error is not None):
-            raise error or checkpoints.CheckpointError(
-                f"Another replica could not read its file of checkpoint {path}; its error names the file."
-            )
+        # Ranks can disagree (a shared filesystem that lags on one node): agree before anything else
+        # collective happens, and raise the same error everywhere.
+        message = self._first_error(str(error) if error is not None else None)
+        if message is not None:
+            raise checkpoints.CheckpointError(message) from error
+        assert payload is not None
         checkpoint["state_dict"] = payload["state_dict"]
         for key in ("optimizer_states", "lr_schedulers"):
             if payload.get(key) is not None:
                 checkpoint[key] = payload[key]
-        self._resumed_outer = payload["outer"]
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._resumed_outer = payload["outer"]
+        else:
+            self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's
         return checkpoint
 
-    def _any_replica(self, flag: bool) -> bool:
+    def _first_error(self, message: Optional[str]) -> Optional[str]:
+        """The lowest rank's error message, if any rank has one (one all-gather; every rank calls it)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+            return message
+        messages: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        return next((m for m in messages if m is not None), None)
 
     def _load_outer_state(self, saved: list[dict[str, Any]]) -> None:
         if not saved:
@@ -743,14 +816,37 @@ class OuterStepStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._restore_lightning()
+        if self._restore_sigterm_handler is not None:
+            self._restore_sigterm_handler()
+            self._restore_sigterm_handler = None
         self._abandon_all()  # only left after an interrupted fit: on_train_end lands rounds in flight
+        # The outer state (float32 anchors, momenta, outer optimizer state, buffers in flight: 2-3 model
+        # copies, on the accelerator by default) goes now. What users read after fit stays:
+        # outer_step_reports, and the weights in the module.
+        if self._replicas:
+            self._final_outer_steps = self._replicas[0].outer_steps
+        self._replicas = []
         self._transport = None
+        self._resumed_outer = None
+        self._destroy_process_groups()
+        super().teardown()
+
+    def _destroy_process_groups(self) -> None:
+        """Destroys the groups this strategy created. A group still awaited by the watcher of an
+        abandoned round is never destroyed under it: it is left to the process exit."""
+        self._lingering = [thread for thread in self._lingering if thread.is_alive()]
         for name in ("_overlap_group", "_replica_group", "_slice_group"):
             group = getattr(self, name)
-            if group is not None:
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError):
-                    pass  # the default group is already gone, and this one with it
-                setattr(self, name, None)
-        super().teardown()
+            setattr(self, name, None)
+            if group is None:
+                continue
+            if name == "_overlap_group" and self._lingering:
+                log.warning(
+                    "rank %s: an abandoned outer-step exchange is still waiting on its process group; the group is "
+                    "left to the process exit instead of being destroyed under it.", self.global_rank,
+                )
+                continue
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass  # the default group is already gone, and this one with it
