@@ -3,26 +3,34 @@
 ``OuterStepMonitor`` logs, at each outer step's own global step (nothing is re-emitted between outer
 steps):
 
-* ``outer/step``, ``outer/seconds`` (the whole outer step), ``outer/comm_seconds`` (its
-  communication), ``outer/bytes_sent``, ``outer/bytes_received``, ``outer/pseudo_gradient_norm``
-  (‖θ − anchor‖ before the step), ``outer/update_norm`` (how far the anchor moved) and
-  ``outer/peer`` (the first peer of the logged replica, −1 when it met nobody). Loggers write on
-  rank 0, so these describe rank 0's replica; bytes and times are alike on every replica.
+* ``outer/step``, the index t of the outer step (0, 1, 2, ...), ``outer/seconds`` (the whole outer
+  step), ``outer/comm_seconds`` (its communication), ``outer/bytes_sent``,
+  ``outer/bytes_received``, ``outer/pseudo_gradient_norm`` (‖θ − anchor‖ before the step),
+  ``outer/update_norm`` (how far the anchor moved) and ``outer/peer`` (the first peer of the logged
+  replica, −1 when it met nobody). Loggers write on rank 0, so these describe rank 0's replica;
+  bytes and times are alike on every replica.
+* ``outer/peer_distance``: ‖own payload − mean payload of the replica's group‖ over the optimizer's
+  parameters, the local signal of how far the replicas are apart. The strategy computes it from
+  what the outer step exchanges anyway: it costs no message (logged when the strategy provides it).
 * with ``overlap_steps``, at each landing: ``outer/overlap_steps`` (τ used), ``outer/comm_seconds``
   is then the time the landing waited for the exchange (the exposed communication),
   ``outer/exchange_seconds`` how long the exchange took from posting to completion (to within one
   inner step), and ``outer/correction_norm`` the norm of the change applied at the landing.
-* ``outer/replica_spread`` every ``spread_every`` outer steps: the RMS distance of the replicas from
-  their mean, the papers' weight-spread diagnostic (two all-reduces, so not every step), measured
-  where a round starts (the same step on every replica, whatever τ).
+* only when asked for (``spread_every`` > 0), ``outer/replica_spread`` every ``spread_every`` outer
+  steps: the RMS distance of all replicas from their mean, the papers' weight-spread diagnostic,
+  measured where a round starts (the same step on every replica, whatever τ). It is a **global
+  collective**: two all-reduces over all replicas, a global synchronisation each time it runs,
+  which is what NoLoCo and GASLoC exist to avoid.
 * ``val/loss_replicas``: the mean over replicas of each replica's validation loss on its share of the
   validation set (the papers' metric), and with ``consensus_validation`` ``val/loss_consensus``: the
   loss of the replicas' average, swapped in for that pass and swapped out again before any
-  checkpoint can see it. ``perplexity=True`` adds ``exp(loss)`` for language models. These read the
+  checkpoint can see it. The swap is a **global collective** (an all-reduce of the weights) once
+  per validation run. ``perplexity=True`` adds ``exp(loss)`` for language models. These read the
   loss that ``validation_step`` returns (a tensor, or a dict with ``"loss"``); torchmetrics averages
   them over samples (batches weighted by size, as Lightning does) and replicas.
 
-The progress bar shows the outer step and the last outer step's wall time.
+The progress bar shows ``outer_steps``, the number of outer steps completed so far (the latest
+``outer/step`` plus one), and ``sync_s``, the latest outer step's wall time.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import math
 from typing import Any, Optional
 
 import torch
+from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric
 
 import lightning as L
@@ -54,17 +63,49 @@ def _loss_of(outputs: Any) -> Optional[torch.Tensor]:
     return None
 
 
+class _Agreed(Metric):
+    """A value that is already the same on every rank, logged as a torchmetrics ``Metric``.
+
+    For a plain tensor logged once per epoch in a distributed run, Lightning advises
+    ``sync_dist=True``, which would add a barrier and two all-reduces per value to average what is
+    equal everywhere. A ``Metric`` is computed by torchmetrics instead, and this one has nothing to
+    synchronise (``sync_on_compute=False``): no message, no advice, and the value still reaches
+    ``trainer.callback_metrics`` (for ``ModelCheckpoint(monitor=...)``) on every rank.
+    """
+
+    full_state_update = False
+
+    def __init__(self, value: float) -> None:
+        super().__init__(sync_on_compute=False)
+        self.add_state("value", default=torch.tensor(0.0), dist_reduce_fx=None)
+        self.update(value)
+
+    def update(self, value: float) -> None:
+        self.value = torch.tensor(value, device=self.value.device)
+
+    def compute(self) -> torch.Tensor:
+        return self.value
+
+
 class OuterStepMonitor(L.Callback):
-    """Logs outer steps, the replicas' spread, and validation of the replicas and of their consensus.
+    """Logs outer steps, a local spread signal, and validation of the replicas and of their consensus.
+
+    While training, the defaults add no message between replicas: ``outer/peer_distance`` comes
+    from what the outer step exchanges anyway. Validation averages ``val/loss_replicas`` over the
+    replicas (torchmetrics gathers two numbers per validation run). The two global diagnostics that
+    move weights are opt-in.
 
     Args:
-        spread_every: measure the replicas' spread every this many outer steps (an all-reduce of the
-            parameters); 0 turns it off.
-        consensus_validation: after each validation pass, validate the replicas' average too.
+        spread_every: log ``outer/replica_spread`` every this many outer steps; 0 (the default)
+            turns it off. A global collective: two all-reduces over all replicas each time, a
+            global synchronisation that NoLoCo and GASLoC otherwise never make.
+        consensus_validation: after each validation pass, validate the replicas' average too
+            (``val/loss_consensus``). A global collective: an all-reduce of the weights once per
+            validation run. Off by default.
         perplexity: also log ``exp(loss)`` of the validation losses (for language models).
     """
 
-    def __init__(self, spread_every: int = 10, consensus_validation: bool = True, perplexity: bool = False) -> None:
+    def __init__(self, spread_every: int = 0, consensus_validation: bool = False, perplexity: bool = False) -> None:
         if isinstance(spread_every, bool) or not isinstance(spread_every, int) or spread_every < 0:
             raise ValueError(f"spread_every must be an integer >= 0 (0 turns it off), got {spread_every!r}")
         self.spread_every = spread_every
@@ -120,7 +161,8 @@ class OuterStepMonitor(L.Callback):
                 logger.log_metrics(spread, step=trainer.global_step)
         last = strategy.last_outer_step
         if last is not None:  # progress bar only, local values, no synchronisation
-            pl_module.log("outer_step", float(last.outer_step + 1), prog_bar=True, logger=False)
+            # a count (outer steps completed), where outer/step is the index t of the latest one
+            pl_module.log("outer_steps", float(last.outer_step + 1), prog_bar=True, logger=False)
             pl_module.log("sync_s", last.seconds, prog_bar=True, logger=False)
 
     @staticmethod
@@ -135,6 +177,7 @@ class OuterStepMonitor(L.Callback):
             "peer": report.peers[0] if report.peers else -1,
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
             "update_norm": report.update_norm,
+            "peer_distance": report.peer_distance,
         }
         if report.overlap_steps:
             values.update(overlap_steps=report.overlap_steps, exchange_seconds=report.exchange_seconds,
@@ -170,10 +213,12 @@ class OuterStepMonitor(L.Callback):
             self._log_loss(pl_module, "consensus", loss)
 
     def _log_loss(self, pl_module: L.LightningModule, which: str, loss: torch.Tensor) -> None:
-        value = float(loss)
-        pl_module.log(f"val/loss_{which}", value)  # equal on every rank already: no sync_dist
+        value = float(loss)  # equal on every rank already: torchmetrics averaged it over replicas
+        values = {f"val/loss_{which}": value}
         if self.perplexity:
-            pl_module.log(f"val/ppl_{which}", math.exp(min(value, 50.0)))
+            values[f"val/ppl_{which}"] = math.exp(min(value, 50.0))
+        for name, v in values.items():
+            pl_module.log(name, _Agreed(v).to(pl_module.device), metric_attribute=name)
 
     def _validate_again(self, trainer: L.Trainer, pl_module: L.LightningModule) -> torch.Tensor:
         """One more pass over this replica's validation batches with the weights now in the model."""

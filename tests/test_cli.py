@@ -38,9 +38,13 @@ def scalars(logdir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+SYNC_DIST_ADVICE = "sync_dist=True"  # Lightning's advice for values logged per epoch without it
+
+
 @pytest.mark.parametrize("name", ["noloco", "gasloc", "diloco", "ddp"])
 def test_each_example_config_trains(tmp_path, name):
-    cli("fit", "--config", CONFIGS / f"{name}.yaml", *small(tmp_path, name))
+    proc = cli("fit", "--config", CONFIGS / f"{name}.yaml", *small(tmp_path, name))
+    assert SYNC_DIST_ADVICE not in proc.stderr  # the monitor's values are equal on every rank already
     logdir = tmp_path / "shakespeare" / name
     events = glob.glob(str(logdir / "events.out.tfevents.*"))
     assert len(events) == 1  # written by rank 0 only
@@ -51,9 +55,11 @@ def test_each_example_config_trains(tmp_path, name):
         return
     # outer-step metrics at the outer steps' own global steps, nothing in between
     for tag in ("outer/step", "outer/seconds", "outer/comm_seconds", "outer/bytes_sent", "outer/bytes_received",
-                "outer/pseudo_gradient_norm", "outer/update_norm", "outer/peer", "outer/replica_spread"):
+                "outer/pseudo_gradient_norm", "outer/update_norm", "outer/peer", "outer/peer_distance"):
         assert [s for s, _ in tags[tag]] == [2, 4], tag
-    assert [v for _, v in tags["outer/step"]] == [0, 1]
+    assert "outer/replica_spread" not in tags  # a global collective: the configs leave it off
+    assert [v for _, v in tags["outer/step"]] == [0, 1]  # the index t; the progress bar counts
+    assert "outer_steps=2.000" in proc.stdout + proc.stderr
     assert [s for s, _ in tags["val/loss_consensus"]] == [1, 3]
     assert tags["val/ppl_replicas"][0][1] == pytest.approx(2.718281828 ** tags["val/loss_replicas"][0][1], rel=1e-4)
     ckpt = glob.glob(str(logdir / "checkpoints" / "*.ckpt"))[0]
@@ -63,6 +69,9 @@ def test_each_example_config_trains(tmp_path, name):
                        "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
                        f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.batch_size=4")
             assert ("val_loss" if subcommand == "validate" else "test_loss") in proc.stdout
+            assert SYNC_DIST_ADVICE not in proc.stderr
+            if subcommand == "validate":  # the replicas' mean and the checkpoint's consensus model
+                assert "val/loss_replicas" in proc.stdout and "val/loss_consensus" in proc.stdout
     out = tmp_path / "plain.ckpt"
     cli("export", ckpt, out)
     from lightning_loco.examples.gpt import GPT

@@ -2,6 +2,7 @@
 replica's recorded weights, and the consensus swap during validation."""
 
 import csv
+import dataclasses
 import glob
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 import tiny
 from lightning_loco.monitoring import OuterStepMonitor
+from lightning_loco.strategies.base import OuterStepReport
 from lightning_loco.schedules import random_groups
 
 
@@ -28,9 +30,13 @@ def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
     recs = tiny.launch(
         tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "average_at_end": False}, devices=n,
         max_steps=steps, val_check_interval=4, monitor={"spread_every": 1, "consensus_validation": True},
-        # saves at the end of each validation, where a consensus left in the model would leak into it
-        checkpoint={"dirpath": str(tmp_path / "ckpts"), "filename": "{step}", "save_top_k": -1},
+        # saves at the end of each validation, where a consensus left in the model would leak into it;
+        # the monitored value must reach callback_metrics
+        checkpoint={"dirpath": str(tmp_path / "ckpts"), "filename": "{step}", "save_top_k": -1,
+                    "monitor": "val/loss_consensus"},
     )
+    # the monitor's values are equal on every rank already: Lightning has no reason to advise sync_dist
+    assert "sync_dist=True" not in recs[0]["stderr"]
     metrics = logged(tmp_path)
     numel = recs[0]["outer_states"][0]["numel"]
     # at each outer step's own global step, and only there
@@ -72,3 +78,18 @@ def test_bad_monitor_arguments():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="spread_every"):
             OuterStepMonitor(spread_every=bad)
+
+
+def test_defaults_make_no_global_collective():
+    monitor = OuterStepMonitor()
+    assert monitor.spread_every == 0  # replica spread: two world all-reduces, opt-in
+    assert monitor.consensus_validation is False  # a weight all-reduce per validation, opt-in
+
+
+def test_peer_distance_is_logged_when_the_strategy_provides_it():
+    report = OuterStepReport(optimizer_index=1, outer_step=3, inner_step=8, peers=(2,), bytes_sent=4, bytes_received=4,
+                             comm_seconds=0.1, seconds=0.2, peer_distance=0.25)
+    assert OuterStepMonitor._metrics(report, num_optimizers=1)["outer/peer_distance"] == 0.25
+    assert OuterStepMonitor._metrics(report, num_optimizers=2)["outer/peer_distance_opt1"] == 0.25
+    report = dataclasses.replace(report, peer_distance=None)
+    assert not any("peer_distance" in k for k in OuterStepMonitor._metrics(report, num_optimizers=1))
