@@ -20,8 +20,12 @@ filesystem (Lightning assumes the same for ``ckpt_path``).
 
 from __future__ import annotations
 
+import datetime
 import glob
 import os
+import pathlib
+import pickle
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -115,7 +119,42 @@ def check_replica_files(filepath: str, meta: Mapping[str, Any]) -> None:
         )
 
 
-def export_consensus(checkpoint_path: Any, output_path: Any, state_dict_only: bool = False) -> str:
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint holds pickled objects beyond tensors and plain values: loading it would run code
+    from the file."""
+
+
+def _safe_checkpoint_types() -> list[Any]:
+    """Types found in ordinary Lightning checkpoints besides tensors and plain values: Lightning saves
+    hyper-parameters and callback states as plain dicts, whose values may be paths or durations.
+    Each of these only rebuilds a value."""
+    return [pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath,
+            datetime.timedelta]
+
+
+def _load_for_export(path: str, trust_checkpoint: bool = False) -> dict[str, Any]:
+    """Loads a checkpoint file with ``weights_only=True`` (plus ``_safe_checkpoint_types``), or with
+    full unpickling when ``trust_checkpoint`` is set."""
+    if trust_checkpoint:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_safe_checkpoint_types()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err)) or re.search(
+            r"WeightsUnpickler error:\s*(.+)", str(err)
+        )
+        what = f" ({found.group(1).strip()})" if found else ""
+        raise UntrustedCheckpointError(
+            f"{path} holds a pickled Python object that is not a tensor or a plain value{what}; loading it "
+            "would run code from the file. If you trust where the file comes from, pass --trust-checkpoint "
+            "(export_consensus(..., trust_checkpoint=True))."
+        ) from None
+
+
+def export_consensus(
+    checkpoint_path: Any, output_path: Any, state_dict_only: bool = False, trust_checkpoint: bool = False
+) -> str:
     """Writes the consensus model of a checkpoint as one plain file for inference.
 
     Args:
@@ -124,12 +163,15 @@ def export_consensus(checkpoint_path: Any, output_path: Any, state_dict_only: bo
         state_dict_only: write just the model's ``state_dict`` (for ``module.load_state_dict``); by
             default a Lightning checkpoint without training state, which loads with
             ``MyModule.load_from_checkpoint(output_path)``.
+        trust_checkpoint: unpickle whatever the file holds (``weights_only=False``): this runs code
+            from the file. By default only tensors, plain values and the few types of ordinary
+            Lightning checkpoints are loaded, and anything else raises ``UntrustedCheckpointError``.
 
     Neither output needs replica files; both load with ``torch.load(weights_only=True)`` as long as
     the module's saved hyper-parameters are plain values.
     """
     source = local_path(checkpoint_path)
-    checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+    checkpoint = _load_for_export(source, trust_checkpoint)
     if state_dict_only:
         out: dict[str, Any] = checkpoint["state_dict"]
     else:

@@ -4,44 +4,149 @@
 this package imported, so the strategy names "noloco", "diloco" and "gasloc" always resolve and
 ``--trainer.strategy.help lightning_loco.NoLoCoStrategy`` lists every argument with its paper
 symbol and default. Model and data are chosen by ``class_path`` in the config (see
-``examples/shakespeare/``).
+``examples/shakespeare/``). Two mistakes are reported first and briefly, before any process is
+launched: a strategy or callback that rejects its arguments (its own ``ValueError``, instead of
+jsonargparse's account of every type it tried), and a ``--ckpt_path`` that does not exist (checked
+before anything is built).
 
-``lightning-loco export CHECKPOINT OUTPUT [--state-dict-only]`` writes the consensus model of a
-checkpoint as one plain file (see ``lightning_loco.checkpoints.export_consensus``).
+``lightning-loco export CHECKPOINT OUTPUT [--state-dict-only] [--trust-checkpoint]`` writes the
+consensus model of a checkpoint as one plain file (see ``lightning_loco.checkpoints.export_consensus``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Optional
+from typing import Any, NoReturn, Optional
 
 import lightning_loco  # noqa: F401  (registers the strategy names)
+from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningCLI
-from lightning_loco.checkpoints import export_consensus
+from lightning.pytorch.strategies import Strategy
+from lightning_loco.checkpoints import CheckpointError, export_consensus
+
+PROG = "lightning-loco"
+DESCRIPTION = (
+    "Lightning's command line (LightningCLI) with lightning_loco's strategies: fit, validate, test and "
+    f"predict, and one more subcommand, export: '{PROG} export CHECKPOINT OUTPUT' writes the consensus "
+    f"model of a checkpoint as one plain file ('{PROG} export --help')."
+)
+# The config keys whose classes' own argument errors are reported as they are (see LocoCLI).
+_CHECKED = ((Strategy, "trainer.strategy"), (Callback, "trainer.callbacks"))
+_SPECIAL_CKPT_PATHS = ("best", "last", "hpc")  # resolved by the Trainer, not files
 
 
 def export(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
-        prog="lightning-loco export", description="Write the consensus model of a checkpoint as one plain file."
+        prog=f"{PROG} export", description="Write the consensus model of a checkpoint as one plain file."
     )
     parser.add_argument("checkpoint", help="a checkpoint written by a lightning_loco strategy (or any Lightning one)")
     parser.add_argument("output", help="the file to write")
     parser.add_argument("--state-dict-only", action="store_true", help="write only the model's state_dict")
+    parser.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="load whatever Python objects the checkpoint holds (torch.load(weights_only=False)): this runs code "
+        "from the file, so only for files you trust. Without it, only tensors, plain values and the types of "
+        "ordinary Lightning checkpoints load.",
+    )
     args = parser.parse_args(argv)
-    path = export_consensus(args.checkpoint, args.output, state_dict_only=args.state_dict_only)
+    try:
+        path = export_consensus(
+            args.checkpoint, args.output, state_dict_only=args.state_dict_only, trust_checkpoint=args.trust_checkpoint
+        )
+    except (CheckpointError, FileNotFoundError) as err:
+        parser.error(str(err))
     print(f"wrote {path}")
 
 
+class LocoCLI(LightningCLI):
+    """``LightningCLI`` that reports bad arguments of a strategy or callback, and a missing
+    checkpoint, first and briefly, before any process is launched."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._rejected: Optional[tuple[type, str, Exception]] = None
+        super().__init__(*args, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        self._check_ckpt_path()
+        for class_type, key in _CHECKED:
+            self.parser.add_instantiator(self._instantiator(key), class_type, subclasses=True)
+
+    def _instantiator(self, key: str) -> Any:
+        def instantiate(class_type: type, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return class_type(*args, **kwargs)
+            except (ValueError, TypeError) as err:
+                # jsonargparse goes on to try the other types this key accepts and reports them all;
+                # remember the class's own error so that it can be shown alone.
+                self._rejected = (class_type, key, err)
+                raise
+
+        return instantiate
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except Exception as failure:
+            if self._rejected is None:
+                raise
+            class_type, key, err = self._rejected
+            if str(err).splitlines()[0] not in _messages(failure):
+                raise  # failed for some other reason
+            name = _public_name(class_type)
+            self._exit(
+                f"{type(err).__name__}: {err}\n"
+                f"(from {key}: {name}; '{PROG} {self.subcommand} --{key}.help {name}' lists its arguments)"
+            )
+
+    def _check_ckpt_path(self) -> None:
+        ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+        if not ckpt_path or ckpt_path in _SPECIAL_CKPT_PATHS or str(ckpt_path).startswith("registry"):
+            return
+        path = str(ckpt_path)
+        if "://" in path and not path.startswith("file://"):
+            return  # remote storage: left to the Trainer
+        path = path.removeprefix("file://")
+        if not os.path.exists(path):
+            self._exit(f"--ckpt_path {ckpt_path}: no such file or directory (nothing was started).")
+
+    def _exit(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{PROG} {self.subcommand}: error: {message}\n")
+        sys.exit(2)
+
+
+def _public_name(class_type: type) -> str:
+    """``lightning_loco.NoLoCoStrategy`` rather than its defining module, where the package exports it."""
+    package = sys.modules.get(class_type.__module__.split(".")[0])
+    if getattr(package, class_type.__qualname__, None) is class_type:
+        return f"{package.__name__}.{class_type.__qualname__}"
+    return f"{class_type.__module__}.{class_type.__qualname__}"
+
+
+def _messages(failure: BaseException) -> str:
+    """The text of an exception and of every exception it was raised from or during."""
+    texts, seen = [], set()
+    current: Optional[BaseException] = failure
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts.append(str(current))
+        current = current.__cause__ or current.__context__
+    return "\n".join(texts)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "export":
-        export(argv[1:])
+    """Runs the command on ``argv`` (default: the command line)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "export":
+        export(args[1:])
         return
-    LightningCLI(
+    LocoCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": PROG, "description": DESCRIPTION},
+        # None reads the command line itself; Lightning warns when given a list and a command line.
         args=argv,
     )
 

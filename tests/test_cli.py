@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_loco.cli import main
+
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "examples" / "shakespeare"
 CLI = str(Path(sys.executable).parent / "lightning-loco")
@@ -123,3 +125,93 @@ def test_export_command_writes_a_state_dict(tmp_path):
     restored = GPT(n_layer=1, n_embd=16, n_head=2)
     restored.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
+
+
+def test_the_command_does_not_warn_about_its_own_arguments():
+    proc = cli("fit", "--config", CONFIGS / "noloco.yaml", "--print_config")
+    assert "args parameter is intended" not in proc.stderr
+
+
+def test_help_names_the_export_subcommand(in_process, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert "lightning-loco export CHECKPOINT OUTPUT" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """For running the command in this process: LightningCLI seeds, which sets PL_GLOBAL_SEED, and
+    warns when given arguments besides a command line (here pytest's)."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-loco"])
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("sync_every=0", "sync_every (H) must be an integer >= 1, got 0."),
+    ("outer_lr=-1", "outer_lr (β) must be > 0, got -1.0."),
+    ("outer_momentum=1.5", "outer_momentum (α) must be in [0, 1), got 1.5."),
+    ("group_size=1", "group_size (n) must be an integer >= 2, got 1."),
+    ("overlap_steps=50", "overlap_steps=50 must be smaller than sync_every=50"),
+])
+def test_bad_strategy_arguments_are_reported_first_and_briefly(in_process, capsys, argument, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(CONFIGS / "noloco.yaml"), f"--trainer.strategy.init_args.{argument}"])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) < 5, lines
+    assert any(line.startswith("lightning-loco fit: error: ValueError: " + message) for line in lines[:2]), lines
+    assert "--trainer.strategy.help lightning_loco.NoLoCoStrategy" in lines[-1]
+
+
+def test_missing_checkpoint_fails_before_anything_is_built(in_process, capsys, monkeypatch, tmp_path):
+    def instantiate(*args, **kwargs):
+        raise AssertionError("model, data and Trainer were built (and the Trainer would launch processes)")
+
+    monkeypatch.setattr("lightning.pytorch.cli.LightningCLI.instantiate_classes", instantiate)
+    missing = tmp_path / "no" / "last.ckpt"
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate", "--config", str(CONFIGS / "noloco.yaml"), "--ckpt_path", str(missing)])
+    assert exit_.value.code == 2
+    assert f"lightning-loco validate: error: --ckpt_path {missing}: no such file or directory" in capsys.readouterr().err
+
+
+class RunsCode:
+    """Unpickling this creates a file: what a malicious checkpoint could do instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_export_loads_only_tensors_and_plain_values_unless_trusted(tmp_path, capsys):
+    from datetime import timedelta
+
+    import lightning
+
+    from lightning_loco.examples.gpt import GPT
+
+    model = GPT(n_layer=1, n_embd=16, n_head=2)
+    # what Lightning writes besides tensors and plain values: hyper-parameters or callback states
+    # holding paths and durations
+    ordinary = {"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams),
+                "pytorch-lightning_version": lightning.__version__,
+                "callbacks": {"x": {"dirpath": tmp_path, "every": timedelta(minutes=5)}}}
+    torch.save(ordinary, tmp_path / "ordinary.ckpt")
+    main(["export", str(tmp_path / "ordinary.ckpt"), str(tmp_path / "plain.ckpt")])
+    assert isinstance(GPT.load_from_checkpoint(tmp_path / "plain.ckpt"), GPT)
+
+    marker = tmp_path / "code-ran"
+    torch.save({**ordinary, "extra": RunsCode(marker)}, tmp_path / "untrusted.ckpt")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(tmp_path / "untrusted.ckpt"), str(tmp_path / "out.ckpt")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trust-checkpoint" in err and "(exec)" in err and "would run code" in err
+    assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+    main(["export", str(tmp_path / "untrusted.ckpt"), str(tmp_path / "out.ckpt"), "--trust-checkpoint"])
+    assert marker.exists()  # the flag does what it says: it ran the file's code
+    assert isinstance(GPT.load_from_checkpoint(tmp_path / "out.ckpt"), GPT)
