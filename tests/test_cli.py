@@ -47,7 +47,7 @@ SYNC_DIST_ADVICE = "sync_dist=True"  # Lightning's advice for values logged per 
 def test_each_example_config_trains(tmp_path, name):
     proc = cli("fit", "--config", CONFIGS / f"{name}.yaml", *small(tmp_path, name))
     assert SYNC_DIST_ADVICE not in proc.stderr  # the monitor's values are equal on every rank already
-    logdir = tmp_path / "shakespeare" / name
+    logdir = tmp_path / "shakespeare" / name / "version_0"  # each run its own version
     events = glob.glob(str(logdir / "events.out.tfevents.*"))
     assert len(events) == 1  # written by rank 0 only
     tags = scalars(logdir)
@@ -74,6 +74,8 @@ def test_each_example_config_trains(tmp_path, name):
             assert SYNC_DIST_ADVICE not in proc.stderr
             if subcommand == "validate":  # the replicas' mean and the checkpoint's consensus model
                 assert "val/loss_replicas" in proc.stdout and "val/loss_consensus" in proc.stdout
+        # later runs of the same config log into folders of their own
+        assert (tmp_path / "shakespeare" / name / "version_1").is_dir()
     out = tmp_path / "plain.ckpt"
     cli("export", ckpt, out)
     from lightning_loco.examples.gpt import GPT
@@ -88,7 +90,7 @@ def test_print_config_round_trip(tmp_path):
     config = tmp_path / "printed.yaml"
     config.write_text(printed)
     cli("fit", "--config", config, *small(tmp_path, "noloco"))
-    assert (tmp_path / "shakespeare" / "noloco" / "config.yaml").exists()
+    assert (tmp_path / "shakespeare" / "noloco" / "version_0" / "config.yaml").exists()
 
 
 def test_strategy_help_shows_paper_symbols_and_defaults():

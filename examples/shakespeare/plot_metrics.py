@@ -3,11 +3,15 @@
     python examples/shakespeare/plot_metrics.py [--logdir lightning_logs/shakespeare] [--out docs/img/metrics.png]
 
 Run the four configs in this folder first (``lightning-loco fit --config examples/shakespeare/<name>.yaml``).
+Each run logs to ``<logdir>/<name>/version_<n>``; the latest version of each is plotted. The spread
+panel shows ``outer/replica_spread`` where a run opted in to it (``spread_every``), otherwise the
+free, local ``outer/peer_distance``.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 
 import matplotlib
@@ -19,8 +23,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 RUNS = ("noloco", "gasloc", "diloco", "ddp")
 
 
-def load(logdir: str, run: str) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(os.path.join(logdir, run))
+def latest_version(logdir: str, run: str) -> str | None:
+    """``<logdir>/<run>/version_<n>`` with the largest n (every run of a config gets a new version)."""
+    versions = glob.glob(os.path.join(logdir, run, "version_*"))
+    numbered = [(int(v.rsplit("_", 1)[1]), v) for v in versions if v.rsplit("_", 1)[1].isdigit()]
+    return max(numbered)[1] if numbered else None
+
+
+def load(path: str) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(path)
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
@@ -30,19 +41,24 @@ def main() -> None:
     parser.add_argument("--logdir", default="lightning_logs/shakespeare")
     parser.add_argument("--out", default="docs/img/metrics.png")
     args = parser.parse_args()
-    runs = {run: load(args.logdir, run) for run in RUNS if os.path.isdir(os.path.join(args.logdir, run))}
+    paths = {run: latest_version(args.logdir, run) for run in RUNS}
+    runs = {run: load(path) for run, path in paths.items() if path is not None}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     panels = [
         ("val/loss_replicas", "validation loss, mean over replicas", axes[0, 0]),
         ("val/loss_consensus", "validation loss of the consensus model", axes[0, 1]),
-        ("outer/replica_spread", "replica spread (RMS distance from the mean)", axes[1, 0]),
+        (("outer/replica_spread", "outer/peer_distance"), "replica spread (RMS distance from the mean) or peer distance",
+         axes[1, 0]),
         ("outer/pseudo_gradient_norm", "pseudo-gradient norm (rank 0)", axes[1, 1]),
     ]
-    for tag, title, ax in panels:
+    for tags, title, ax in panels:
+        tags = (tags,) if isinstance(tags, str) else tags
         for run, scalars in runs.items():
-            if tag in scalars:
+            tag = next((t for t in tags if t in scalars), None)
+            if tag is not None:
                 steps, values = zip(*scalars[tag])
-                ax.plot(steps, values, marker="o", label=run)
+                label = run if len(tags) == 1 else f"{run} ({tag.split('/')[1]})"
+                ax.plot(steps, values, marker="o", label=label)
         ax.set_title(title)
         ax.set_xlabel("global step")
         ax.grid(alpha=0.3)
