@@ -32,6 +32,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("lightning.pytorch.overrides.distributed", "_sync_module_states", "broadcast rank 0's initial weights"),
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "move inner optimizer state to the device"),
     ("lightning.fabric.utilities.distributed", "_destroy_dist_connection", "destroy the gloo group at exit"),
+    ("lightning.fabric.strategies.registry", "_StrategyRegistry", "register the strategy names"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher", "check N before processes start"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._get_process_group_backend", "gloo or NCCL"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy.configure_ddp", "DDP inside a replica (k > 1)"),
