@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.schedules import Round
-from lightning_loco.transport import sum_in_group_order
+from lightning_loco.transport.base import sum_in_group_order
 
 
 class ReplicaSimulator:

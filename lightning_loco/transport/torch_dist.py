@@ -1,17 +1,13 @@
-"""Moving flat buffers between replicas with ``torch.distributed``.
+"""The transport over ``torch.distributed`` (gloo or NCCL): what the strategies use.
 
-Two operations cover every algorithm:
+* ``start_group_sum``: each member sends its one flat buffer to every other member with one
+  ``batch_isend_irecv`` and sums what it has in ascending replica order. Receives are posted before
+  sends: gloo otherwise runs the two directions of a pair one after the other, twice as slow on a
+  slow link.
+* ``start_all_reduce_sum``: one asynchronous all-reduce.
 
-* ``group_sum``: point-to-point inside one group (NoLoCo's groups, GASLoC's pairs). Each member
-  sends its one flat buffer to every other member and sums what it has in ascending replica order,
-  so all members hold bitwise the same sum. Receives are posted before sends: gloo otherwise runs
-  the two directions of a pair one after the other, twice as slow on a slow link.
-* ``all_reduce_sum``: one collective over all replicas (DiLoCo).
-
-Both also come as ``start_group_sum`` / ``start_all_reduce_sum``, which post the operation and
-return a :class:`PendingSum` at once: the transfer progresses in the background (gloo's own threads
-on CPU, NCCL's stream on GPU) while training goes on, and ``PendingSum.wait()`` returns the sum.
-The blocking forms are ``start_...(...).wait()``.
+The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
+training goes on, and ``PendingSum.wait()`` returns the sum.
 
 A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
@@ -22,70 +18,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
 
-class Transport(Protocol):
-    replica: int
-    num_replicas: int
-
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
-        """The sum of the group's payloads, as a new tensor; ``payload`` is left unchanged."""
-        ...
-
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
-        """The sum over all replicas, computed in place in ``payload`` and returned."""
-        ...
-
-
-class PeerError(RuntimeError):
-    """An exchange with named peers failed (a peer stopped, or the network failed or timed out)."""
-
-
-def sum_in_group_order(buffers: dict[int, Tensor], group: Sequence[int]) -> Tensor:
-    """Sums the group's buffers in ascending replica order (a new tensor, identical on all members)."""
-    order = sorted(group)
-    total = buffers[order[0]].clone()
-    for j in order[1:]:
-        total.add_(buffers[j])
-    return total
-
-
-@dataclass
-class TransportStats:
-    """Running totals of this replica's traffic (payload bytes, not counting protocol overhead)."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    calls: int = 0
-    last_bytes_sent: int = 0
-    last_bytes_received: int = 0
-    last_seconds: float = 0.0
-    last_peers: tuple[int, ...] = field(default_factory=tuple)
-
-    def record(self, sent: int, received: int, seconds: float, peers: tuple[int, ...]) -> None:
-        self.bytes_sent += sent
-        self.bytes_received += received
-        self.seconds += seconds
-        self.calls += 1
-        self.last_bytes_sent, self.last_bytes_received = sent, received
-        self.last_seconds, self.last_peers = seconds, peers
+__all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "sum_in_group_order"]
 
 
 class PendingSum:
     """An exchange posted by ``start_group_sum`` or ``start_all_reduce_sum`` and not yet waited for.
 
     ``done()`` never blocks; ``wait()`` blocks until the sum is there (at most the process group's
-    timeout), records the traffic in the transport's stats, and returns the sum. ``ready_at`` (a
-    ``time.perf_counter()`` value) holds completion back until then: the in-process network model
-    uses it to stand for a slower link.
+    timeout), records the traffic in the transport's stats, and returns the sum.
 
     ``watch()`` starts a thread that waits for the operations and notes when they completed: gloo's
     point-to-point works report completion only once waited for, so without it ``done()`` could not
@@ -103,7 +52,6 @@ class PendingSum:
     ) -> None:
         self.transport, self.works, self.finish, self.nbytes, self.peers = transport, works, finish, nbytes, peers
         self.started = time.perf_counter()
-        self.ready_at = 0.0
         self.wait_seconds = 0.0  # time spent blocked in wait()
         self.seconds = 0.0  # from posting to the end of wait()
         self.completed_at: Optional[float] = None  # when a watcher saw the operations complete
@@ -158,8 +106,6 @@ class PendingSum:
     def done(self) -> bool:
         if self._result is not None:
             return True
-        if time.perf_counter() < self.ready_at:
-            return False
         if self._watcher is not None:
             return not self._watcher.is_alive()
         return all(w.is_completed() for w in self.works)
@@ -169,7 +115,7 @@ class PendingSum:
         if not self.done():
             return None
         if self.completed_at is not None:
-            return max(self.completed_at, self.ready_at) - self.started
+            return self.completed_at - self.started
         return time.perf_counter() - self.started
 
     def wait(self) -> Tensor:
@@ -184,16 +130,13 @@ class PendingSum:
             else:
                 for work in self.works:
                     work.wait()
-            remaining = self.ready_at - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
             self._result = self.finish()  # with k > 1, an all-gather inside the replica
         except RuntimeError as err:
             raise self.transport.peer_error(self.peers, err) from err
         now = time.perf_counter()
         self.wait_seconds, self.seconds = now - blocked, now - self.started
         if self.peers or self.works:  # a group of one talks to nobody: nothing to count
-            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds, self.peers)
+            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
         self.works, self.finish = [], lambda: self._result  # type: ignore[assignment,return-value]
         return self._result
 
@@ -246,12 +189,16 @@ class TorchDistributedTransport:
         self.stats = TransportStats()
 
     def peer_error(self, peers: Sequence[int], err: BaseException) -> PeerError:
-        ranks = [self.replica_ranks[j] for j in peers]
-        return PeerError(
-            f"Replica {self.replica} could not complete its exchange with replica(s) {list(peers)} "
-            f"(global rank(s) {ranks}): {err}. That peer stopped, or the network between you failed or "
-            "timed out; look at its log for the cause."
-        )
+        return peer_error(self.replica, peers, [self.replica_ranks[j] for j in peers], err)
+
+    def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> PendingSum:
+        return PendingSum.resolved(self, total, peers)
+
+    def _pending(
+        self, works: list[Any], finish: Callable[[], Tensor], nbytes: int, peers: tuple[int, ...]
+    ) -> PendingSum:
+        """Wraps posted works (a subclass may return its own kind of ``PendingSum``)."""
+        return PendingSum(self, works, finish, nbytes, peers)
 
     def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
         return self.start_group_sum(payload, group).wait()
@@ -285,7 +232,7 @@ class TorchDistributedTransport:
         others = [j for j in group if j != self.replica]
         if not others:
             # always a new tensor, as for a real group: callers may update it in place
-            return PendingSum(self, [], payload.clone, 0, ())
+            return self._pending([], payload.clone, 0, ())
         send = self._slice(payload.to(self.device)).contiguous()
         received = {j: torch.empty_like(send) for j in others}
         ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
@@ -300,7 +247,7 @@ class TorchDistributedTransport:
             return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
 
         nbytes = send.numel() * send.element_size() * len(others)
-        return PendingSum(self, works, finish, nbytes, tuple(others))
+        return self._pending(works, finish, nbytes, tuple(others))
 
     def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
         """Posts the all-reduce and returns at once; the sum lands in ``payload``."""
@@ -323,4 +270,4 @@ class TorchDistributedTransport:
         # A ring all-reduce sends and receives 2(N−1)/N copies per replica; gloo and NCCL pick their
         # own algorithm, so this is the nominal figure, not a measurement.
         nbytes = 2 * (n - 1) * part.numel() * part.element_size() // n
-        return PendingSum(self, [work] if work is not None else [], finish, nbytes, peers)
+        return self._pending([work] if work is not None else [], finish, nbytes, peers)

@@ -1,0 +1,17 @@
+"""Moving flat buffers between replicas: the interface, torch.distributed, and in-process."""
+
+from lightning_loco.transport.base import PeerError, Pending, Transport, TransportStats, sum_in_group_order
+from lightning_loco.transport.in_process import InProcessNetwork, InProcessTransport
+from lightning_loco.transport.torch_dist import PendingSum, TorchDistributedTransport
+
+__all__ = [
+    "InProcessNetwork",
+    "InProcessTransport",
+    "Pending",
+    "PendingSum",
+    "PeerError",
+    "TorchDistributedTransport",
+    "Transport",
+    "TransportStats",
+    "sum_in_group_order",
+]

@@ -1,0 +1,201 @@
+"""N replicas in one process: the transport for driver tests, studies and the simulator.
+
+``InProcessNetwork(n)`` stands for the wire; ``network.transport(i)`` is replica ``i``'s end. An
+exchange is matched by its group and by how many exchanges that group has made before (every member
+of a group takes part in each of its exchanges, so the counts agree), exactly as point-to-point
+messages are matched in order. Sums are added in ascending replica order, as over torch.distributed,
+so results are bitwise those of the real transport on the same payloads.
+
+Replicas can run in lock-step in one thread (post every replica's round, then land them) or in
+threads of their own (a blocking outer step then waits for its peers). Tests steer the wire:
+
+* ``hold()`` / ``release()``: posted exchanges do not complete until released (a slow link);
+* ``fail(j)``: replica ``j`` stops; exchanges with it raise :class:`PeerError` naming it;
+* ``timeout``: how long ``wait()`` waits for a peer that never posts before raising ``PeerError``;
+* ``delay``: seconds an exchange takes after its last member posted (a link's transfer time).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+
+from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
+
+
+class InProcessNetwork:
+    """The shared wire of ``num_replicas`` in-process replicas."""
+
+    def __init__(self, num_replicas: int, timeout: float = 30.0, delay: float = 0.0) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self.timeout = timeout
+        self.delay = delay
+        self._last_post: dict[tuple[Any, ...], float] = {}
+        self._cond = threading.Condition()
+        self._posted: dict[tuple[Any, ...], dict[int, Tensor]] = {}
+        self._held = False
+        self._failed: set[int] = set()
+        self.posts: list[tuple[int, tuple[int, ...]]] = []  # (replica, group) in posting order
+        self.waits: list[tuple[int, tuple[int, ...]]] = []  # (replica, group) as each wait began
+
+    def transport(self, replica: int) -> "InProcessTransport":
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica must be in [0, {self.num_replicas}), got {replica}")
+        return InProcessTransport(self, replica)
+
+    def hold(self) -> None:
+        """Posted exchanges stay incomplete until :meth:`release`."""
+        with self._cond:
+            self._held = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def fail(self, replica: int) -> None:
+        """Replica ``replica`` stops: its peers' exchanges with it fail."""
+        with self._cond:
+            self._failed.add(replica)
+            self._cond.notify_all()
+
+    def _post(self, key: tuple[Any, ...], replica: int, payload: Tensor, group: tuple[int, ...]) -> None:
+        with self._cond:
+            self._posted.setdefault(key, {})[replica] = payload.detach().clone()
+            self._last_post[key] = time.monotonic()
+            self.posts.append((replica, group))
+            self._cond.notify_all()
+
+    def _complete(self, key: tuple[Any, ...], group: Sequence[int]) -> bool:
+        if self._held or len(self._posted.get(key, ())) != len(group):
+            return False
+        return time.monotonic() >= self._last_post[key] + self.delay
+
+    def _missing(self, key: tuple[Any, ...], group: Sequence[int]) -> list[int]:
+        return [j for j in group if j not in self._posted.get(key, {})]
+
+
+class InProcessPending:
+    """One posted in-process exchange (see :class:`~lightning_loco.transport.base.Pending`)."""
+
+    def __init__(
+        self, transport: "InProcessTransport", key: tuple[Any, ...], group: tuple[int, ...],
+        finish: Callable[[Tensor], Tensor], nbytes: int,
+    ) -> None:
+        self.transport, self.key, self.group, self.finish, self.nbytes = transport, key, group, finish, nbytes
+        self.peers = tuple(j for j in group if j != transport.replica)
+        self.started = time.perf_counter()
+        self.wait_seconds = 0.0
+        self.seconds = 0.0
+        self.waited = False
+        self._result: Optional[Tensor] = None
+
+    @property
+    def watcher(self) -> Optional[threading.Thread]:
+        return None
+
+    def watch(self) -> "InProcessPending":
+        return self
+
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        network = self.transport.network
+        with network._cond:
+            return network._complete(self.key, self.group)
+
+    def completed_after(self) -> Optional[float]:
+        return time.perf_counter() - self.started if self.done() else None
+
+    def wait(self) -> Tensor:
+        return self._wait(self.transport.network.timeout)
+
+    def _wait(self, timeout: float) -> Tensor:
+        if self._result is not None:
+            return self._result
+        network, me = self.transport.network, self.transport.replica
+        blocked = time.perf_counter()
+        with network._cond:
+            network.waits.append((me, self.group))
+            deadline = time.monotonic() + timeout
+            while not network._complete(self.key, self.group):
+                gone = [j for j in self.peers if j in network._failed]
+                if gone or me in network._failed:
+                    raise peer_error(me, gone or self.peers, gone or self.peers, "the peer stopped")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = network._missing(self.key, self.group) or list(self.peers)
+                    raise peer_error(me, missing, missing, f"no answer within {timeout} s")
+                network._cond.wait(min(remaining, 0.005) if network.delay else remaining)
+            buffers = dict(network._posted[self.key])
+        self._result = self.finish(sum_in_group_order(buffers, self.group))
+        now = time.perf_counter()
+        self.wait_seconds, self.seconds, self.waited = now - blocked, now - self.started, True
+        if self.peers:
+            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
+        return self._result
+
+    def abandon(self, timeout: float) -> bool:
+        try:
+            self._wait(timeout)  # up to ``timeout``, not the network's (much longer) timeout
+            return True
+        except PeerError:
+            return False
+
+
+class InProcessTransport:
+    """Replica ``replica``'s end of an :class:`InProcessNetwork`."""
+
+    def __init__(self, network: InProcessNetwork, replica: int) -> None:
+        self.network = network
+        self.replica = replica
+        self.num_replicas = network.num_replicas
+        self.stats = TransportStats()
+        self._counts: dict[tuple[Any, ...], int] = {}
+
+    def _key(self, kind: str, group: tuple[int, ...]) -> tuple[Any, ...]:
+        base = (kind, group)
+        count = self._counts.get(base, 0)
+        self._counts[base] = count + 1
+        return (*base, count)
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> InProcessPending:
+        if self.replica not in group:
+            raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
+        if self.replica in self.network._failed:
+            raise peer_error(self.replica, [self.replica], [self.replica], "this replica stopped")
+        members = tuple(sorted(group))
+        key = self._key("group", members)
+        self.network._post(key, self.replica, payload, members)
+        nbytes = payload.numel() * payload.element_size() * (len(members) - 1)
+        return InProcessPending(self, key, members, lambda total: total.to(payload.device), nbytes)
+
+    def start_all_reduce_sum(self, payload: Tensor) -> InProcessPending:
+        members = tuple(range(self.num_replicas))
+        key = self._key("all", members)
+        self.network._post(key, self.replica, payload, members)
+        n = self.num_replicas
+        nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
+
+        def finish(total: Tensor) -> Tensor:
+            payload.copy_(total)
+            return payload
+
+        return InProcessPending(self, key, members, finish, nbytes)
+
+    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
+        return self.start_group_sum(payload, group).wait()
+
+    def all_reduce_sum(self, payload: Tensor) -> Tensor:
+        return self.start_all_reduce_sum(payload).wait()
+
+    def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> InProcessPending:
+        pending = InProcessPending(self, ("resolved",), (self.replica, *peers), lambda t: t, 0)
+        pending._result = total
+        return pending
