@@ -11,9 +11,9 @@ quantity replaced by the replica's own), the two merges are:
 * ``"delayed"``: nothing at s; at s + τ, θ ← φ⁺ + (θ − S).
 
 The outer state is committed at the landing in both cases, so the anchors follow the synchronous
-formula applied to the snapshots. τ = 0 never comes here: the strategies run the synchronous step.
+formula applied to the snapshots. With τ = 0 nothing is merged: the live weights become φ⁺.
 
-This module is plain tensor maths and timing logic; :mod:`lightning_loco.strategies.base` drives it.
+This module is plain tensor maths and timing logic; :mod:`lightning_loco.driver` drives it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_loco.transport import PendingSum
+from lightning_loco.transport.base import Pending
 
 MERGES = ("predict_correct", "delayed")
 OverlapSteps = Union[int, str]
@@ -68,7 +68,7 @@ class InFlight:
     start_step: int  # the optimizer's step count when it started (s)
     land_step: int  # s + τ
     group: tuple[int, ...]
-    pending: PendingSum
+    pending: Pending
     reference: Tensor  # φ̂ for "predict_correct", S for "delayed" (float32, outer-state device)
     merge: str
     pseudo_gradient_norm: Optional[float] = None

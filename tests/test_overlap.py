@@ -65,13 +65,12 @@ def test_local_proxy_commits_nothing(name):
 
 @pytest.mark.parametrize("gamma", [None, 0.9])
 def test_noloco_closed_form_equals_the_generic_definition(gamma):
-    # The base class's local_proxy runs payload and apply on a copy with a group sum of n copies of the
-    # replica's own payload: the definition. NoLoCo's closed form must agree with it.
-    from lightning_loco.algorithms.base import OuterAlgorithm
-
+    # The definition: payload and apply on a copy of the state, with a group sum of n copies of the
+    # replica's own payload. NoLoCo's closed form must agree with it.
     sim, live = warmed_up(NoLoCo(averaging_rate=gamma))
     for n in (2, 3):
-        generic = OuterAlgorithm.local_proxy(sim.algorithm, sim.states[0], live[0], n)
+        shadow = copy.deepcopy(sim.states[0])  # payload and apply on a copy, with n copies of our own payload
+        generic = sim.algorithm.apply(shadow, sim.algorithm.payload(shadow, live[0].clone()) * n, n)
         assert torch.allclose(sim.algorithm.local_proxy(sim.states[0], live[0], n), generic, atol=1e-6)
 
 

@@ -17,9 +17,9 @@ Algorithms never import ``torch.distributed`` or Lightning: they are plain tenso
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_loco.schedules import Round
 
 if TYPE_CHECKING:
-    from lightning_loco.transport import Transport
+    from lightning_loco.transport.base import Pending, Transport
 
 
 class OuterState(ABC):
@@ -68,27 +68,42 @@ class OuterAlgorithm(ABC):
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         """Finishes the outer step from the group's summed payloads; returns the new live weights."""
 
+    @abstractmethod
     def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
         """The new live weights this replica would get if every member of its group had sent what it
-        sends (a new tensor; ``state`` is not changed). The default runs ``payload`` and ``apply`` on
-        a copy of the state; algorithms override it with a closed form that needs no copy."""
-        shadow = copy.deepcopy(state)
-        own = self.payload(shadow, weights)
-        return self.apply(shadow, own * group_size, group_size).clone()
+        sends (a new tensor; ``state`` is not changed): ``apply(payload · group_size)`` on a copy of
+        the state, in closed form where the algorithm has one."""
 
-    def step(
-        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport"
-    ) -> tuple[Tensor, tuple[int, ...]]:
-        """One whole outer step of this replica over ``transport``: returns the new live weights
-        and the group this replica met."""
+    def post(self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport") -> "Posted":
+        """Starts round ``outer_step`` for this replica: computes its payload from ``weights`` and posts
+        the group's sum on ``transport`` (it travels while the caller goes on). The state is not
+        changed until ``apply``."""
         round_ = self.schedule(outer_step, transport.num_replicas)
         group = round_.group_of(transport.replica)
         payload = self.payload(state, weights)
         if round_.collective:
-            total = transport.all_reduce_sum(payload)
+            pending = transport.start_all_reduce_sum(payload)
         else:
-            total = transport.group_sum(payload, group)
-        return self.apply(state, total, len(group)), group
+            pending = transport.start_group_sum(payload, group)
+        return Posted(tuple(group), round_.collective, payload, pending)
+
+    def step(
+        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport"
+    ) -> tuple[Tensor, tuple[int, ...]]:
+        """One whole, blocking outer step of this replica over ``transport``: returns the new live
+        weights and the group this replica met."""
+        posted = self.post(state, weights, outer_step, transport)
+        return self.apply(state, posted.pending.wait(), len(posted.group)), posted.group
+
+
+@dataclass
+class Posted:
+    """A round this replica has posted: its group, its payload and the exchange in flight."""
+
+    group: tuple[int, ...]
+    collective: bool  # an all-reduce, which sums in place into ``payload``
+    payload: Tensor
+    pending: "Pending"
 
 
 def check_positive(name: str, value: float, paper_default: float) -> None:

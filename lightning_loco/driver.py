@@ -1,0 +1,307 @@
+"""The outer-step driver: when rounds start and land, on whatever transport. No Lightning here.
+
+``OuterStepDriver`` keeps one :class:`OuterSlot` per inner optimizer (its flat parameters, its
+outer state, its step counters and its round in flight) and is told of every real inner step with
+``after_inner_step(index)``. Every ``sync_every``-th step of an optimizer it starts round t of the
+algorithm on that optimizer's parameters:
+
+* τ = 0: the round is posted and waited for at once, and the live weights become the algorithm's;
+* τ > 0 (``overlap_steps``): the round is posted and training goes on; it lands τ steps later and
+  is merged into the live weights (:mod:`lightning_loco.overlap`).
+
+Each finished round leaves an :class:`OuterStepReport`. The Lightning strategies
+(:mod:`lightning_loco.strategies`) call the driver from their hooks; tests drive it directly over
+the in-process transport (:mod:`lightning_loco.transport.in_process`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
+from lightning_loco.flat import FlatParameters
+from lightning_loco.overlap import (
+    AutoOverlap,
+    InFlight,
+    OverlapSteps,
+    auto_cap,
+    check_overlap,
+    correction_norm,
+    merge_at_landing,
+)
+from lightning_loco.transport.base import Transport
+
+
+@dataclass(frozen=True)
+class OuterStepReport:
+    """What happened at one finished round of one optimizer on this replica."""
+
+    optimizer_index: int
+    outer_step: int  # index t of the round
+    inner_step: int  # this optimizer's step count when it finished
+    peers: tuple[int, ...]
+    bytes_sent: int
+    bytes_received: int
+    comm_seconds: float  # time blocked waiting for the exchange
+    seconds: float  # time the round took from training (start and landing)
+    pseudo_gradient_norm: Optional[float] = None  # ‖θ − anchor‖ before the step (when norms are tracked)
+    update_norm: Optional[float] = None  # ‖anchor after − anchor before‖
+    overlap_steps: int = 0  # τ: inner steps between the start of the round and its landing
+    exchange_seconds: Optional[float] = None  # overlapped rounds: posting until the exchange completed
+    correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
+    peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
+
+
+def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:
+    """‖own payload − the group's mean payload‖: how far this replica stood from the replicas it just
+    met, known after every exchange at no extra cost. ``None`` for a replica that met nobody."""
+    if group_size < 2:
+        return None
+    mean = group_sum.to(own.device) / group_size
+    return torch.linalg.vector_norm(own - mean).item()
+
+
+@dataclass
+class OuterSlot:
+    """The outer state of one inner optimizer on this replica, and its step counters."""
+
+    flat: FlatParameters
+    state: OuterState
+    inner_steps: int = 0  # inner steps counted (an fp16 step the scaler skipped counts too)
+    outer_steps: int = 0  # rounds started
+    in_flight: Optional[InFlight] = None  # a round started and not landed yet (overlap only)
+    auto: Optional[AutoOverlap] = None  # chooses τ when overlap_steps="auto"
+    last_step_end: Optional[float] = None  # "auto" only: when the previous inner step was counted
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, outer state and a round in flight (its received sum is awaited first, not
+        landed: training goes on exactly as it would have)."""
+        return {
+            "numel": self.flat.numel, "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
+            "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
+            "state": self.state.state_dict(),
+        }
+
+
+class OuterStepDriver:
+    """Runs an outer-step algorithm over a transport for one replica.
+
+    Args:
+        algorithm: the outer-step maths.
+        transport: moves payloads between replicas (torch.distributed or in-process).
+        sync_every: H, inner steps between rounds, counted per optimizer.
+        overlap_steps: τ (0: synchronous), or "auto".
+        overlap_merge: "predict_correct" or "delayed".
+        agree_overlap: with replicas of several ranks, makes the ranks of a replica agree on τ
+            (they all-gather at the landing); given τ, returns the agreed τ.
+        label: how warnings name this replica.
+    """
+
+    def __init__(
+        self,
+        algorithm: OuterAlgorithm,
+        transport: Transport,
+        sync_every: int,
+        overlap_steps: OverlapSteps = 0,
+        overlap_merge: str = "predict_correct",
+        agree_overlap: Optional[Callable[[int], int]] = None,
+        label: str = "",
+    ) -> None:
+        check_overlap(overlap_steps, overlap_merge, sync_every)
+        algorithm.check_num_replicas(transport.num_replicas)
+        self.algorithm, self.transport, self.sync_every = algorithm, transport, sync_every
+        self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
+        self.agree_overlap = agree_overlap
+        self.label = label or f"Replica {transport.replica}"
+        self.slots: list[OuterSlot] = []
+        self.reports: list[OuterStepReport] = []
+        self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
+        self.track_norms = False  # norms and peer distance: one anchor copy per round
+
+    def add(self, flat: FlatParameters) -> OuterSlot:
+        """Adds an optimizer's parameters; its outer state starts at their current values."""
+        state = self.algorithm.init_state(flat.gather(), flat.shapes)
+        auto = None
+        if self.overlap_steps == "auto":
+            auto = AutoOverlap(auto_cap(self.sync_every, self.algorithm.name))
+        slot = OuterSlot(flat=flat, state=state, auto=auto)
+        self.slots.append(slot)
+        return slot
+
+    # ------------------------------------------------------------------ the inner-step hook
+
+    def round_due(self, index: int) -> bool:
+        """Whether the next inner step of optimizer ``index`` starts a round."""
+        return (self.slots[index].inner_steps + 1) % self.sync_every == 0
+
+    def after_inner_step(self, index: int) -> None:
+        """Counts one inner step of optimizer ``index``; lands and starts rounds when they are due."""
+        slot = self.slots[index]
+        slot.inner_steps += 1
+        if slot.auto is not None and slot.last_step_end is not None:
+            slot.auto.observe_step(time.perf_counter() - slot.last_step_end)
+        if slot.in_flight is not None:
+            slot.in_flight.poll()
+            if slot.inner_steps >= slot.in_flight.land_step:
+                self._land(index, slot)
+        if slot.inner_steps % self.sync_every == 0:
+            tau = self._overlap_for(slot)
+            self._start(index, slot, tau)
+            if tau == 0:
+                self._land(index, slot)
+        if slot.auto is not None:
+            slot.last_step_end = time.perf_counter()
+
+    def _overlap_for(self, slot: OuterSlot) -> int:
+        if slot.auto is None:
+            return int(self.overlap_steps)
+        tau = slot.auto.choose()
+        if self.agree_overlap is not None:
+            tau = self.agree_overlap(tau)
+        if slot.auto.cannot_hide and not slot.auto.warned:
+            slot.auto.warned = True
+            warnings.warn(
+                f"{self.label}: overlap_steps='auto' needs about {slot.auto.needed} inner steps to hide the outer "
+                f"step's exchange but is capped at {slot.auto.cap} "
+                f"({'H/2' if self.algorithm.name == 'noloco' else 'H/4'} with H={self.sync_every}); the rest of "
+                "the exchange is waited for at each landing. A larger sync_every hides more.",
+                stacklevel=3,
+            )
+        return tau
+
+    # ------------------------------------------------------------------ rounds
+
+    def _start(self, index: int, slot: OuterSlot, tau: int) -> None:
+        """Posts round t. With τ > 0 the live weights become the local prediction (predict_correct)
+        and training goes on; the round lands ``tau`` steps later."""
+        started = time.perf_counter()
+        algorithm, t = self.algorithm, slot.outer_steps
+        self.rounds_started.append((index, t))
+        weights = slot.flat.gather()  # the snapshot S
+        before = norm = None
+        if self.track_norms:
+            before = slot.state.anchor.clone()
+            norm = torch.linalg.vector_norm(weights - before).item()
+        merge = self.overlap_merge if tau else "none"
+        snapshot = weights
+        if tau and algorithm.schedule(t, self.transport.num_replicas).collective:
+            snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
+        posted = algorithm.post(slot.state, weights, t, self.transport)
+        own = None
+        if self.track_norms:  # for the peer distance at the landing
+            own = posted.payload.clone() if posted.collective else posted.payload
+        if tau:
+            posted.pending.watch()  # so that polls see when the transfer is done
+        reference = snapshot
+        if merge == "predict_correct":
+            reference = algorithm.local_proxy(slot.state, snapshot, len(posted.group))  # φ̂, while the bytes travel
+            slot.flat.scatter(reference)
+        slot.in_flight = InFlight(
+            outer_step=t, start_step=slot.inner_steps, land_step=slot.inner_steps + tau, group=posted.group,
+            pending=posted.pending, reference=reference, merge=merge,
+            pseudo_gradient_norm=norm, anchor_before=before, own_payload=own,
+        )
+        slot.outer_steps += 1
+        slot.in_flight.start_seconds = time.perf_counter() - started
+
+    def _land(self, index: int, slot: OuterSlot) -> None:
+        """Completes the round in flight: waits for the exchange if it is still running, commits the
+        outer state, and sets (τ = 0) or merges (τ > 0) the live weights."""
+        flight, slot.in_flight = slot.in_flight, None
+        assert flight is not None
+        started = time.perf_counter()
+        pending = flight.pending
+        total = pending.wait()
+        distance = None
+        if flight.own_payload is not None:
+            distance = peer_distance(flight.own_payload, total, len(flight.group))
+        new_anchor = self.algorithm.apply(slot.state, total, len(flight.group))
+        tau = slot.inner_steps - flight.start_step  # fewer than planned if fit ended first
+        exchange = correction = None
+        if flight.merge == "none":
+            slot.flat.scatter(new_anchor)
+        else:
+            merged, change = merge_at_landing(flight.merge, slot.flat.gather(), new_anchor, flight.reference)
+            slot.flat.scatter(merged)
+            correction = correction_norm(change)
+            exchange = flight.completed_after if flight.completed_after is not None else pending.seconds
+        update_norm = None
+        if flight.anchor_before is not None:
+            update_norm = torch.linalg.vector_norm(slot.state.anchor - flight.anchor_before).item()
+        if slot.auto is not None:
+            slot.auto.observe_exchange(exchange if exchange is not None else pending.seconds)
+        self.reports.append(
+            OuterStepReport(
+                optimizer_index=index, outer_step=flight.outer_step, inner_step=slot.inner_steps,
+                peers=tuple(j for j in flight.group if j != self.transport.replica),
+                bytes_sent=pending.nbytes, bytes_received=pending.nbytes, comm_seconds=pending.wait_seconds,
+                seconds=flight.start_seconds + time.perf_counter() - started,
+                pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
+                overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
+            )
+        )
+
+    def land_all(self) -> None:
+        """Lands every round in flight now (the end of training)."""
+        for index, slot in enumerate(self.slots):
+            if slot.in_flight is not None:
+                self._land(index, slot)
+
+    def abandon_all(self, timeout: float) -> list[threading.Thread]:
+        """Drops every round in flight after giving its exchange up to ``timeout`` seconds (training
+        stopped). Returns the threads still waiting on an exchange: their process group must outlive
+        them."""
+        lingering = []
+        for slot in self.slots:
+            flight, slot.in_flight = slot.in_flight, None
+            if flight is None:
+                continue
+            if not flight.pending.abandon(timeout=timeout):
+                warnings.warn(
+                    f"{self.label}: training stopped while outer step {flight.outer_step} was in flight and its "
+                    "exchange did not finish; the round was dropped.",
+                    stacklevel=2,
+                )
+            watcher = flight.pending.watcher
+            if watcher is not None and watcher.is_alive():
+                lingering.append(watcher)
+        return lingering
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [slot.state_dict() for slot in self.slots]
+
+    def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
+        """Restores counters, outer state and rounds in flight saved by :meth:`state_dict`.
+
+        Raises ``ValueError`` when the optimizers' parameters do not match what was saved."""
+        if not saved:
+            return  # saved before training started: fresh outer state
+        if len(saved) != len(self.slots) or any(s["numel"] != slot.flat.numel for s, slot in zip(saved, self.slots)):
+            raise ValueError(
+                f"The checkpoint's outer state covers {[s['numel'] for s in saved]} parameters per optimizer, "
+                f"this model's optimizers {[slot.flat.numel for slot in self.slots]}: the model or its "
+                "optimizers changed. Start a new run from the checkpoint's consensus model instead."
+            )
+        for slot, entry in zip(self.slots, saved):
+            slot.state.load_state_dict(entry["state"])
+            slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
+            flight = entry.get("in_flight")
+            if flight is not None:
+                device = slot.state.anchor.device
+                group = tuple(flight["group"])
+                peers = tuple(j for j in group if j != self.transport.replica)
+                slot.in_flight = InFlight(
+                    outer_step=flight["outer_step"], start_step=flight["start_step"], land_step=flight["land_step"],
+                    group=group, pending=self.transport.resolved(flight["sum"].to(device), peers),
+                    reference=flight["reference"].to(device), merge=flight["merge"],
+                )
