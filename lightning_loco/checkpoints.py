@@ -28,7 +28,7 @@ import pickle
 import re
 import shutil
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -182,3 +182,75 @@ def export_consensus(
     torch.save(out, target + ".partial")
     os.replace(target + ".partial", target)
     return target
+
+
+# ---------------------------------------------------------------- what the strategies save and load
+
+
+def sidecar_dir(filepath: str, save_id: str) -> str:
+    """The absolute replica folder of a save."""
+    return os.path.join(os.path.dirname(os.path.abspath(filepath)), sidecar_name(filepath, save_id))
+
+
+def main_meta(filepath: str, save_id: str, algorithm: str, num_replicas: int) -> dict[str, Any]:
+    """The ``"lightning_loco"`` entry of a main file: it points to the replica folder."""
+    return {
+        "format": FORMAT_VERSION, "algorithm": algorithm, "num_replicas": num_replicas, "save_id": save_id,
+        "replicas": sidecar_name(filepath, save_id),
+    }
+
+
+def replica_payload(
+    checkpoint: Mapping[str, Any], save_id: str, replica: int, num_replicas: int, algorithm: str,
+    outer: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """One replica's file: its weights, inner optimizer and LR-scheduler states, and its outer state
+    (per optimizer: counters, the algorithm's state, a round in flight with its received sum)."""
+    return {
+        "format": FORMAT_VERSION, "save_id": save_id, "replica": replica, "num_replicas": num_replicas,
+        "algorithm": algorithm, "state_dict": checkpoint["state_dict"],
+        "optimizer_states": checkpoint.get("optimizer_states"), "lr_schedulers": checkpoint.get("lr_schedulers"),
+        "outer": outer,
+    }
+
+
+def read_own_replica(
+    checkpoint: Mapping[str, Any], filepath: str, replica: int, num_replicas: int, algorithm: str,
+    agree: Callable[[Optional[str]], Optional[str]],
+) -> Optional[dict[str, Any]]:
+    """This replica's file of the loaded main file ``checkpoint``, or ``None`` when every replica
+    starts from the main file's consensus model (a plain Lightning checkpoint, or one written with
+    another number of replicas, which warns).
+
+    ``agree`` is called on every rank with this rank's error message (or ``None``) and returns the
+    first rank's: every rank then raises the same :class:`CheckpointError`, even when ranks see
+    different files (a shared filesystem that lags on one node), and nobody is left waiting."""
+    meta = checkpoint.get(META_KEY)
+    if meta is None:
+        return None
+    if meta["num_replicas"] != num_replicas:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            f"Checkpoint {filepath} holds {meta['num_replicas']} replicas but this run has {num_replicas}: "
+            "every replica starts from the consensus model (the replicas' average) with fresh outer state."
+        )
+        return None
+    if meta["algorithm"] != algorithm:
+        raise CheckpointError(
+            f"Checkpoint {filepath} was written by {meta['algorithm']!r}; its outer state does not fit "
+            f"{algorithm!r}. Resume it with the {meta['algorithm']!r} strategy, or start a new "
+            f"{algorithm!r} run from its consensus model: "
+            f"`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path."
+        )
+    payload: Optional[dict[str, Any]] = None
+    error: Optional[CheckpointError] = None
+    try:
+        check_replica_files(filepath, meta)  # every rank checks every file
+        payload = read_replica(filepath, meta, replica)
+    except CheckpointError as err:
+        error = err
+    message = agree(str(error) if error is not None else None)
+    if message is not None:
+        raise CheckpointError(message) from error
+    return payload

@@ -150,7 +150,7 @@ class OuterStepMonitor(L.Callback):
             if index == 0 and self.spread_every and (t + 1) % self.spread_every == 0:
                 spread = {"outer/replica_spread": strategy.replica_spread()}
         for report in reports:
-            metrics = self._metrics(report, len(strategy.replicas))
+            metrics = self._metrics(report, len(strategy.outer_slots))
             if report.optimizer_index == 0:
                 metrics.update(spread)  # with τ = 0 the spread belongs to this report's round
                 spread = {}

@@ -1,0 +1,87 @@
+"""The process groups our strategies create beyond Lightning's default one, created and destroyed here.
+
+* **replica groups** (``ranks_per_replica`` = k > 1): the k consecutive ranks of each replica; DDP
+  inside the replica and the all-gather of exchanged slices run on it;
+* **slice groups** (k > 1): rank j of every replica, for all-reduces of the j-th slice;
+* **the overlap group** (``overlap_steps`` ≠ 0): background exchanges get a group of their own, so
+  that collectives on the default group (logging, checkpoints, validation) never interleave with them.
+
+torch.distributed requires every rank to create every group, in the same order. A group is never
+destroyed while a thread still waits on it (the watcher of an abandoned round): it is then left to
+the process exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("lightning_loco")
+
+
+class ProcessGroups:
+    """The extra groups of one rank.
+
+    Args:
+        ranks_per_replica: k.
+        backend: "gloo" or "nccl".
+        timeout: how long a peer is awaited on these groups.
+    """
+
+    def __init__(self, ranks_per_replica: int, backend: str, timeout: Optional[timedelta]) -> None:
+        self.ranks_per_replica, self.backend, self.timeout = ranks_per_replica, backend, timeout
+        self.replica: Optional[Any] = None
+        self.slice: Optional[Any] = None
+        self.overlap: Optional[Any] = None
+
+    def create_replica_groups(self) -> None:
+        """With k > 1: this rank's replica group and slice group (every rank creates all of them)."""
+        k = self.ranks_per_replica
+        if k == 1:
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for i in range(world // k):
+            group = dist.new_group(list(range(i * k, (i + 1) * k)), backend=self.backend, timeout=self.timeout)
+            if i == rank // k:
+                self.replica = group
+        for j in range(k):
+            group = dist.new_group(list(range(j, world, k)), backend=self.backend, timeout=self.timeout)
+            if j == rank % k:
+                self.slice = group
+
+    def overlap_group(self) -> Optional[Any]:
+        """The group of background exchanges (created once, on every rank)."""
+        if self.overlap is None and dist.get_world_size() > 1:
+            self.overlap = dist.new_group(backend=self.backend, timeout=self.timeout)
+        return self.overlap
+
+    def replica_max(self, value: float, device: "torch.device") -> int:
+        """The largest ``value`` among the ranks of this replica (one small all-reduce on its group)."""
+        agreed = torch.tensor([float(value)], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.replica)
+        return int(agreed.item())
+
+    def destroy(self, lingering: list[threading.Thread]) -> None:
+        """Destroys the groups; the overlap group is left to the process exit while one of
+        ``lingering`` (threads waiting on it) is alive."""
+        alive = any(thread.is_alive() for thread in lingering)
+        for name in ("overlap", "replica", "slice"):
+            group = getattr(self, name)
+            setattr(self, name, None)
+            if group is None:
+                continue
+            if name == "overlap" and alive:
+                log.warning(
+                    "An abandoned outer-step exchange is still waiting on its process group; the group is left "
+                    "to the process exit instead of being destroyed under it."
+                )
+                continue
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):
+                pass  # the default group is already gone, and this one with it

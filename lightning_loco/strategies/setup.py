@@ -1,0 +1,189 @@
+"""Launching and setup hooks of the strategies: arguments and N checked before any process starts,
+replicas that start equal, DDP only inside a replica, the optimizers every outer state follows, and
+the replicas' consensus (global collectives, used only where asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_loco import consensus
+from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.strategies import _compat
+
+log = logging.getLogger("lightning_loco")
+
+
+def check_int(name: str, value: Any, advice: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}. {advice}")
+
+
+def parse_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.device]:
+    try:
+        return None if value is None else torch.device(value)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"outer_state_device={value!r} is not a device torch knows. Use None (the model's device) "
+            "or 'cpu' (keeps the float32 outer state off the accelerator)."
+        ) from err
+
+
+def params_of(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class ReplicaSetup:
+    """Mixed into ``OuterStepStrategy`` before ``DDPStrategy``."""
+
+    _groups: Optional[ProcessGroups]
+    _trained_module: Optional[weakref.ReferenceType]
+
+    @property
+    def _layer_sync(self) -> None:
+        return None
+
+    @_layer_sync.setter
+    def _layer_sync(self, value: Any) -> None:
+        # Lightning sets this from Trainer(sync_batchnorm=True) while building the Trainer.
+        if value is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support sync_batchnorm=True: it all-reduces batch "
+                "statistics in every forward pass, which defeats low-communication training. "
+                "Remove sync_batchnorm=True (each replica keeps its own statistics)."
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is built, once devices and nodes are known: check N before any process starts.
+        world, k = self.num_nodes * self.num_processes, self.ranks_per_replica
+        if world % k:
+            raise ValueError(
+                f"ranks_per_replica={k} does not divide the {world} processes ({self.num_nodes} node(s) × "
+                f"{self.num_processes} device(s)). Use a divisor of {world}, e.g. the devices per node "
+                f"({self.num_processes}) for one replica per node."
+            )
+        self.algorithm.check_num_replicas(world // k)
+        if world // k == 1:
+            rank_zero_warn(
+                f"{type(self).__name__} with a single replica ({world} process(es), ranks_per_replica={k}): "
+                "there is nobody to exchange with, so the outer steps only move this replica along its own "
+                "pseudo-gradient. Use devices > 1 (or more nodes) for several replicas"
+                + (", or strategy='ddp' for plain data parallelism." if k > 1 else ".")
+            )
+        super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        backend = self._get_process_group_backend()
+        if backend != "nccl":
+            _compat.destroy_process_group_at_exit()
+        self._groups = ProcessGroups(self.ranks_per_replica, backend, self._timeout)
+        self._groups.create_replica_groups()
+
+    @override
+    def configure_ddp(self) -> None:
+        """With one rank per replica, no ``DistributedDataParallel`` wrapper: each replica trains on its
+        own. With k > 1, torch's ``DistributedDataParallel`` over the replica's process group averages
+        gradients inside the replica at every step, and never across replicas."""
+        if self.ranks_per_replica > 1:
+            assert self._groups is not None
+            self._ddp_kwargs["process_group"] = self._groups.replica
+            super().configure_ddp()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        device = self.outer_state_device
+        if device.type != "cpu" and device.type != self.root_device.type:
+            raise ValueError(
+                f"outer_state_device={str(device)!r} does not match the model's device "
+                f"{str(self.root_device)!r}. Use None or 'cpu'."
+            )
+        # Only fit(ckpt_path=...) may restore outer state; load_checkpoint runs after setup.
+        self._resumed_outer = None
+        if not self._restore:  # Trainer registers its signal handlers after setup
+            self._restore.append(_compat.local_sigterm_handler(trainer))
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        trained = self._trained_module is not None and self._trained_module() is self.lightning_module
+        if not trained:
+            _compat.sync_module_states(self.model)  # as DistributedDataParallel would: rank 0's weights
+        elif fitting:
+            log.info("%s: starting this fit from the average of the replicas.", type(self).__name__)
+            self.average_replicas()
+        # validate/test/predict after fit: every replica keeps its own weights.
+        if fitting:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+        if fitting:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_optimizers(self) -> None:
+        owner: dict[int, int] = {}
+        for k, optimizer in enumerate(self.optimizers):
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
+                if owner.setdefault(id(p), k) != k:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(p.shape)} belongs to optimizers {owner[id(p)]} and {k}. "
+                        "Each parameter must belong to one optimizer: every optimizer has its own outer "
+                        "state. Give each optimizer a disjoint set of parameters."
+                    )
+
+
+    def _check_fixed_parameters(self, index: int, optimizer: Optimizer, params: list[torch.Tensor]) -> None:
+        if len(params_of(optimizer)) != len(params):
+            raise RuntimeError(
+                f"The parameters of optimizer {index} changed during training (e.g. add_param_group). "
+                f"{type(self).__name__} keeps one outer state per optimizer over a fixed parameter list; "
+                "give the optimizer all its parameters in configure_optimizers (frozen ones included)."
+            )
+
+    def _warn_if_no_outer_step(self, trainer: "pl.Trainer") -> None:
+        remaining, h = trainer.max_steps - trainer.global_step, self.sync_every  # type: ignore[attr-defined]
+        slots = self.outer_slots  # type: ignore[attr-defined]
+        if trainer.max_steps >= 0 and all(s.inner_steps + remaining < h * (s.outer_steps + 1) for s in slots):
+            rank_zero_warn(
+                f"No outer step will happen in this fit: {max(remaining, 0)} optimizer step(s) are left before "
+                f"max_steps={trainer.max_steps}, fewer than the next outer step needs (sync_every={h}), "
+                "so the replicas never meet. Lower sync_every or raise max_steps."
+            )
+
+    # ------------------------------------------------------------------ the consensus (global collectives)
+
+    def _module_tensors(self) -> list[torch.Tensor]:
+        module = self.lightning_module
+        return list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
+
+    def average_replicas(self) -> None:
+        """Sets every replica to the replicas' average: parameters and floating-point buffers, one
+        all-reduce. Collective: every rank must call it."""
+        consensus.average_into(self._module_tensors(), self._comm_device())
+
+    @contextmanager
+    def consensus_weights(self) -> Iterator[None]:
+        """Swaps the replicas' average into the model, and this replica's own weights back afterwards
+        (exactly, whatever the dtype). Collective: every rank must enter it."""
+        with consensus.swapped_in(self._module_tensors(), self._comm_device(), self.outer_state_device):
+            yield
+
+    def replica_spread(self) -> float:
+        """RMS distance of the replicas' parameters from their mean (two all-reduces; every rank must
+        call it): the papers' weight-spread diagnostic."""
+        return consensus.spread(list(self.lightning_module.parameters()), self._comm_device())
