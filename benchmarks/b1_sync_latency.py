@@ -2,7 +2,7 @@
 per-step gradient all-reduce, by number of replicas, model size and network.
 
     python -m benchmarks.b1_sync_latency                # full: ~30 min; emulated needs root
-    python -m benchmarks.b1_sync_latency --quick        # under 2 minutes
+    python -m benchmarks.b1_sync_latency --quick        # ~10 s: N = 2, 0.1 M params, a coarser model
     python -m benchmarks.b1_sync_latency --modes loopback modelled --replicas 2 4 --params 1e6
 
 Each configuration starts N gloo processes (one per node; see ``benchmarks/netem``) that run the
@@ -15,7 +15,8 @@ Then the paper's latency model (NoLoCo Eq. 5: a tree all-reduce ≈ 2·t·log2 N
 exchange 2·t, with log-normal jitter) is fitted to the measured pair exchanges of the slow network,
 compared with the measured all-reduces, and extended to N = 1024, beside the ring all-reduce model.
 
-Writes ``benchmarks/results/b1_sync_latency.json`` and ``b1_sync_latency.png``.
+Writes ``benchmarks/results/b1_sync_latency.json`` and ``b1_sync_latency.png`` (a ``--quick`` run
+writes them to a temporary folder instead, or to ``$LOCO_BENCH_RESULTS``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, machine, spread, table, write_json
+from benchmarks.common import RESULTS, machine, results_dir, skip_final_collection, spread, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
 
@@ -65,7 +66,7 @@ def time_outer_steps(algorithm: Any, delta: Any, transport: Any, rounds: int) ->
     return times
 
 
-def worker(params: int, rounds: int, out: str) -> None:
+def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALGORITHMS) -> None:
     import torch
     import torch.distributed as dist
 
@@ -85,7 +86,7 @@ def worker(params: int, rounds: int, out: str) -> None:
         )
         delta = 1e-3 * torch.randn(params, generator=torch.Generator().manual_seed(rank))
         results: dict[str, list[float]] = {}
-        for name in ALGORITHMS:
+        for name in algorithms:
             algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}.get(name)
             if algorithm is not None:
                 results[name] = time_outer_steps(algorithm(), delta, transport, rounds)
@@ -108,15 +109,16 @@ def worker(params: int, rounds: int, out: str) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def measure(mode: str, network: Network, params: int, rounds: int) -> dict:
-    """Times every algorithm on ``network``: per round the slowest replica, and per replica its median."""
+def measure(mode: str, network: Network, params: int, rounds: int, algorithms: tuple[str, ...] = ALGORITHMS) -> dict:
+    """Times each of ``algorithms`` on ``network``: per round the slowest replica, and per replica its median."""
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers(
-            mode, network, lambda i: ["-m", "benchmarks.b1_sync_latency", "--worker", str(params), str(rounds), out]
+            mode, network,
+            lambda i: ["-m", "benchmarks.b1_sync_latency", "--worker", str(params), str(rounds), out, *algorithms],
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(len(network.links))]
     row = {"mode": mode, "network": network.name, "replicas": len(network.links), "params": params, "wall_s": wall}
-    for name in ALGORITHMS:
+    for name in algorithms:
         slowest = [max(rank[name][k] for rank in ranks) for k in range(rounds)]
         row[name] = spread(slowest)
         row.setdefault("per_replica", {})[name] = [statistics.median(rank[name]) for rank in ranks]
@@ -209,8 +211,9 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="N = 2, 4; 1 M parameters; 2 rounds")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)  # params rounds out algorithm...
+    parser.add_argument("--quick", action="store_true",
+                        help="N = 2; 0.1 M parameters; 2 rounds; the latency model from 10 trials (full: 100)")
     parser.add_argument("--modes", nargs="+", choices=launch.MODES, help="default: emulated where root, else modelled; and loopback")
     parser.add_argument("--replicas", nargs="+", type=int)
     parser.add_argument("--params", nargs="+", type=float)
@@ -223,12 +226,14 @@ def main() -> None:
         plot(saved["rows"], saved["latency_model"], RESULTS / f"{args.out}.png")
         return
     if args.worker:
-        worker(int(float(args.worker[0])), int(args.worker[1]), args.worker[2])
+        worker(int(float(args.worker[0])), int(args.worker[1]), args.worker[2], tuple(args.worker[3:]) or ALGORITHMS)
+        skip_final_collection()
         return
+    results = results_dir(args.quick)
     emulated_ok, why = tun.available()
     modes = args.modes or ["loopback", "emulated" if emulated_ok else "modelled"]
-    replicas = args.replicas or ([2, 4] if args.quick else [2, 4, 8])
-    sizes = [int(p) for p in (args.params or ([1e6] if args.quick else [1e6, 10e6, 50e6]))]
+    replicas = args.replicas or ([2] if args.quick else [2, 4, 8])
+    sizes = [int(p) for p in (args.params or ([1e5] if args.quick else [1e6, 10e6, 50e6]))]
     rounds = args.rounds or (2 if args.quick else 3)
     if "emulated" in modes and not emulated_ok:
         sys.exit(f"emulated mode unavailable: {why}; use --modes loopback modelled")
@@ -241,7 +246,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{mode:>9} {net.name:<28} N={n:<3} {params / 1e6:>5g} M  "
                       + "  ".join(f"{a} {row[a]['median']:.3f}s" for a in ALGORITHMS), flush=True)
-    model = latency_model(rows)
+    model = latency_model(rows, trials=10 if args.quick else 100)
     flat = [{**r, **{a: r[a]["median"] for a in ALGORITHMS}, "params_m": r["params"] / 1e6} for r in rows]
     print(f"\nB1: seconds per outer step (slowest replica, median of {rounds} rounds); {machine()}")
     print(table(flat, [("mode", "mode", "s"), ("network", "network", "s"), ("replicas", "N", "d"),
@@ -259,9 +264,9 @@ def main() -> None:
     labels = sorted({r["mode"] for r in rows})
     path = write_json(f"{args.out}.json", {"benchmark": "B1 sync latency", "modes": labels, "rounds": rounds,
                                            "modelled_note": "rows with mode 'modelled' are modelled, not measured",
-                                           "rows": rows, "latency_model": model})
-    plot(rows, model, RESULTS / f"{args.out}.png")
-    print(f"wrote {path} and {RESULTS / (args.out + '.png')}")
+                                           "rows": rows, "latency_model": model}, results)
+    plot(rows, model, results / f"{args.out}.png")
+    print(f"wrote {path} and {results / (args.out + '.png')}")
 
 
 if __name__ == "__main__":

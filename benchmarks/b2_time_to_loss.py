@@ -2,7 +2,7 @@
 DiLoCo, NoLoCo, GASLoC, and independent replicas that never communicate (the floor).
 
     python -m benchmarks.b2_time_to_loss                 # ~10 min; the slow network is emulated where root
-    python -m benchmarks.b2_time_to_loss --quick         # under 2 minutes (2 replicas, 40 steps, 3 methods)
+    python -m benchmarks.b2_time_to_loss --quick         # ~15 s: 2 replicas, 10 steps, 3 methods, slow network only
 
 Every method runs twice: on loopback, which is the compute-only limit (the same work with next to no
 network cost), and on the slow network (100 Mbit/s, 50 ms one way; packet-level emulation with root,
@@ -10,10 +10,13 @@ the in-process model otherwise, and the output says which). A rank-0 callback re
 wall time (validation excluded) and the validation loss (mean over replicas) at each validation.
 The target loss is the highest final loss among the communicating methods on loopback, so that all
 of them reach it; time to target is interpolated between validations. Each method's ratio compares
-its time to target on the slow network with its own compute-only time.
+its time to target on the slow network with its own compute-only time. ``--no-compute-only`` (the
+default with ``--quick``) skips the loopback runs: the target then comes from the slow network's
+final losses, and the compute-only times and ratios are left empty.
 
 The strategies keep their defaults except H (``--sync-every``, 50 for all: the example's setting;
-DiLoCo's paper uses 500, too long for a 300-step run). Writes ``benchmarks/results/<out>.json`` and ``.png``.
+DiLoCo's paper uses 500, too long for a 300-step run). Writes ``benchmarks/results/<out>.json`` and ``.png``
+(a ``--quick`` run writes them to a temporary folder instead, or to ``$LOCO_BENCH_RESULTS``).
 
 With overlap (``--overlap 0 H/4 auto``; ~20 min) every low-communication method runs once per
 ``overlap_steps`` value, on both networks, and the table adds the final-loss change against τ = 0
@@ -35,7 +38,7 @@ from typing import Any, Optional
 
 import yaml
 
-from benchmarks.common import RESULTS, ROOT, machine, table, write_json
+from benchmarks.common import RESULTS, ROOT, machine, results_dir, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, one_slow, uniform
 
@@ -78,7 +81,7 @@ def config(method: str, n: int, steps: int, val_every: int, sync_every: int, out
     trainer["callbacks"] = [
         {"class_path": "benchmarks.netem.lightning_worker.TimeToLoss",
          "init_args": {"out": out, "tokens_per_step": tokens_per_step}},
-        {"class_path": "benchmarks.netem.lightning_worker.ModelledDDPHook"},
+        {"class_path": "benchmarks.netem.lightning_worker.ModelledNetwork"},
     ]
     base["model"]["init_args"]["max_steps"] = steps
     return base
@@ -153,15 +156,20 @@ def title(saved: dict) -> str:
 def main(argv: Optional[list[str]] = None, default_network: str = "uniform", default_out: str = "b2_time_to_loss",
          benchmark: str = "B2 time to loss") -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 replicas, 40 steps, DDP/NoLoCo/independent")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 replicas, 10 steps, H = 5, DDP/NoLoCo/independent, slow network only")
     parser.add_argument("--mode", choices=["emulated", "modelled"], help="the slow network (default: emulated if root)")
     parser.add_argument("--network", choices=["uniform", "one_slow"], default=default_network)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS))
     parser.add_argument("--replicas", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--val-every", type=int)
-    parser.add_argument("--sync-every", type=int, help="H for every low-communication method (default 50; quick: 10)")
-    parser.add_argument("--target", type=float, help="default: the highest final compute-only loss of the communicating methods")
+    parser.add_argument("--sync-every", type=int, help="H for every low-communication method (default 50; quick: 5)")
+    parser.add_argument("--compute-only", action=argparse.BooleanOptionalAction,
+                        help="also run every method on loopback, the compute-only limit (default; quick: off)")
+    parser.add_argument("--target", type=float,
+                        help="default: the highest final compute-only loss of the communicating methods "
+                        "(without compute-only runs: their highest final loss on the slow network)")
     parser.add_argument("--overlap", nargs="+", metavar="TAU",
                         help="run each low-communication method with these overlap_steps (integers, H/4, auto)")
     parser.add_argument("--out")
@@ -173,15 +181,17 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
         plot(saved["curves"], saved["target"], saved["mode"], RESULTS / f"{args.out}.png", title(saved))
         return
+    results_folder = results_dir(args.quick)
     emulated_ok, why = tun.available()
     mode = args.mode or ("emulated" if emulated_ok else "modelled")
     if mode == "emulated" and not emulated_ok:
         sys.exit(f"emulated mode unavailable: {why}; use --mode modelled")
     n = args.replicas or (2 if args.quick else 4)
-    steps = args.steps or (40 if args.quick else 300)
-    val_every = args.val_every or (10 if args.quick else 25)
+    steps = args.steps or (10 if args.quick else 300)
+    val_every = args.val_every or (5 if args.quick else 25)
     methods = args.methods or (["ddp", "noloco", "independent"] if args.quick else list(METHODS))
-    sync_every = args.sync_every or (10 if args.quick else 50)
+    sync_every = args.sync_every or (5 if args.quick else 50)
+    compute_only = not args.quick if args.compute_only is None else args.compute_only
     if args.overlap:
         for value in args.overlap:
             overlap_value(value, sync_every)  # fails early on a bad value
@@ -190,9 +200,10 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
     loopback = Network("loopback", slow.links)
     results: dict[str, dict[str, list[dict]]] = {}
     runs: dict[str, dict[str, dict]] = {}
+    networks = ([("loopback", loopback)] if compute_only else []) + [(mode, slow)]
     for method in methods:
         results[method], runs[method] = {}, {}
-        for which, net in (("loopback", loopback), (mode, slow)):
+        for which, net in networks:
             runs[method][which] = run(method, "loopback" if which == "loopback" else mode, net, steps, val_every,
                                       sync_every)
             results[method][which] = runs[method][which]["curve"]
@@ -200,10 +211,11 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
             print(f"{method:<12} {which:<9} final val loss {last['val_loss']:.4f}  train {last['train_seconds']:.1f} s",
                   flush=True)
     communicating = [m for m in methods if m != "independent"]
-    target = args.target or round(max(results[m]["loopback"][-1]["val_loss"] for m in communicating) + 0.005, 2)
+    reference = "loopback" if compute_only else mode
+    target = args.target or round(max(results[m][reference][-1]["val_loss"] for m in communicating) + 0.005, 2)
     rows = []
     for method in methods:
-        compute = time_to(results[method]["loopback"], target, "train_seconds")
+        compute = time_to(results[method]["loopback"], target, "train_seconds") if compute_only else None
         network = time_to(results[method][mode], target, "train_seconds")
         rows.append({
             "method": method,
@@ -213,7 +225,7 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
             "network_s": network,
             "ratio": network / compute if network and compute else None,
             "total_network_s": results[method][mode][-1]["train_seconds"],
-            "total_compute_only_s": results[method]["loopback"][-1]["train_seconds"],
+            "total_compute_only_s": results[method]["loopback"][-1]["train_seconds"] if compute_only else None,
             "exposed_share": exposed_share(runs[method][mode]),
         })
         if "@" in method:
@@ -236,9 +248,9 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
     saved = {"benchmark": benchmark, "mode": mode, "network": slow.describe(), "replicas": n,
              "steps": steps, "sync_every": sync_every, "target": target, "rows": rows, "curves": results,
              "rounds": {m: {k: v["rounds"] for k, v in r.items()} for m, r in runs.items()}}
-    path = write_json(f"{args.out}.json", saved)
-    plot(results, target, mode, RESULTS / f"{args.out}.png", title(json.loads(path.read_text())))
-    print(f"wrote {path} and {RESULTS / (args.out + '.png')}")
+    path = write_json(f"{args.out}.json", saved, results_folder)
+    plot(results, target, mode, results_folder / f"{args.out}.png", title(json.loads(path.read_text())))
+    print(f"wrote {path} and {results_folder / (args.out + '.png')}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 single-process Trainer on the same module, with and without ``outer_state_device="cpu"``.
 
     python -m benchmarks.b4_overhead [--steps 300] [--repeats 3] [--sync-every 50]
-    python -m benchmarks.b4_overhead --quick          # under 2 minutes
+    python -m benchmarks.b4_overhead --quick          # ~10 s: plain, noloco-2, noloco-2-cpu-state at once
 
 The module is the example GPT on Shakespeare (``lightning_loco.examples``). Every configuration runs
 in its own process tree with one thread per process (``OMP_NUM_THREADS=1``), so on a machine with at least N cores each
@@ -17,7 +17,8 @@ The first 20 steps are warm-up and not counted. Peak memory is each process's pe
 size (``ru_maxrss``; the slowest, largest replica counts). On a CPU machine the outer state lives
 in host memory either way, so ``outer_state_device="cpu"`` can only show its cost, not its saving;
 on an accelerator it moves the float32 outer state out of device memory.
-Writes ``benchmarks/results/b4_overhead.json`` and ``.png``.
+Writes ``benchmarks/results/b4_overhead.json`` and ``.png`` (a ``--quick`` run writes them to a
+temporary folder instead, or to ``$LOCO_BENCH_RESULTS``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, grouped_bars, machine
+from benchmarks.common import grouped_bars, machine, results_dir, skip_final_collection
 
 CONFIGS = {
     "plain": ("auto", 1),
@@ -43,6 +44,7 @@ CONFIGS = {
     "diloco-2": ("diloco", 2),
     "noloco-2-cpu-state": ("noloco-cpu", 2),
 }
+QUICK_CONFIGS = ("plain", "noloco-2", "noloco-2-cpu-state")
 WARMUP = 20
 
 
@@ -113,43 +115,59 @@ def plot(saved: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="60 steps, 1 repeat, H = 10")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{', '.join(QUICK_CONFIGS)} only, started together (a smoke test: the timings "
+                        f"mean nothing); {WARMUP} + 10 steps, 1 repeat, H = 10")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--sync-every", type=int)
-    parser.add_argument("--out", default=str(RESULTS / "b4_overhead.json"))
+    parser.add_argument("--out", help="default: b4_overhead.json in benchmarks/results (quick: in a temporary folder)")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: one configuration
     parser.add_argument("--run-out", help=argparse.SUPPRESS)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args()
+    args.out = args.out or str(results_dir(args.quick) / "b4_overhead.json")
     if args.replot:
         plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
         return
-    args.steps = args.steps or (60 if args.quick else 300)
+    args.steps = args.steps or (WARMUP + 10 if args.quick else 300)
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.sync_every = args.sync_every or (10 if args.quick else 50)
     if args.run:
         name, devices = CONFIGS[args.run]
         run_one(name, devices, args.steps, args.sync_every, args.run_out)
+        skip_final_collection()  # both ranks: Lightning starts the second with the same command line
         return
 
-    samples: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    configs = QUICK_CONFIGS if args.quick else tuple(CONFIGS)
+    samples: dict[str, list[dict]] = {c: [] for c in configs}
+
+    def start(config: str, base: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "benchmarks.b4_overhead", "--run", config, "--run-out", base,
+               "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
+        # Lightning's launchers set torch's thread count to cores/N unless OMP_NUM_THREADS is set:
+        # pin one thread per process so every configuration computes alike.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=Path(__file__).parent.parent)
+
+    # One configuration at a time; a quick run, a smoke test whose timings mean nothing, starts its
+    # configurations together (they share the cores).
+    batches = [configs] if args.quick else [(config,) for config in configs]
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for config in CONFIGS:
-                base = os.path.join(tmp, f"{config}-{rep}")
-                cmd = [sys.executable, "-m", "benchmarks.b4_overhead", "--run", config, "--run-out", base,
-                       "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
-                # Lightning's launchers set torch's thread count to cores/N unless OMP_NUM_THREADS is set:
-                # pin one thread per process so every configuration computes alike.
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent)
-                if proc.returncode != 0:
-                    sys.exit(f"{config} failed:\n{proc.stderr[-4000:]}")
-                ranks = [json.load(open(os.path.join(tmp, f))) for f in sorted(os.listdir(tmp)) if f.startswith(f"{config}-{rep}.rank")]
-                # the slowest replica sets the pace
-                samples[config].append({k: max(r[k] for r in ranks) for k in ("inner_step_s", "all_steps_s", "peak_rss_mb")})
-                print(f"repeat {rep + 1}/{args.repeats} {config}: {samples[config][-1]}", flush=True)
+            for batch in batches:
+                procs = {config: start(config, os.path.join(tmp, f"{config}-{rep}")) for config in batch}
+                errors = {config: proc.communicate()[1] for config, proc in procs.items()}
+                for config, proc in procs.items():
+                    if proc.returncode != 0:
+                        sys.exit(f"{config} failed:\n{errors[config][-4000:]}")
+                    ranks = [json.load(open(os.path.join(tmp, f))) for f in sorted(os.listdir(tmp))
+                             if f.startswith(f"{config}-{rep}.rank")]
+                    # the slowest replica sets the pace
+                    samples[config].append({k: max(r[k] for r in ranks)
+                                            for k in ("inner_step_s", "all_steps_s", "peak_rss_mb")})
+                    print(f"repeat {rep + 1}/{args.repeats} {config}: {samples[config][-1]}", flush=True)
 
     def summary(config: str, key: str) -> tuple[float, float, float]:
         values = [s[key] for s in samples[config]]
@@ -162,7 +180,7 @@ def main() -> None:
     print(f"\nexample GPT on CPU, 1 thread per process, {args.steps} steps, H = {args.sync_every}, "
           f"{args.repeats} repeats (median [min, max]); ratio = plain steps/s over strategy steps/s")
     print(f"{'config':<19} {'inner step ms':>22} {'ratio':>6} {'all steps ms':>22} {'ratio':>6} {'peak MB':>8} {'ratio':>6}")
-    for config in CONFIGS:
+    for config in configs:
         inner, all_ = summary(config, "inner_step_s"), summary(config, "all_steps_s")
         rss = summary(config, "peak_rss_mb")
         row = {"config": config, "inner_step_s": inner, "all_steps_s": all_, "peak_rss_mb": rss,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import statistics
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,13 +17,28 @@ ROOT = Path(__file__).parent.parent
 RESULTS = Path(os.environ.get("LOCO_BENCH_RESULTS", ROOT / "benchmarks" / "results"))
 
 
+def results_dir(quick: bool) -> Path:
+    """Where a run writes: ``RESULTS``, except that a ``--quick`` run never replaces the published
+    results; without LOCO_BENCH_RESULTS it writes to a folder of the system's temporary directory."""
+    if quick and "LOCO_BENCH_RESULTS" not in os.environ:
+        return Path(tempfile.gettempdir()) / "lightning_loco_quick_results"
+    return RESULTS
+
+
 def machine() -> str:
     return f"{os.cpu_count()} CPUs ({platform.machine()}), {platform.system()}"
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def skip_final_collection() -> None:
+    """For a worker process about to exit: exempt every live object from the interpreter's final
+    garbage collection, which would otherwise walk all of torch's and Lightning's objects (about
+    0.7 s of CPU a process). Nothing else changes: exit handlers run and open files are flushed."""
+    gc.freeze()
+
+
+def write_json(name: str, payload: dict[str, Any], folder: Path = RESULTS) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
 

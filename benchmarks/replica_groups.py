@@ -2,7 +2,7 @@
 number of processes.
 
     python -m benchmarks.replica_groups            # ~4 min; emulated where root, modelled otherwise
-    python -m benchmarks.replica_groups --quick    # under 2 minutes
+    python -m benchmarks.replica_groups --quick    # ~15 s: 0.1 M parameters, 1 round
 
 Four processes on the slow network (100 Mbit/s, 50 ms one way). With k = 1 they are four replicas,
 each on a site of its own. With k = 2 they are two replicas of two ranks, and the two ranks of a
@@ -11,7 +11,8 @@ access links, as the GPUs of one machine would. Every process runs the strategie
 (``algorithm.step`` over the transport, sliced when k = 2: each rank sends its half on the slow
 link, then the replica all-gathers over the local one) on a flat float32 model; one warm-up round,
 then ``--rounds`` rounds after a barrier; a round's time is the slowest rank's. Writes
-``benchmarks/results/replica_groups.json`` and ``.png``.
+``benchmarks/results/replica_groups.json`` and ``.png`` (a ``--quick`` run writes them to a temporary
+folder instead, or to ``$LOCO_BENCH_RESULTS``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from benchmarks.b1_sync_latency import time_outer_steps
-from benchmarks.common import RESULTS, grouped_bars, machine, spread, table, write_json
+from benchmarks.common import grouped_bars, machine, results_dir, skip_final_collection, spread, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import uniform
 
@@ -92,7 +93,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 M parameters, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="0.1 M parameters, 1 round")
     parser.add_argument("--mode", choices=["emulated", "modelled"])
     parser.add_argument("--params", nargs="+", type=float)
     parser.add_argument("--rounds", type=int)
@@ -100,13 +101,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(int(args.worker[0]), int(args.worker[1]), int(args.worker[2]), args.worker[3])
+        skip_final_collection()
         return
+    results = results_dir(args.quick)
     emulated_ok, why = tun.available()
     mode = args.mode or ("emulated" if emulated_ok else "modelled")
     if mode == "emulated" and not emulated_ok:
         sys.exit(f"emulated mode unavailable: {why}; use --mode modelled")
-    sizes = [int(p) for p in (args.params or ([1e6] if args.quick else [1e6, 10e6]))]
-    rounds = args.rounds or (2 if args.quick else 3)
+    sizes = [int(p) for p in (args.params or ([1e5] if args.quick else [1e6, 10e6]))]
+    rounds = args.rounds or (1 if args.quick else 3)
     rows = []
     for params in sizes:
         for k in (1, 2):
@@ -125,9 +128,9 @@ def main() -> None:
                        ("noloco_mb_per_rank", "NoLoCo MB/rank", ".2f"),
                        ("diloco_mb_per_rank", "DiLoCo MB/rank (nominal)", ".2f")]))
     path = write_json("replica_groups.json", {"benchmark": "replica groups", "mode": mode, "rounds": rounds,
-                                              "rows": rows})
-    plot(rows, RESULTS / "replica_groups.png", title)
-    print(f"wrote {path} and {RESULTS / 'replica_groups.png'}")
+                                              "rows": rows}, results)
+    plot(rows, results / "replica_groups.png", title)
+    print(f"wrote {path} and {results / 'replica_groups.png'}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ def bench(tmp_path, module, *args, timeout=400):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_b1_quick(tmp_path):
     out = bench(tmp_path, "b1_sync_latency", "--modes", "loopback", "modelled")
     result = json.loads((tmp_path / "b1_sync_latency.json").read_text())
@@ -31,6 +31,7 @@ def test_b1_quick(tmp_path):
     assert [p["replicas"] for p in result["latency_model"]["predictions"]][-1] == 1024
 
 
+@pytest.mark.slow
 def test_b2_quick(tmp_path):
     out = bench(tmp_path, "b2_time_to_loss", "--mode", "modelled")
     result = json.loads((tmp_path / "b2_time_to_loss.json").read_text())
@@ -39,6 +40,7 @@ def test_b2_quick(tmp_path):
     assert all(curve for runs in result["curves"].values() for curve in runs.values())
 
 
+@pytest.mark.slow
 def test_b2_overlap_quick(tmp_path):
     out = bench(tmp_path, "b2_time_to_loss", "--mode", "modelled", "--overlap", "0", "auto")
     result = json.loads((tmp_path / "b2_overlap.json").read_text())
@@ -47,6 +49,7 @@ def test_b2_overlap_quick(tmp_path):
     assert result["rounds"]["noloco@auto"]["modelled"][0]["overlap_steps"] == 0  # auto measures round 0
 
 
+@pytest.mark.slow
 def test_replica_groups_quick(tmp_path):
     bench(tmp_path, "replica_groups", "--mode", "modelled")
     rows = json.loads((tmp_path / "replica_groups.json").read_text())["rows"]
@@ -56,12 +59,14 @@ def test_replica_groups_quick(tmp_path):
     assert (tmp_path / "replica_groups.png").exists()
 
 
+@pytest.mark.slow
 def test_b3_quick(tmp_path):
     bench(tmp_path, "b3_uneven_bandwidth", "--mode", "modelled")
     result = json.loads((tmp_path / "b3_uneven_bandwidth.json").read_text())
     assert {r["algorithm"] for r in result["rows"]} == {"noloco", "gasloc", "diloco"}
 
 
+@pytest.mark.slow
 def test_b4_quick(tmp_path):
     bench(tmp_path, "b4_overhead")
     result = json.loads((tmp_path / "b4_overhead.json").read_text())
@@ -82,6 +87,7 @@ def namespaces():
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
 def test_emulator_carries_traffic_between_namespaces_and_removes_them():
     tun = emulator_or_skip()
     from benchmarks.netem.links import uniform
@@ -92,12 +98,13 @@ def test_emulator_carries_traffic_between_namespaces_and_removes_them():
         pytest.skip(f"namespaces cannot be created here: {err}")
     try:
         server = emu.popen(1, [sys.executable, "-c", (
-            "import socket; s = socket.socket(); s.bind(({!r}, 5701)); s.listen(1); c, _ = s.accept(); "
-            "c.sendall(c.recv(100)[::-1])").format(emu.address(1))], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
+            "import socket; s = socket.socket(); s.bind(({!r}, 0)); s.listen(1); print(s.getsockname()[1], "
+            "flush=True); c, _ = s.accept(); c.sendall(c.recv(100)[::-1])").format(emu.address(1))],
+            stdout=subprocess.PIPE, text=True)
+        port = int(server.stdout.readline())  # listening: the kernel chose a free port
         client = emu.popen(0, [sys.executable, "-c", (
-            "import socket; s = socket.create_connection(({!r}, 5701), timeout=10); s.sendall(b'outer step'); "
-            "print(s.recv(100).decode())").format(emu.address(1))], stdout=subprocess.PIPE, text=True)
+            "import socket; s = socket.create_connection(({!r}, {}), timeout=10); s.sendall(b'outer step'); "
+            "print(s.recv(100).decode())").format(emu.address(1), port)], stdout=subprocess.PIPE, text=True)
         assert client.communicate(timeout=30)[0].strip() == "pets retuo"
         server.wait(timeout=10)
         assert emu.packets > 0
@@ -107,6 +114,7 @@ def test_emulator_carries_traffic_between_namespaces_and_removes_them():
     assert emu.prefix not in namespaces()
 
 
+@pytest.mark.slow
 def test_emulator_cleans_up_when_its_process_is_terminated(tmp_path):
     emulator_or_skip()
     script = (
@@ -118,8 +126,13 @@ def test_emulator_cleans_up_when_its_process_is_terminated(tmp_path):
         "time.sleep(60)\n"
     ).format(root=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    prefix = proc.stdout.readline().strip()
-    assert prefix and prefix in namespaces()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+    try:
+        prefix = proc.stdout.readline().strip()  # printed once the namespaces exist
+        assert prefix and prefix in namespaces()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert prefix not in namespaces()

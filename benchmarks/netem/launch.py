@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from typing import Optional
 
 from benchmarks.common import ROOT
-from benchmarks.netem import modelled
+from benchmarks.netem import links
 from benchmarks.netem.links import Network
 
 MODES = ("loopback", "modelled", "emulated")
@@ -63,7 +63,7 @@ def run_workers(
                 procs.append(emu.popen(i, [sys.executable, *argv(i)], env=node_env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
         else:
-            extra = {modelled.ENV: modelled.to_env(network)} if mode == "modelled" else {}
+            extra = {links.ENV: links.to_env(network)} if mode == "modelled" else {}
             for i in range(n):
                 node_env = {**os.environ, **base, **extra, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i),
                             "MASTER_ADDR": "127.0.0.1"}

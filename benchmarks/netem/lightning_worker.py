@@ -2,9 +2,9 @@
 
 Started by :func:`benchmarks.netem.launch.run_workers` with torchrun's environment variables, so
 Lightning treats every process as a node of its own (``num_nodes = N, devices = 1``). Under the
-modelled network (``LOCO_MODELLED_NETWORK`` set) the strategies' transport is replaced by
-:class:`~benchmarks.netem.modelled.ModelledTransport` and DDP's gradient all-reduce gets a
-communication hook that holds it for the modelled time.
+modelled network (``LOCO_MODELLED_NETWORK`` set) the ``ModelledNetwork`` callback gives the
+strategies :class:`~benchmarks.netem.modelled.ModelledTransport` (their ``transport_factory``) and
+DDP's gradient all-reduce a communication hook that holds it for the modelled time.
 
 ``TimeToLoss`` records, on rank 0, the training wall time (validation excluded) and the validation
 loss at every validation, and at the end the strategy's outer-step reports (τ used, the time each
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import lightning as L
+from benchmarks.common import skip_final_collection
 from benchmarks.netem import modelled
 
 
@@ -68,8 +69,14 @@ class TimeToLoss(L.Callback):
                            "train_seconds": getattr(self, "train_seconds", None)}, f)
 
 
-class ModelledDDPHook(L.Callback):
-    """Holds DDP's gradient all-reduce for the modelled time (the modelled network only)."""
+class ModelledNetwork(L.Callback):
+    """Under the modelled network only: our strategies' outer steps use
+    :class:`~benchmarks.netem.modelled.ModelledTransport`, and DDP's gradient all-reduce is held for
+    the modelled time."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if modelled.from_env() is not None and hasattr(trainer.strategy, "transport_factory"):
+            trainer.strategy.transport_factory = modelled.ModelledTransport  # reads the network from the environment
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         network = modelled.from_env()
@@ -94,13 +101,10 @@ class ModelledDDPHook(L.Callback):
 
 
 def main() -> None:
-    if modelled.from_env() is not None:
-        import lightning_loco.strategies.base as base
-
-        base.TorchDistributedTransport = modelled.ModelledTransport  # reads the network from the environment
     from lightning_loco.cli import main as cli_main
 
     cli_main(sys.argv[1:])
+    skip_final_collection()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ By default every node is a site of its own.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -85,6 +87,25 @@ def one_slow(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, slower: floa
         f"{mbit:g} Mbit/s, {one_way_ms:g} ms; node {n - 1} at {mbit / slower:g} Mbit/s, {farther * one_way_ms:g} ms",
         (Link(mbit=mbit, delay_ms=base),) * (n - 1) + (slow,),
     )
+
+
+# ---------------------------------------------------------------- the modelled network's environment variable
+
+# The launcher hands the modelled network to its workers in this variable. Kept here, away from
+# :mod:`benchmarks.netem.modelled`, so that the launching process need not import torch and Lightning.
+ENV = "LOCO_MODELLED_NETWORK"
+
+
+def to_env(network: Network) -> str:
+    return json.dumps(network.describe())
+
+
+def from_env() -> Network | None:
+    raw = os.environ.get(ENV)
+    if not raw:
+        return None
+    spec = json.loads(raw)
+    return Network(spec["name"], tuple(Link(**link) for link in spec["links"]))
 
 
 # ---------------------------------------------------------------- the paper's latency model (NoLoCo Eq. 5)

@@ -12,8 +12,6 @@ Times, for payload ``B`` bytes and the links of :class:`~benchmarks.netem.links.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -21,22 +19,10 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks.netem.links import Link, Network
+from benchmarks.netem.links import ENV, Network, from_env, to_env
 from lightning_loco.transport import PendingSum, TorchDistributedTransport
 
-ENV = "LOCO_MODELLED_NETWORK"
-
-
-def to_env(network: Network) -> str:
-    return json.dumps(network.describe())
-
-
-def from_env() -> Optional[Network]:
-    raw = os.environ.get(ENV)
-    if not raw:
-        return None
-    spec = json.loads(raw)
-    return Network(spec["name"], tuple(Link(**link) for link in spec["links"]))
+__all__ = ["ENV", "HeldPending", "ModelledTransport", "allreduce_s", "from_env", "pair_s", "to_env", "wait_until"]
 
 
 def pair_s(network: Network, i: int, peers: Sequence[int], nbytes: int) -> float:
@@ -60,6 +46,29 @@ def wait_until(start: float, modelled: float) -> None:
         time.sleep(remaining)
 
 
+class HeldPending(PendingSum):
+    """A real exchange whose completion is held back until the modelled link would have finished."""
+
+    ready_at = 0.0  # a time.perf_counter() value
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.ready_at and super().done()
+
+    def completed_after(self) -> Optional[float]:
+        seen = super().completed_after()
+        return None if seen is None or not self.done() else max(seen, self.ready_at - self.started)
+
+    def wait(self) -> Tensor:
+        if self._result is None:
+            blocked = time.perf_counter()
+            wait_until(self.ready_at, 0.0)
+            held = time.perf_counter() - blocked
+            total = super().wait()
+            self.wait_seconds += held
+            return total
+        return super().wait()
+
+
 class ModelledTransport(TorchDistributedTransport):
     """The real transport on loopback, held until the modelled network would have finished."""
 
@@ -68,6 +77,9 @@ class ModelledTransport(TorchDistributedTransport):
         self.network = network or from_env()
         if self.network is None:
             raise ValueError(f"no network to model: pass network= or set {ENV}")
+
+    def _pending(self, works: list[Any], finish: Any, nbytes: int, peers: tuple[int, ...]) -> PendingSum:
+        return HeldPending(self, works, finish, nbytes, peers)
 
     # Nodes are global ranks; with ranks_per_replica > 1 each rank moves its slice only, and the
     # all-gather inside the replica is taken to run on a fast local link (it is not held).
