@@ -41,7 +41,7 @@ def assert_same_tree(a, b, where=""):
 
 
 @pytest.mark.parametrize("algorithm", ["noloco", "diloco", "gasloc"])
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_exact_resume_from_the_middle_of_an_inner_phase(tmp_path, algorithm, devices):
     ckpts = tmp_path / "ckpts"
     checkpoint = {"dirpath": str(ckpts), "filename": "{step}", "every_n_train_steps": K, "save_top_k": -1,
@@ -76,6 +76,7 @@ def test_exact_resume_from_the_middle_of_an_inner_phase(tmp_path, algorithm, dev
     tiny.TinyRegressor.load_from_checkpoint(ckpts / "last.ckpt")
 
 
+@pytest.mark.slow
 def test_export_writes_a_plain_consensus_model(tmp_path):
     recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "average_at_end": False},
                        devices=2, max_steps=K, save_to=str(tmp_path / "run.ckpt"))
@@ -90,6 +91,7 @@ def test_export_writes_a_plain_consensus_model(tmp_path):
     assert torch.allclose(tiny.flat(module), average, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_average_at_end_leaves_the_consensus_in_memory(tmp_path):
     recs = tiny.launch(tmp_path, strategy="gasloc", strategy_kwargs={"sync_every": H}, devices=2, max_steps=K,
                        save_to=str(tmp_path / "end.ckpt"))
@@ -102,6 +104,7 @@ def test_average_at_end_leaves_the_consensus_in_memory(tmp_path):
         assert torch.allclose(tiny.flat(module), average, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_save_top_k_removes_old_checkpoints_with_their_replicas_and_a_new_world_size_starts_from_consensus(
     tmp_path,
 ):
@@ -124,6 +127,7 @@ def test_save_top_k_removes_old_checkpoints_with_their_replicas_and_a_new_world_
         assert rec["outer_states"][0]["inner_steps"] == 2  # fresh outer state: counted from the resume
 
 
+@pytest.mark.slow
 def test_a_ddp_checkpoint_starts_a_noloco_run(tmp_path):
     ddp = tiny.launch(tmp_path / "ddp", strategy="ddp", devices=2, max_steps=4, save_to=str(tmp_path / "ddp.ckpt"))
     recs = tiny.launch(tmp_path / "noloco", strategy="noloco", strategy_kwargs={"sync_every": H}, devices=2,
@@ -133,6 +137,7 @@ def test_a_ddp_checkpoint_starts_a_noloco_run(tmp_path):
         assert rec["outer_states"][0]["inner_steps"] == 4 and rec["outer_states"][0]["outer_steps"] == 1
 
 
+@pytest.mark.slow
 def test_missing_replica_file_or_other_algorithm_fails_clearly_and_deletes_nothing(tmp_path):
     path = tmp_path / "run.ckpt"
     tiny.launch(tmp_path / "a", strategy="noloco", strategy_kwargs={"sync_every": H}, devices=2, max_steps=4,
@@ -151,6 +156,7 @@ def test_missing_replica_file_or_other_algorithm_fails_clearly_and_deletes_nothi
     assert "was written by 'noloco'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path):
     path = tmp_path / "run.ckpt"
     recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "average_at_end": False},
@@ -185,6 +191,7 @@ def test_replica_file_errors_name_the_file(tmp_path):
     assert not list(sidecar.glob("*.partial"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,merge", [("noloco", "predict_correct"), ("gasloc", "predict_correct"),
                                              ("diloco", "delayed")])
 def test_exact_resume_from_a_checkpoint_taken_while_a_round_is_in_flight(tmp_path, algorithm, merge):

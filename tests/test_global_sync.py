@@ -1,3 +1,4 @@
+import pytest
 """The shipped NoLoCo job runs no global collective per outer step.
 
 The example config is run through the ``lightning-loco`` command (2 CPU replicas, a few steps) with
@@ -92,6 +93,7 @@ def total(counts: dict[str, int], kind: str) -> int:
     return sum(n for key, n in counts.items() if key.startswith(kind + ":"))
 
 
+@pytest.mark.slow
 def test_shipped_noloco_job_has_no_global_collective_per_outer_step(tmp_path):
     short, long = count_calls(tmp_path, outer_steps=2), count_calls(tmp_path, outer_steps=6)
     for rank in range(2):

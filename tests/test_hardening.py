@@ -94,6 +94,7 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has exited
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_it_and_its_peer_names_it(tmp_path):
     proc, out = start_long_run(tmp_path, devices=2)
     pids = wait_ready(proc, out, 2)
@@ -106,6 +107,7 @@ def test_sigterm_to_one_rank_stops_it_and_its_peer_names_it(tmp_path):
     assert "replica(s) [1]" in seen[0]["message"] and "global rank(s) [1]" in seen[0]["message"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_rank_zero_stops_every_rank_and_leaves_whole_checkpoints(tmp_path):
     ckpts = tmp_path / "ckpts"
     checkpoint = {"dirpath": str(ckpts), "every_n_train_steps": 3, "save_top_k": 2, "monitor": "step",
@@ -128,6 +130,7 @@ def test_sigterm_to_rank_zero_stops_every_rank_and_leaves_whole_checkpoints(tmp_
         check_replica_files(path, meta)
 
 
+@pytest.mark.slow
 def test_validate_with_a_checkpoint_then_fit_starts_fresh_outer_state(tmp_path):
     h = 2
     ckpts = tmp_path / "ckpts"
@@ -151,10 +154,11 @@ def test_fit_frees_the_outer_state_and_keeps_the_reports(tmp_path):
         end = torch.load(tmp_path / "out" / f"after_fit{r}.pt")
         assert end["outer_state_tracked"] >= 12  # replica, state, flat, anchor, gradient, momentum, flight...
         assert end["outer_state_alive"] == []
-        assert end["replicas_left"] == 0
+        assert end["slots_left"] == 0
         assert [x["outer_step"] for x in end["reports"]] == [0, 1] and end["outer_steps"] == 2
 
 
+@pytest.mark.slow
 def test_a_replica_file_missing_on_one_rank_only_fails_every_rank_alike(tmp_path):
     ckpts = tmp_path / "ckpts"
     common = {"strategy": "noloco", "strategy_kwargs": {"sync_every": 2}, "devices": 2}
@@ -167,6 +171,7 @@ def test_a_replica_file_missing_on_one_rank_only_fails_every_rank_alike(tmp_path
     assert seen[0]["message"] == seen[1]["message"] and "replica file(s) missing" in seen[0]["message"]
 
 
+@pytest.mark.slow
 def test_peer_distance_is_half_the_distance_between_the_pair(tmp_path):
     for algorithm in ("noloco", "diloco"):
         recs = tiny.launch(tmp_path / algorithm, strategy=algorithm, strategy_kwargs={"sync_every": 3}, devices=2,
@@ -179,6 +184,7 @@ def test_peer_distance_is_half_the_distance_between_the_pair(tmp_path):
             assert distances == pytest.approx(expected, rel=1e-4), algorithm
 
 
+@pytest.mark.slow
 def test_warnings_for_a_single_replica_and_for_no_outer_step(tmp_path):
     with pytest.warns(UserWarning, match="single replica"):
         L.Trainer(strategy=NoLoCoStrategy(), accelerator="cpu", devices=1, logger=False)
@@ -209,25 +215,30 @@ class _CpuTransport:
 
 
 def test_a_group_still_awaited_by_an_abandoned_round_is_never_destroyed(monkeypatch):
+    from lightning_loco.driver import OuterStepDriver
+    from lightning_loco.flat import FlatParameters
+    from lightning_loco.algorithms import NoLoCo
     from lightning_loco.overlap import InFlight
+    from lightning_loco.process_groups import ProcessGroups
+    from lightning_loco.transport import InProcessNetwork
 
-    strategy = NoLoCoStrategy(sync_every=4, overlap_steps=2)
-    strategy.abandon_timeout_s = 0.05
+    driver = OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), sync_every=4, overlap_steps=2)
+    slot = driver.add(FlatParameters([torch.zeros(3)], torch.device("cpu")))
     work = _BlockedWork()
     pending = PendingSum(_CpuTransport(), [work], lambda: torch.zeros(1), 4, (1,)).watch()
-    flight = InFlight(outer_step=0, start_step=4, land_step=6, group=(0, 1), pending=pending,
-                      reference=torch.zeros(1), merge="predict_correct")
-    replica = type("Replica", (), {"in_flight": flight})()
-    strategy._replicas = [replica]
+    slot.in_flight = InFlight(outer_step=0, start_step=4, land_step=6, group=(0, 1), pending=pending,
+                              reference=torch.zeros(3), merge="predict_correct")
+    groups = ProcessGroups(2, "gloo", None)
     group, other = object(), object()
-    strategy._overlap_group, strategy._replica_group = group, other
+    groups.overlap, groups.replica = group, other
     destroyed = []
     monkeypatch.setattr(dist, "destroy_process_group", lambda g=None: destroyed.append((g, pending.watcher.is_alive())))
     with pytest.warns(UserWarning, match="was in flight"):
-        strategy._abandon_all()
-    strategy._destroy_process_groups()
+        lingering = driver.abandon_all(timeout=0.05)
+    assert lingering == [pending.watcher] and slot.in_flight is None
+    groups.destroy(lingering)
     assert destroyed == [(other, True)]  # the replica group goes; the overlap group is left to the exit
-    assert strategy._overlap_group is None
+    assert groups.overlap is None
     work.release.set()
     pending.watcher.join(5)
     assert not pending.watcher.is_alive()

@@ -25,6 +25,7 @@ def logged(tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
     h, steps, n = 2, 8, 4
     recs = tiny.launch(

@@ -4,6 +4,7 @@ Each run is ``python tests/tiny.py`` in a subprocess (Lightning's popen launcher
 for every rank). The results are checked against a reference written here from the spec's formulas.
 """
 
+import pytest
 import torch
 
 import tiny
@@ -124,6 +125,7 @@ def test_noloco_two_replicas_follow_the_hand_trajectory_and_talk_only_to_each_ot
         assert rec["outer_states"][0]["anchor_dtype"] == "torch.float32"
 
 
+@pytest.mark.slow
 def test_noloco_three_replicas_general_gamma(tmp_path):
     # N = 3 with pairs: the last group takes the remainder, so one group of three. γ ≠ β: θ and φ travel.
     h, steps = 2, 6
@@ -144,6 +146,7 @@ def test_noloco_three_replicas_general_gamma(tmp_path):
         assert torch.equal(recs[0]["weights"][i], recs[2]["weights"][i])
 
 
+@pytest.mark.slow
 def test_noloco_four_replicas_by_registered_name_with_paper_defaults(tmp_path):
     steps = 100  # H = 50 by default: two outer steps
     recs = run(tmp_path, strategy="noloco", devices=4, max_steps=steps)
@@ -172,6 +175,7 @@ def test_diloco_four_replicas_identical_after_each_outer_step(tmp_path):
         assert all(rec["calls"][i] == [("all_reduce",)] for i in (3, 7))
 
 
+@pytest.mark.slow
 def test_single_replica_runs_with_no_communication(tmp_path):
     h, steps = 2, 6
     recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h}, devices=1, max_steps=steps)
@@ -180,6 +184,7 @@ def test_single_replica_runs_with_no_communication(tmp_path):
     assert recs[0]["outer_states"][0]["outer_steps"] == 3
 
 
+@pytest.mark.slow
 def test_outer_steps_count_optimizer_steps_with_accumulation_clipping_and_bf16_mixed(tmp_path):
     recs = run(
         tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 2}, devices=2, max_steps=6,
@@ -192,6 +197,7 @@ def test_outer_steps_count_optimizer_steps_with_accumulation_clipping_and_bf16_m
         assert rec["outer_states"][0]["inner_steps"] == 6 and rec["outer_states"][0]["outer_steps"] == 3
 
 
+@pytest.mark.slow
 def test_manual_optimization_with_two_optimizers_and_bf16_true(tmp_path):
     recs = run(
         tmp_path, strategy="diloco", strategy_kwargs={"sync_every": 2}, devices=2, max_steps=8,
@@ -210,6 +216,7 @@ def test_manual_optimization_with_two_optimizers_and_bf16_true(tmp_path):
         assert torch.equal(recs[0]["weights"][i], recs[1]["weights"][i])
 
 
+@pytest.mark.slow
 def test_the_call_counter_sees_lightnings_per_batch_broadcast_under_plain_ddp(tmp_path):
     # Control for the tests above: the counter is not blind; plain DDP broadcasts every batch.
     recs = run(tmp_path, strategy="ddp", devices=2, max_steps=4)
@@ -217,6 +224,7 @@ def test_the_call_counter_sees_lightnings_per_batch_broadcast_under_plain_ddp(tm
         assert all(("broadcast",) in calls for calls in rec["calls"][1:])
 
 
+@pytest.mark.slow
 def test_validate_after_fit_keeps_every_replica_its_own_weights(tmp_path):
     kwargs = {"sync_every": 4, "average_at_end": False}
     recs = run(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=2, max_steps=6, then_validate=True)
@@ -226,6 +234,7 @@ def test_validate_after_fit_keeps_every_replica_its_own_weights(tmp_path):
         assert torch.equal(after, rec["weights"][-1])  # not overwritten by rank 0's replica
 
 
+@pytest.mark.slow
 def test_gasloc_random_pairs_four_replicas(tmp_path):
     h, steps = 3, 9
     kwargs = {"sync_every": h, "outer_lr": 0.8, "outer_momentum": 0.6, "gossip_step": 0.3}
@@ -240,6 +249,7 @@ def test_gasloc_random_pairs_four_replicas(tmp_path):
             assert rec["calls"][i] == [("batch_isend_irecv", (("irecv", peer, numel), ("isend", peer, numel)))]
 
 
+@pytest.mark.slow
 def test_gasloc_ring_with_odd_replicas_lets_one_sit_out(tmp_path):
     h, steps = 2, 6
     recs = run(tmp_path, strategy="gasloc", strategy_kwargs={"sync_every": h, "topology": "ring"}, devices=3,
@@ -250,6 +260,7 @@ def test_gasloc_ring_with_odd_replicas_lets_one_sit_out(tmp_path):
     assert [len(recs[0]["calls"][i]) for i in (1, 3, 5)] == [1, 0, 1]
 
 
+@pytest.mark.slow
 def test_complete_gasloc_follows_diloco_with_the_same_outer_sgd(tmp_path):
     h, steps, eta, gamma = 2, 8, 0.7, 0.9
     kwargs = {"sync_every": h, "outer_lr": eta, "outer_momentum": gamma}
@@ -262,6 +273,7 @@ def test_complete_gasloc_follows_diloco_with_the_same_outer_sgd(tmp_path):
             assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_second_fit_of_the_same_model_starts_from_the_replicas_average(tmp_path):
     steps = 5  # ends mid-phase, replicas differ
     kwargs = {"sync_every": 3, "average_at_end": False}

@@ -171,10 +171,8 @@ def test_diloco_accepts_any_outer_optimizer_with_per_parameter_shapes():
     assert torch.allclose(new[0], torch.full((10,), 0.1), atol=1e-6)  # Adam's first step is lr·sign
 
 
-def test_outer_state_is_float32_and_round_trips_through_state_dict():
+def test_outer_state_round_trips_through_state_dict():
     for alg in (NoLoCo(), DiLoCo()):
-        state = alg.init_state(torch.randn(5).to(torch.bfloat16).float(), [torch.Size([5])])
-        assert state.anchor.dtype == torch.float32
         sim = ReplicaSimulator(alg, [torch.zeros(5)] * 2)
         sim.step([torch.ones(5), 2 * torch.ones(5)])
         saved = sim.states[0].state_dict()

@@ -1,6 +1,7 @@
 """Overlap in real multi-process runs (gloo, CPU): the landing step, the merge against a hand
-computation, the spec's anchor identities for τ > 0, no blocking before the landing, the end of fit,
-an interrupted fit, and a peer that fails while a round is in flight."""
+computation, the spec's anchor identities for τ > 0, the end of fit, an interrupted fit, and a peer
+that fails while a round is in flight. The driver's overlap logic without processes (no blocking
+before the landing, auto τ, failures) is in ``test_driver.py``."""
 
 import csv
 import os
@@ -79,6 +80,7 @@ def noloco_overlap_reference(world, steps, h, tau, merge, alpha=0.5, beta=0.7, l
     return history
 
 
+@pytest.mark.slow
 def test_tau_zero_is_the_synchronous_strategy_bit_for_bit(tmp_path):
     common = {"strategy": "noloco", "devices": 2, "max_steps": 9}
     sync = run(tmp_path / "sync", strategy_kwargs={"sync_every": 3}, **common)
@@ -110,6 +112,7 @@ def mean(tensors):
     return sum(t.double() for t in tensors) / len(tensors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,h,tau", [("noloco", 3, 1), ("diloco", 4, 2), ("gasloc", 4, 3)])
 def test_anchor_identities_hold_with_overlap(tmp_path, algorithm, h, tau):
     steps = 3 * h
@@ -145,26 +148,7 @@ def test_anchor_identities_hold_with_overlap(tmp_path, algorithm, h, tau):
             x_prev = x
 
 
-def test_nothing_blocks_before_the_landing(tmp_path):
-    # Every exchange is held back 1.5 s, as a slow link would. Synchronous: the outer step's batch takes
-    # that long. Overlapped: the start and the inner steps in between take no longer than plain steps, and
-    # only the landing waits for what is left.
-    slow, h = 1.5, 4
-    common = {"strategy": "noloco", "devices": 2, "max_steps": 2 * h - 1, "slow_exchange_s": slow}
-    sync = run(tmp_path / "sync", strategy_kwargs={"sync_every": h}, **common)
-    lapped = run(tmp_path / "lapped", strategy_kwargs={"sync_every": h, "overlap_steps": 3}, **common)
-    for rec in sync:
-        assert rec["batch_seconds"][h - 1] >= slow
-    for rec in lapped:
-        seconds = rec["batch_seconds"]
-        plain = max(seconds[: h - 1])  # steps with no outer work at all
-        start, between, landing = seconds[h - 1], seconds[h : h + 2], seconds[h + 2]
-        assert max([start] + between) < max(3 * plain, 0.5) < slow, seconds
-        assert landing >= slow - sum([start] + between) - 0.05, seconds
-        (report,) = rec["reports"]
-        assert report["comm_seconds"] > 0.5 and report["exchange_seconds"] >= slow
-
-
+@pytest.mark.slow
 def test_the_end_of_fit_lands_the_round_in_flight_and_the_monitor_logs_overlap(tmp_path):
     h = 4
     kwargs = {"sync_every": h, "overlap_steps": 2}
@@ -174,7 +158,7 @@ def test_the_end_of_fit_lands_the_round_in_flight_and_the_monitor_logs_overlap(t
     for end in ends:
         assert [(x["outer_step"], x["inner_step"], x["overlap_steps"]) for x in end["reports"]] == [
             (0, h + 2, 2), (1, 2 * h + 1, 1)]  # the second round landed when fit ended, one step in
-        assert all(x["correction_norm"] > 0 for x in end["reports"]) and end["replicas_left"] == 0
+        assert all(x["correction_norm"] > 0 for x in end["reports"]) and end["slots_left"] == 0
     assert torch.equal(ends[0]["weights"], ends[1]["weights"])  # then average_at_end
     assert not torch.equal(ends[0]["weights"], recs[0]["weights"][-1])
 
@@ -186,13 +170,12 @@ def test_the_end_of_fit_lands_the_round_in_flight_and_the_monitor_logs_overlap(t
     assert [int(r["step"]) for r in rows if r.get("outer/replica_spread")] == [h, 2 * h]
 
 
+@pytest.mark.slow
 def test_a_fit_interrupted_with_a_round_in_flight_stops_cleanly(tmp_path):
-    start = time.perf_counter()
     proc = run(tmp_path, expect_failure=True, strategy="noloco", devices=2, max_steps=12, fail_at_step=4,
                strategy_kwargs={"sync_every": 3, "overlap_steps": 2})
     assert "stopping on purpose at step 4" in proc.stderr
     assert "terminate called" not in proc.stderr and "Traceback" in proc.stderr
-    assert time.perf_counter() - start < 120
 
 
 def _failing_peer(rank: int, port: int, out: str) -> None:
@@ -200,42 +183,32 @@ def _failing_peer(rank: int, port: int, out: str) -> None:
     if rank == 1:
         os._exit(0)  # the peer stops before it posts its side of the round
     transport = TorchDistributedTransport(torch.device("cpu"))
-    start = time.perf_counter()
-    pending = transport.start_group_sum(torch.ones(1000), (0, 1))
     try:
-        pending.wait()
+        transport.start_group_sum(torch.ones(1000), (0, 1)).wait()
         message = "no error"
     except PeerError as err:
         message = str(err)
-    torch.save({"message": message, "seconds": time.perf_counter() - start}, out)
+    torch.save({"message": message}, out)
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_peer_that_stops_during_a_round_gives_an_error_naming_it(tmp_path):
     out = str(tmp_path / "result.pt")
     mp.start_processes(_failing_peer, args=(tiny.free_port(), out), nprocs=2, start_method="spawn")
     result = torch.load(out)
     assert "replica(s) [1]" in result["message"] and "global rank(s) [1]" in result["message"]
-    assert result["seconds"] < 25  # within the process group's timeout, not a hang
-
-
-def test_auto_measures_the_first_round_then_overlaps_up_to_its_cap(tmp_path):
-    # Exchanges held 0.5 s, inner steps of milliseconds: "auto" runs round 0 synchronously to measure,
-    # then overlaps as much as NoLoCo's cap allows (H/2 = 2) and warns that even that cannot hide it.
-    recs = run(tmp_path, strategy="noloco", devices=2, max_steps=12, slow_exchange_s=0.5,
-               strategy_kwargs={"sync_every": 4, "overlap_steps": "auto"})
-    for r, rec in enumerate(recs):
-        assert [(x["outer_step"], x["inner_step"], x["overlap_steps"]) for x in rec["reports"]] == [
-            (0, 4, 0), (1, 10, 2)]
-        assert f"Replica {r}: overlap_steps='auto' needs about" in rec["stderr"]
+    assert "Timed out" not in result["message"]  # the closed connection, not the process group's timeout
 
 
 def _watched_exchange(rank: int, port: int, out: str) -> None:
     tiny.init_gloo(rank, 2, port, timeout_s=20)
     transport = TorchDistributedTransport(torch.device("cpu"))
     pending = transport.start_group_sum(torch.full((1000,), float(rank)), (0, 1)).watch()
-    time.sleep(1.0)  # training would go on here
-    seen = pending.done(), pending.completed_after()
+    deadline = time.monotonic() + 60
+    while not pending.done() and time.monotonic() < deadline:  # training would go on here
+        time.sleep(0.01)
+    seen = pending.done(), pending.completed_after()  # nobody has waited for it yet
     total = pending.wait()
     if rank == 0:
         torch.save({"seen": seen, "total": total}, out)
@@ -243,6 +216,7 @@ def _watched_exchange(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_watched_exchange_reports_its_completion_before_it_is_waited_for(tmp_path):
     # gloo's point-to-point works only report completion once waited for; the watcher thread lets the
     # strategy see, without blocking, that the transfer is done (what "auto" measures).
@@ -250,5 +224,5 @@ def test_a_watched_exchange_reports_its_completion_before_it_is_waited_for(tmp_p
     mp.start_processes(_watched_exchange, args=(tiny.free_port(), out), nprocs=2, start_method="spawn")
     result = torch.load(out)
     done, after = result["seen"]
-    assert done and after is not None and after < 0.9
+    assert done and after is not None
     assert torch.equal(result["total"], torch.ones(1000))

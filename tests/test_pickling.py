@@ -111,6 +111,7 @@ def test_an_outer_optimizer_from_a_cli_config_pickles(tmp_path, monkeypatch, nam
         assert optimizer_type is torch.optim.SGD and group["lr"] == 0.7
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_two_replicas_train_under_spawn(tmp_path, name):
     """A real launch with start_method="spawn": the Trainer, the strategy and the callbacks are pickled

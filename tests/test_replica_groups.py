@@ -45,6 +45,7 @@ def test_two_replicas_of_two_ranks_equal_two_replicas_with_the_union_batch(tmp_p
     assert not torch.equal(recs[0]["weights"][h], recs[2]["weights"][h])  # replicas differ between outer steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["diloco", "gasloc"])
 def test_diloco_and_gasloc_between_replicas_of_two_ranks(tmp_path, algorithm):
     h, steps = 4, 8
@@ -61,6 +62,7 @@ def test_diloco_and_gasloc_between_replicas_of_two_ranks(tmp_path, algorithm):
         assert not torch.equal(recs[0]["weights"][h], recs[2]["weights"][h])
 
 
+@pytest.mark.slow
 def test_exact_resume_with_replicas_of_two_ranks(tmp_path):
     k_save = 6
     ckpts = tmp_path / "ckpts"
@@ -111,6 +113,7 @@ def _sliced_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_sliced_exchange_equals_a_whole_model_exchange(tmp_path):
     mp.start_processes(_sliced_worker, args=(tiny.free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(4)]

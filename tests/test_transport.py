@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -28,6 +29,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_group_sum_and_all_reduce_across_four_processes(tmp_path):
     world = 4
     mp.start_processes(_worker, args=(world, tiny.free_port(), str(tmp_path)), nprocs=world, start_method="spawn")

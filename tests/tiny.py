@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning as L
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 NUM_SAMPLES = 48
 IN_FEATURES = 4
@@ -49,16 +50,20 @@ def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[li
 
 
 class TinyRegressor(L.LightningModule):
-    def __init__(self, lr: float = 0.05, manual: bool = False) -> None:
+    def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: bool = False,
+                 inf_loss_at: Any = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Linear(IN_FEATURES, 3)
+        self.norm = nn.BatchNorm1d(3) if batchnorm else nn.Identity()
         self.head = nn.Linear(3, 1)
         self.lr = lr
         self.automatic_optimization = not manual
+        self.scheduler = scheduler
+        self.inf_loss_at = inf_loss_at  # (rank, step): a loss whose gradients overflow there
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.body(x)))
+        return self.head(torch.tanh(self.norm(self.body(x))))
 
     def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -66,6 +71,8 @@ class TinyRegressor(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         loss = self.loss(batch)
+        if self.inf_loss_at is not None and [self.global_rank, self.trainer.global_step] == list(self.inf_loss_at):
+            loss = loss * float("inf")
         if self.automatic_optimization:
             return loss
         opt_body, opt_head = self.optimizers()
@@ -86,7 +93,11 @@ class TinyRegressor(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.automatic_optimization:
-            return torch.optim.SGD(self.parameters(), lr=self.lr)
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+            if self.scheduler:
+                schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+            return optimizer
         return [torch.optim.SGD(self.body.parameters(), lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=self.lr)]
 
     def train_dataloader(self) -> DataLoader:
@@ -181,6 +192,24 @@ class Recorder(L.Callback):
         self.call_log.take()
         self.call_log.active = True
 
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """After the strategy's own end of fit and its teardown."""
+        strategy = trainer.strategy
+        if not hasattr(strategy, "outer_step_reports"):
+            return
+        import gc
+
+        gc.collect()
+        weak = getattr(self, "weak_outer", [])
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save({"reports": [dataclasses.asdict(r) for r in strategy.outer_step_reports],
+                    "slots_left": len(strategy.outer_slots),
+                    "outer_steps": strategy.outer_steps,
+                    "outer_state_alive": [type(w()).__name__ for w in weak if w() is not None],
+                    "outer_state_tracked": len(weak),
+                    "buffers": {k: v.clone() for k, v in pl_module.named_buffers() if v.is_floating_point()},
+                    "weights": flat(pl_module)}, os.path.join(self.out_dir, f"after_fit{trainer.global_rank}.pt"))
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.record.setdefault("before_validation", []).append(flat(pl_module))
@@ -203,7 +232,7 @@ class Recorder(L.Callback):
         self.record.setdefault("batch_seconds", []).append(time.perf_counter() - self._batch_start)
         self.record["weights"].append(flat(pl_module))
         self.record["calls"].append(self.call_log.take())
-        replicas = getattr(trainer.strategy, "replicas", [])
+        replicas = getattr(trainer.strategy, "outer_slots", [])
         if replicas:
             self.record.setdefault("anchors", []).append(replicas[0].state.anchor.clone())
 
@@ -214,7 +243,9 @@ class Recorder(L.Callback):
         self.record["world_size"] = trainer.world_size
         self.record["strategy"] = type(strategy).__name__
         self.record["param_dtypes"] = sorted({str(p.dtype) for p in pl_module.parameters()})
-        replicas = getattr(strategy, "replicas", [])
+        self.record["buffers"] = {k: v.clone() for k, v in pl_module.named_buffers() if v.is_floating_point()}
+        self.record["lrs"] = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+        replicas = getattr(strategy, "outer_slots", [])
         if self.record.get("track_release"):  # weak references to every piece of outer state
             import weakref
 
@@ -226,7 +257,7 @@ class Recorder(L.Callback):
                         if torch.is_tensor(t)]
             objects += [x for r in replicas if r.in_flight is not None
                         for x in (r.in_flight, r.in_flight.pending, r.in_flight.reference)]
-            objects.append(strategy._transport)
+            objects += [strategy.driver, strategy.driver.transport]
             self.weak_outer = [weakref.ref(o) for o in objects]
         self.record["outer_states"] = [
             {
@@ -250,9 +281,7 @@ class Recorder(L.Callback):
 
 
 def observe(strategy: Any, record: dict[str, Any], config: dict[str, Any]) -> None:
-    """Records every snapshot the outer step sends (the weights handed to ``algorithm.payload``) and,
-    with ``slow_exchange_s``, holds every exchange's completion back by that many seconds, as a slow
-    link would."""
+    """Records every snapshot the outer step sends (the weights handed to ``algorithm.payload``)."""
     payload = strategy.algorithm.payload
 
     def recording_payload(state: Any, weights: torch.Tensor) -> torch.Tensor:
@@ -260,23 +289,21 @@ def observe(strategy: Any, record: dict[str, Any], config: dict[str, Any]) -> No
         return payload(state, weights)
 
     strategy.algorithm.payload = recording_payload
-    delay = config.get("slow_exchange_s")
-    if delay is None:
-        return
-    make_transport = strategy._make_transport
 
-    def slowed_transport() -> Any:
-        transport = make_transport()
-        for name in ("start_group_sum", "start_all_reduce_sum"):
-            def slowed(*args: Any, _start: Any = getattr(transport, name), **kwargs: Any) -> Any:
-                pending = _start(*args, **kwargs)
-                pending.ready_at = pending.started + delay
-                return pending
 
-            setattr(transport, name, slowed)
-        return transport
+# What a run must do in every process after fit (a second trainer call, errors seen per rank, a signal
+# to one process): Lightning's popen launcher runs this script in every process. Other runs fork the
+# ranks from one process, which saves every rank but the first its Python and torch start-up.
+PER_PROCESS = ("fit_twice", "then_validate", "save_to", "interrupted_save_to", "validate_ckpt_path",
+               "hide_replica_files_on_rank", "ready_at_step", "expect_errors")
 
-    strategy._make_transport = slowed_transport
+
+def start_method_of(config: dict[str, Any]) -> str:
+    if "start_method" in config:
+        return config["start_method"]
+    if any(key in config for key in PER_PROCESS) or "strategy_kwargs" not in config:
+        return "popen"
+    return "fork"
 
 
 def main(out_dir: str, config: dict[str, Any]) -> None:
@@ -286,10 +313,11 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     log = CallLog()
     log.install()
     strategy: Any = config["strategy"]
-    if "strategy_kwargs" in config:
+    start_method = start_method_of(config)
+    if "strategy_kwargs" in config or start_method != "popen":
         cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}[strategy]
         timeout = timedelta(seconds=config.get("pg_timeout_s", 60))
-        strategy = cls(timeout=timeout, **config["strategy_kwargs"])
+        strategy = cls(timeout=timeout, start_method=start_method, **config.get("strategy_kwargs", {}))
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
     for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release"):
@@ -312,7 +340,8 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         max_steps=config["max_steps"],
         accumulate_grad_batches=config.get("accumulate", 1),
         gradient_clip_val=config.get("clip"),
-        precision=config.get("precision", "32-true"),
+        precision=None if config.get("fp16_scaler") else config.get("precision", "32-true"),
+        plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=16.0))] if config.get("fp16_scaler") else None,
         callbacks=callbacks,
         limit_val_batches=None if config.get("then_validate") or "val_check_interval" in config
         or "validate_ckpt_path" in config else 0,
@@ -324,7 +353,9 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False))
+    model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False),
+                          batchnorm=config.get("batchnorm", False), scheduler=config.get("scheduler", False),
+                          inf_loss_at=config.get("inf_loss_at"))
     if "hide_replica_files_on_rank" in config and os.environ.get("LOCAL_RANK", "0") == str(
         config["hide_replica_files_on_rank"]
     ):
@@ -342,17 +373,6 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         with open(os.path.join(out_dir, f"error{trainer.global_rank}.json"), "w") as f:
             json.dump({"type": type(err).__name__, "message": str(err), "pid": os.getpid()}, f)
         raise
-    if hasattr(trainer.strategy, "outer_step_reports"):  # after the strategy's own end of fit
-        import gc
-
-        gc.collect()
-        weak = getattr(recorder, "weak_outer", [])
-        torch.save({"reports": [dataclasses.asdict(r) for r in trainer.strategy.outer_step_reports],
-                    "replicas_left": len(trainer.strategy.replicas),
-                    "outer_steps": trainer.strategy.outer_steps,
-                    "outer_state_alive": [type(w()).__name__ for w in weak if w() is not None],
-                    "outer_state_tracked": len(weak),
-                    "weights": flat(model)}, os.path.join(out_dir, f"after_fit{trainer.global_rank}.pt"))
     if "save_to" in config:
         trainer.save_checkpoint(config["save_to"])
     if "interrupted_save_to" in config:
