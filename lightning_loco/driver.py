@@ -194,10 +194,7 @@ class OuterStepDriver:
         snapshot = weights
         if tau and algorithm.schedule(t, self.transport.num_replicas).collective:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
-        posted = algorithm.post(slot.state, weights, t, self.transport)
-        own = None
-        if self.track_norms:  # for the peer distance at the landing
-            own = posted.payload.clone() if posted.collective else posted.payload
+        posted = algorithm.post(slot.state, weights, t, self.transport, keep_own=self.track_norms)
         if tau:
             posted.pending.watch()  # so that polls see when the transfer is done
         reference = snapshot
@@ -207,7 +204,7 @@ class OuterStepDriver:
         slot.in_flight = InFlight(
             outer_step=t, start_step=slot.inner_steps, land_step=slot.inner_steps + tau, group=posted.group,
             pending=posted.pending, reference=reference, merge=merge,
-            pseudo_gradient_norm=norm, anchor_before=before, own_payload=own,
+            pseudo_gradient_norm=norm, anchor_before=before, own_payload=posted.own,
         )
         slot.outer_steps += 1
         slot.in_flight.start_seconds = time.perf_counter() - started

@@ -20,7 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 from torch import Tensor
@@ -74,18 +74,24 @@ class OuterAlgorithm(ABC):
         sends (a new tensor; ``state`` is not changed): ``apply(payload · group_size)`` on a copy of
         the state, in closed form where the algorithm has one."""
 
-    def post(self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport") -> "Posted":
+    def post(
+        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport", keep_own: bool = False
+    ) -> "Posted":
         """Starts round ``outer_step`` for this replica: computes its payload from ``weights`` and posts
         the group's sum on ``transport`` (it travels while the caller goes on). The state is not
-        changed until ``apply``."""
+        changed until ``apply``. With ``keep_own``, ``Posted.own`` is this replica's payload as sent
+        (a copy taken before an all-reduce starts summing into it)."""
         round_ = self.schedule(outer_step, transport.num_replicas)
         group = round_.group_of(transport.replica)
         payload = self.payload(state, weights)
+        own = None
+        if keep_own:
+            own = payload.clone() if round_.collective else payload
         if round_.collective:
             pending = transport.start_all_reduce_sum(payload)
         else:
             pending = transport.start_group_sum(payload, group)
-        return Posted(tuple(group), round_.collective, payload, pending)
+        return Posted(tuple(group), round_.collective, payload, pending, own)
 
     def step(
         self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport"
@@ -104,6 +110,7 @@ class Posted:
     collective: bool  # an all-reduce, which sums in place into ``payload``
     payload: Tensor
     pending: "Pending"
+    own: Optional[Tensor] = None  # the payload as sent, when asked for (``post(keep_own=True)``)
 
 
 def check_positive(name: str, value: float, paper_default: float) -> None:

@@ -37,6 +37,7 @@ class InProcessNetwork:
         self.timeout = timeout
         self.delay = delay
         self._last_post: dict[tuple[Any, ...], float] = {}
+        self._in_place: dict[tuple[Any, ...], dict[int, Tensor]] = {}
         self._cond = threading.Condition()
         self._posted: dict[tuple[Any, ...], dict[int, Tensor]] = {}
         self._held = False
@@ -65,11 +66,19 @@ class InProcessNetwork:
             self._failed.add(replica)
             self._cond.notify_all()
 
-    def _post(self, key: tuple[Any, ...], replica: int, payload: Tensor, group: tuple[int, ...]) -> None:
+    def _post(
+        self, key: tuple[Any, ...], replica: int, payload: Tensor, group: tuple[int, ...], in_place: bool = False
+    ) -> None:
         with self._cond:
             self._posted.setdefault(key, {})[replica] = payload.detach().clone()
             self._last_post[key] = time.monotonic()
             self.posts.append((replica, group))
+            if in_place:  # as a real all-reduce: the sum lands in every member's buffer when it completes
+                self._in_place.setdefault(key, {})[replica] = payload
+                if self._complete(key, group):
+                    total = sum_in_group_order(self._posted[key], group)
+                    for buffer in self._in_place.pop(key).values():
+                        buffer.copy_(total)
             self._cond.notify_all()
 
     def _complete(self, key: tuple[Any, ...], group: Sequence[int]) -> bool:
@@ -179,7 +188,7 @@ class InProcessTransport:
     def start_all_reduce_sum(self, payload: Tensor) -> InProcessPending:
         members = tuple(range(self.num_replicas))
         key = self._key("all", members)
-        self.network._post(key, self.replica, payload, members)
+        self.network._post(key, self.replica, payload, members, in_place=True)
         n = self.num_replicas
         nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
 
