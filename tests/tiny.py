@@ -195,16 +195,33 @@ class Recorder(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After the strategy's own end of fit and its teardown."""
         strategy = trainer.strategy
-        if not hasattr(strategy, "outer_step_reports"):
-            return
+        if hasattr(strategy, "outer_step_reports"):
+            self._record_after_fit(trainer, pl_module)
+        # saves after fit, on every rank (collective), after the strategy's end of fit and teardown
+        if "save_to" in self.record:
+            trainer.save_checkpoint(self.record["save_to"])
+        if "interrupted_save_to" in self.record:
+            # As if rank 0 died after every replica file was written and before the main file was: change the
+            # weights, then let rank 0 skip all it does after that point (write the main file, tidy up).
+            import lightning_loco.checkpoints
+
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.add_(1.0)
+            if trainer.global_rank == 0:
+                trainer.strategy.checkpoint_io.save_checkpoint = lambda *args, **kwargs: None
+                lightning_loco.checkpoints.remove_sidecars = lambda *args, **kwargs: None
+            trainer.save_checkpoint(self.record["interrupted_save_to"])
+
+    def _record_after_fit(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import gc
 
         gc.collect()
         weak = getattr(self, "weak_outer", [])
         os.makedirs(self.out_dir, exist_ok=True)
-        torch.save({"reports": [dataclasses.asdict(r) for r in strategy.outer_step_reports],
-                    "slots_left": len(strategy.outer_slots),
-                    "outer_steps": strategy.outer_steps,
+        torch.save({"reports": [dataclasses.asdict(r) for r in trainer.strategy.outer_step_reports],
+                    "slots_left": len(trainer.strategy.outer_slots),
+                    "outer_steps": trainer.strategy.outer_steps,
                     "outer_state_alive": [type(w()).__name__ for w in weak if w() is not None],
                     "outer_state_tracked": len(weak),
                     "buffers": {k: v.clone() for k, v in pl_module.named_buffers() if v.is_floating_point()},
@@ -294,7 +311,7 @@ def observe(strategy: Any, record: dict[str, Any], config: dict[str, Any]) -> No
 # What a run must do in every process after fit (a second trainer call, errors seen per rank, a signal
 # to one process): Lightning's popen launcher runs this script in every process. Other runs fork the
 # ranks from one process, which saves every rank but the first its Python and torch start-up.
-PER_PROCESS = ("fit_twice", "then_validate", "save_to", "interrupted_save_to", "validate_ckpt_path",
+PER_PROCESS = ("fit_twice", "then_validate", "validate_ckpt_path", "interrupted_save_to",
                "hide_replica_files_on_rank", "ready_at_step", "expect_errors")
 
 
@@ -320,7 +337,7 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         strategy = cls(timeout=timeout, start_method=start_method, **config.get("strategy_kwargs", {}))
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
-    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release"):
+    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release", "save_to", "interrupted_save_to"):
         if key in config:
             recorder.record[key] = config[key]
     if not isinstance(strategy, str):
@@ -373,20 +390,6 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         with open(os.path.join(out_dir, f"error{trainer.global_rank}.json"), "w") as f:
             json.dump({"type": type(err).__name__, "message": str(err), "pid": os.getpid()}, f)
         raise
-    if "save_to" in config:
-        trainer.save_checkpoint(config["save_to"])
-    if "interrupted_save_to" in config:
-        # As if rank 0 died after every replica file was written and before the main file was: change the
-        # weights, then let rank 0 skip all it does after that point (write the main file, tidy up).
-        import lightning_loco.checkpoints
-
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        if trainer.global_rank == 0:
-            trainer.strategy.checkpoint_io.save_checkpoint = lambda *args, **kwargs: None
-            lightning_loco.checkpoints.remove_sidecars = lambda *args, **kwargs: None
-        trainer.save_checkpoint(config["interrupted_save_to"])
     if config.get("fit_twice"):
         trainer.fit_loop.epoch_loop.max_steps = 2 * config["max_steps"]
         trainer.fit(model)
