@@ -121,7 +121,9 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.driver: Optional[OuterStepDriver] = None  # during fit
         self._groups: Optional[ProcessGroups] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
-        self._restore: list[Callable[[], None]] = []  # undoes our changes to Lightning's trainer
+        # each undoes one of our changes to Lightning's trainer (see _compat.py)
+        self._restore_signal_handler: Optional[Callable[[], None]] = None  # from setup to teardown
+        self._restore_sigterm_check: Optional[Callable[[], None]] = None  # while training
         self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from fit(ckpt_path=...), until training starts
         self._final_outer_steps = 0
         self.outer_step_reports: list[OuterStepReport] = []  # this fit's rounds, in the order they finished
@@ -192,9 +194,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             except ValueError as err:
                 raise checkpoints.CheckpointError(str(err)) from err
             self._resumed_outer = None
-        restore = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
-        if restore is not None:
-            self._restore.append(restore)
+        self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
 
     def _agree_overlap(self, tau: int) -> int:
@@ -218,22 +218,24 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        self._undo_lightning_changes(keep_signal_handler=True)
+        self._undo_sigterm_check()
         if self.driver is not None:
             self.driver.land_all()  # a round still in flight lands now, early
         if self.average_at_end:
             self.average_replicas()
         super().on_train_end()
 
-    def _undo_lightning_changes(self, keep_signal_handler: bool = False) -> None:
-        keep = self._restore[:1] if keep_signal_handler else []
-        for restore in self._restore[len(keep):]:
-            restore()
-        self._restore = keep
+    def _undo_sigterm_check(self) -> None:
+        if self._restore_sigterm_check is not None:
+            self._restore_sigterm_check()
+            self._restore_sigterm_check = None
 
     @override
     def teardown(self) -> None:
-        self._undo_lightning_changes()
+        self._undo_sigterm_check()
+        if self._restore_signal_handler is not None:
+            self._restore_signal_handler()
+            self._restore_signal_handler = None
         lingering = []
         if self.driver is not None:  # only left in flight after an interrupted fit: on_train_end lands rounds
             lingering = self.driver.abandon_all(self.abandon_timeout_s)

@@ -114,8 +114,8 @@ class ReplicaSetup:
             )
         # Only fit(ckpt_path=...) may restore outer state; load_checkpoint runs after setup.
         self._resumed_outer = None
-        if not self._restore:  # Trainer registers its signal handlers after setup
-            self._restore.append(_compat.local_sigterm_handler(trainer))
+        if self._restore_signal_handler is None:  # Trainer registers its signal handlers after setup
+            self._restore_signal_handler = _compat.local_sigterm_handler(trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
