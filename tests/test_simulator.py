@@ -1,0 +1,164 @@
+"""The training simulator: N replicas of a real module in one process.
+
+The equivalence tests run the same seeds and shards through the Lightning strategies (real
+processes, torch.distributed) and through the simulator, and compare every replica's weights after
+every inner step.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tiny
+from lightning_loco.algorithms import GASLoC, DiLoCo, NoLoCo
+from lightning_loco.simulator import TrainingSimulator, distributed_shards
+
+ALGORITHMS = {
+    "noloco": lambda: NoLoCo(),
+    "gasloc": lambda: GASLoC(topology="ring"),
+    "diloco": lambda: DiLoCo(),
+}
+STRATEGY_KWARGS = {"noloco": {}, "gasloc": {"topology": "ring"}, "diloco": {}}
+
+
+def simulate(n: int, algorithm, steps: int, h: int, batched, clip=None, scheduler=False) -> list[list[torch.Tensor]]:
+    """Every replica's flat weights after every step (as tiny.Recorder keeps them)."""
+    module = tiny.TinyRegressor(lr=0.05, scheduler=scheduler)
+    shards = distributed_shards(tiny.dataset(), n, batch_size=4, shuffle=True, seed=0)
+    sim = TrainingSimulator(module, shards, algorithm, sync_every=h, gradient_clip_val=clip, batched=batched)
+    history = []
+    for _ in range(steps):
+        sim.step()
+        history.append(sim.weights())
+    sim.finish()
+    return history
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "batched"),
+    [("noloco", 2, True), ("gasloc", 2, False), ("diloco", 2, True), ("noloco", 4, False), ("gasloc", 4, True),
+     ("diloco", 4, False)],
+)
+def test_the_simulator_follows_the_multiprocess_strategy_step_by_step(tmp_path, name, n, batched):
+    h, steps = 3, 9
+    kwargs = {"sync_every": h, **STRATEGY_KWARGS[name]}
+    recs = tiny.launch(tmp_path, strategy=name, strategy_kwargs=kwargs, devices=n, max_steps=steps, clip=0.5,
+                       scheduler=True)
+    history = simulate(n, ALGORITHMS[name](), steps, h, batched, clip=0.5, scheduler=True)
+    for step in range(steps):
+        for r in range(n):
+            torch.testing.assert_close(history[step][r], recs[r]["weights"][step], atol=2e-6, rtol=1e-5,
+                                       msg=lambda m: f"{name}, replica {r}, step {step}: {m}")
+    # the replicas really trained apart and met: not all identical, not all different after a round
+    assert not torch.equal(history[h - 2][0], history[h - 2][1])
+
+
+def test_batched_and_looped_paths_agree():
+    a = simulate(4, NoLoCo(), 8, 2, batched=True)
+    b = simulate(4, NoLoCo(), 8, 2, batched=False)
+    for step in range(8):
+        for r in range(4):
+            torch.testing.assert_close(a[step][r], b[step][r], atol=1e-6, rtol=1e-5)
+
+
+def test_gradient_averaging_is_ddp_one_model_with_the_mean_gradient():
+    n, steps = 3, 6
+    shards = [list(s) for s in distributed_shards(tiny.dataset(), n, batch_size=4, shuffle=True, seed=0)]
+    sim = TrainingSimulator(tiny.TinyRegressor(), shards, None, gradient_averaging=True)
+    model = tiny.TinyRegressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        sim.step()
+        opt.zero_grad()
+        for r in range(n):
+            (model.loss(shards[r][step % len(shards[r])]) / n).backward()
+        opt.step()
+        for w in sim.weights():
+            torch.testing.assert_close(w, tiny.flat(model), atol=1e-6, rtol=1e-5)
+    per_step = 2 * (n - 1) * tiny.flat(model).numel() * 4 // n
+    assert sim.bytes_sent() == [per_step * steps] * n
+
+
+def test_independent_replicas_never_meet_and_send_nothing():
+    sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), None, sync_every=2)
+    sim.run(6)
+    a, b = sim.weights()
+    assert not torch.allclose(a, b)
+    assert sim.bytes_sent() == [0, 0]
+    assert sim.spread() > 0
+
+
+def test_bytes_spread_and_evaluation():
+    n = 4
+    sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), n, 4), NoLoCo(), sync_every=2)
+    sim.run(4)
+    numel = tiny.flat(sim.replicas[0]).numel()
+    assert sim.bytes_sent() == [2 * numel * 4] * n  # two rounds, one model copy to one peer each
+    weights = torch.stack(sim.weights())
+    expected = (weights - weights.mean(0)).pow(2).sum(1).mean().sqrt().item()
+    assert sim.spread() == pytest.approx(expected)
+    batches = [tiny.dataset()[:16]]
+    ev = sim.evaluate(batches)
+    for r in range(n):
+        assert ev.replica_losses[r] == pytest.approx(sim.replicas[r].loss(batches[0]).item(), rel=1e-6)
+    consensus = copy.deepcopy(sim.replicas[0])
+    torch.nn.utils.vector_to_parameters(weights.mean(0), consensus.parameters())
+    assert ev.consensus_loss == pytest.approx(consensus.loss(batches[0]).item(), rel=1e-6)
+    assert ev.mean_replica_loss == pytest.approx(sum(ev.replica_losses) / n)
+    assert all(r.peer_distance is not None for d in sim.drivers for r in d.reports)
+
+
+def test_overlapped_rounds_land_and_finish_lands_the_last_one():
+    sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), NoLoCo(),
+                            sync_every=4, overlap_steps=2)
+    sim.run(8)  # the round started at step 8 lands at step 10, or at finish()
+    assert [r.outer_step for r in sim.drivers[0].reports] == [0]
+    sim.finish()
+    assert [r.outer_step for r in sim.drivers[0].reports] == [0, 1]
+
+
+def test_a_module_with_batchnorm_falls_back_to_the_loop_with_a_warning():
+    with pytest.warns(UserWarning, match="batched path is not available"):
+        sim = TrainingSimulator(tiny.TinyRegressor(batchnorm=True), distributed_shards(tiny.dataset(), 2, 4),
+                                NoLoCo(), sync_every=2)
+    assert not sim.batched
+    sim.run(2)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        TrainingSimulator(tiny.TinyRegressor(batchnorm=True), distributed_shards(tiny.dataset(), 2, 4), batched=True)
+
+
+def test_dropout_each_replica_draws_from_its_own_rng_stream_in_the_loop():
+    class Drop(tiny.TinyRegressor):
+        def forward(self, x):
+            return self.head(nn.functional.dropout(torch.tanh(self.body(x)), 0.5, self.training))
+
+    torch.manual_seed(7)
+    start = torch.get_rng_state()  # every rank is seeded alike
+    shards = [list(s) for s in distributed_shards(tiny.dataset(), 2, 4)]
+    sim = TrainingSimulator(Drop(), shards, None, batched=False)
+    torch.manual_seed(99)  # the global stream does not leak into the replicas'
+    sim.run(3)
+    for r in range(2):  # replica r's stream advanced by its own three forward passes only, as in a process
+        torch.set_rng_state(start)
+        model = Drop()
+        for step in range(3):
+            model.loss(shards[r][step])
+        assert torch.equal(sim.rng_states[r], torch.get_rng_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainingSimulator(Drop(), shards, None, batched=True).run(2)  # randomness="different" under vmap
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"batched": "yes"}, "batched"), ({"sync_every": 0}, "sync_every"), ({"gradient_clip_val": -1.0}, "clip"),
+     ({"gradient_averaging": True, "algorithm": NoLoCo()}, "gradient_averaging")],
+)
+def test_bad_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), **kwargs)
