@@ -9,6 +9,12 @@ algorithm on that optimizer's parameters:
 * τ > 0 (``overlap_steps``): the round is posted and training goes on; it lands τ steps later and
   is merged into the live weights (:mod:`lightning_loco.overlap`).
 
+The round that ends training can land without the outer step's momentum extrapolation
+(``final_outer_step="average"``): told by ``after_inner_step(index, last=True)`` or by ``land_all``
+(the end of training) that nothing will follow, the driver updates the outer state as usual and
+sets the live weights to the algorithm's ``final_weights``, keeping the outer step's own live weights
+aside in case training goes on after all (``restore_outer_weights``; checkpoints keep them too).
+
 Each finished round leaves an :class:`OuterStepReport`. The Lightning strategies
 (:mod:`lightning_loco.strategies`) call the driver from their hooks; tests drive it directly over
 the in-process transport (:mod:`lightning_loco.transport.in_process`).
@@ -39,6 +45,17 @@ from lightning_loco.overlap import (
 )
 from lightning_loco.transport.base import Transport
 
+FINAL_OUTER_STEPS = ("average", "outer")
+
+
+def check_final_outer_step(value: Any) -> None:
+    """Raises ``ValueError`` naming the allowed values."""
+    if value not in FINAL_OUTER_STEPS:
+        raise ValueError(
+            f"final_outer_step must be 'average' (the round that ends training lands without the outer step's "
+            f"momentum extrapolation) or 'outer' (the papers' plain outer step), got {value!r}."
+        )
+
 
 @dataclass(frozen=True)
 class OuterStepReport:
@@ -58,6 +75,7 @@ class OuterStepReport:
     exchange_seconds: Optional[float] = None  # overlapped rounds: posting until the exchange completed
     correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
     peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
+    final: bool = False  # landed as the end of training: live weights without the momentum extrapolation
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:
@@ -80,15 +98,22 @@ class OuterSlot:
     in_flight: Optional[InFlight] = None  # a round started and not landed yet (overlap only)
     auto: Optional[AutoOverlap] = None  # chooses τ when overlap_steps="auto"
     last_step_end: Optional[float] = None  # "auto" only: when the previous inner step was counted
+    # After a round landed as the end of training: the live weights its plain outer step gave, which
+    # training that goes on after all (a resumed checkpoint) starts from.
+    outer_weights: Optional[Tensor] = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, outer state and a round in flight (its received sum is awaited first, not
-        landed: training goes on exactly as it would have)."""
-        return {
+        """Counters, outer state, a round in flight (its received sum is awaited first, not landed:
+        training goes on exactly as it would have) and, after a final landing, the outer step's live
+        weights (so that a resumed run continues as a longer run would have)."""
+        out = {
             "numel": self.flat.numel, "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
             "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
             "state": self.state.state_dict(),
         }
+        if self.outer_weights is not None:
+            out["outer_weights"] = self.outer_weights
+        return out
 
 
 class OuterStepDriver:
@@ -103,6 +128,9 @@ class OuterStepDriver:
         agree_overlap: with replicas of several ranks, makes the ranks of a replica agree on τ
             (they all-gather at the landing); given τ, returns the agreed τ.
         label: how warnings name this replica.
+        final_outer_step: "outer" (default: the papers' outer step, always) or "average": a round that
+            lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
+            live weights to ``algorithm.final_weights``, without the momentum extrapolation.
     """
 
     def __init__(
@@ -114,12 +142,15 @@ class OuterStepDriver:
         overlap_merge: str = "predict_correct",
         agree_overlap: Optional[Callable[[int], int]] = None,
         label: str = "",
+        final_outer_step: str = "outer",
     ) -> None:
         check_overlap(overlap_steps, overlap_merge, sync_every)
+        check_final_outer_step(final_outer_step)
         algorithm.check_num_replicas(transport.num_replicas)
         self.algorithm, self.transport, self.sync_every = algorithm, transport, sync_every
         self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
         self.agree_overlap = agree_overlap
+        self.final_outer_step = final_outer_step
         self.label = label or f"Replica {transport.replica}"
         self.slots: list[OuterSlot] = []
         self.reports: list[OuterStepReport] = []
@@ -142,21 +173,24 @@ class OuterStepDriver:
         """Whether the next inner step of optimizer ``index`` starts a round."""
         return (self.slots[index].inner_steps + 1) % self.sync_every == 0
 
-    def after_inner_step(self, index: int) -> None:
-        """Counts one inner step of optimizer ``index``; lands and starts rounds when they are due."""
+    def after_inner_step(self, index: int, last: bool = False) -> None:
+        """Counts one inner step of optimizer ``index``; lands and starts rounds when they are due.
+        ``last``: training ends after this step, so a round landing now is the final one."""
         slot = self.slots[index]
         slot.inner_steps += 1
+        slot.outer_weights = None  # training went on after a landing taken for the last one
+        final = last and self.final_outer_step == "average"
         if slot.auto is not None and slot.last_step_end is not None:
             slot.auto.observe_step(time.perf_counter() - slot.last_step_end)
         if slot.in_flight is not None:
             slot.in_flight.poll()
             if slot.inner_steps >= slot.in_flight.land_step:
-                self._land(index, slot)
+                self._land(index, slot, final)
         if slot.inner_steps % self.sync_every == 0:
             tau = self._overlap_for(slot)
             self._start(index, slot, tau)
             if tau == 0:
-                self._land(index, slot)
+                self._land(index, slot, final)
         if slot.auto is not None:
             slot.last_step_end = time.perf_counter()
 
@@ -209,9 +243,11 @@ class OuterStepDriver:
         slot.outer_steps += 1
         slot.in_flight.start_seconds = time.perf_counter() - started
 
-    def _land(self, index: int, slot: OuterSlot) -> None:
+    def _land(self, index: int, slot: OuterSlot, final: bool = False) -> None:
         """Completes the round in flight: waits for the exchange if it is still running, commits the
-        outer state, and sets (τ = 0) or merges (τ > 0) the live weights."""
+        outer state, and sets (τ = 0) or merges (τ > 0) the live weights. ``final``: the merge takes
+        ``algorithm.final_weights`` in place of the new anchor, and the outer step's own live weights
+        are kept in ``slot.outer_weights``."""
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
         started = time.perf_counter()
@@ -220,13 +256,20 @@ class OuterStepDriver:
         distance = None
         if flight.own_payload is not None:
             distance = peer_distance(flight.own_payload, total, len(flight.group))
+        final_weights = self.algorithm.final_weights(slot.state, total, len(flight.group)) if final else None
         new_anchor = self.algorithm.apply(slot.state, total, len(flight.group))
         tau = slot.inner_steps - flight.start_step  # fewer than planned if fit ended first
         exchange = correction = None
         if flight.merge == "none":
-            slot.flat.scatter(new_anchor)
+            if final_weights is not None:
+                slot.outer_weights = new_anchor.clone()
+            slot.flat.scatter(new_anchor if final_weights is None else final_weights)
         else:
-            merged, change = merge_at_landing(flight.merge, slot.flat.gather(), new_anchor, flight.reference)
+            live = slot.flat.gather()
+            merged, change = merge_at_landing(flight.merge, live, new_anchor, flight.reference)
+            if final_weights is not None:  # the same merge, with the final weights for the new anchor
+                slot.outer_weights = merged
+                merged, change = merge_at_landing(flight.merge, live, final_weights, flight.reference)
             slot.flat.scatter(merged)
             correction = correction_norm(change)
             exchange = flight.completed_after if flight.completed_after is not None else pending.seconds
@@ -243,14 +286,28 @@ class OuterStepDriver:
                 seconds=flight.start_seconds + time.perf_counter() - started,
                 pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
                 overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
+                final=final_weights is not None,
             )
         )
 
     def land_all(self) -> None:
-        """Lands every round in flight now (the end of training)."""
+        """Lands every round in flight now (the end of training): with ``final_outer_step="average"``
+        as final rounds."""
+        final = self.final_outer_step == "average"
         for index, slot in enumerate(self.slots):
             if slot.in_flight is not None:
-                self._land(index, slot)
+                self._land(index, slot, final)
+
+    def restore_outer_weights(self) -> bool:
+        """Training goes on after rounds that landed as final (a resumed checkpoint, or an end that did
+        not come): their live weights become the outer step's again. Returns whether any did."""
+        restored = False
+        for slot in self.slots:
+            if slot.outer_weights is not None:
+                slot.flat.scatter(slot.outer_weights)
+                slot.outer_weights = None
+                restored = True
+        return restored
 
     def abandon_all(self, timeout: float) -> list[threading.Thread]:
         """Drops every round in flight after giving its exchange up to ``timeout`` seconds (training
@@ -278,7 +335,9 @@ class OuterStepDriver:
         return [slot.state_dict() for slot in self.slots]
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
-        """Restores counters, outer state and rounds in flight saved by :meth:`state_dict`.
+        """Restores counters, outer state, rounds in flight and the outer step's live weights after a
+        final landing (applied by :meth:`restore_outer_weights` once training goes on) saved by
+        :meth:`state_dict`.
 
         Raises ``ValueError`` when the optimizers' parameters do not match what was saved."""
         if not saved:
@@ -292,6 +351,8 @@ class OuterStepDriver:
         for slot, entry in zip(self.slots, saved):
             slot.state.load_state_dict(entry["state"])
             slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
+            outer_weights = entry.get("outer_weights")  # saved after a final landing: restored if training goes on
+            slot.outer_weights = None if outer_weights is None else outer_weights.to(slot.state.anchor.device).clone()
             flight = entry.get("in_flight")
             if flight is not None:
                 device = slot.state.anchor.device

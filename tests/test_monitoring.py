@@ -50,9 +50,9 @@ def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
         weights = torch.stack([rec["weights"][step - 1] for rec in recs]).double()
         expected = (weights - weights.mean(0)).pow(2).sum(1).mean().sqrt().item()
         assert value == pytest.approx(expected, rel=1e-5)
-    # the update norm is how far rank 0's anchor moved: from the previous anchor (the live weights right
-    # after the previous outer step, or the initial weights) to the new one
-    anchors = [recs[0]["initial"]] + [recs[0]["weights"][step - 1] for step, _ in metrics["outer/step"]]
+    # the update norm is how far rank 0's anchor moved: from the previous anchor (the anchor right after
+    # the previous outer step, or the initial weights) to the new one
+    anchors = [recs[0]["initial"]] + [recs[0]["anchors"][step - 1] for step, _ in metrics["outer/step"]]
     for t, (_, value) in enumerate(metrics["outer/update_norm"]):
         assert value == pytest.approx((anchors[t + 1] - anchors[t]).norm().item(), rel=1e-5)
     assert all(v > 0 for _, v in metrics["outer/pseudo_gradient_norm"])

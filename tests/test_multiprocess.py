@@ -12,6 +12,9 @@ from lightning_loco.algorithms import GASLoC
 from lightning_loco.schedules import random_groups
 
 run = tiny.launch
+# The references below run the papers' outer step at every round, the last included: runs compared
+# with them that end on an outer step ask for it too (the default lands that round without momentum).
+PAPERS = {"final_outer_step": "outer"}
 
 
 def reference(replicas, steps, sync_every, outer, lr=0.05, ranks_per_replica=1):
@@ -112,7 +115,7 @@ def outer_step_batches(record):
 
 def test_noloco_two_replicas_follow_the_hand_trajectory_and_talk_only_to_each_other(tmp_path):
     h, steps = 3, 9
-    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h}, devices=2, max_steps=steps)
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, **PAPERS}, devices=2, max_steps=steps)
     assert torch.equal(recs[0]["initial"], recs[1]["initial"])  # replicas start identical
     assert not torch.equal(recs[0]["weights"][0], recs[1]["weights"][0])  # then train apart
     assert_follows(recs, reference(2, steps, h, noloco_outer(0.5, 0.7, 0.7, 2)))
@@ -129,7 +132,7 @@ def test_noloco_two_replicas_follow_the_hand_trajectory_and_talk_only_to_each_ot
 def test_noloco_three_replicas_general_gamma(tmp_path):
     # N = 3 with pairs: the last group takes the remainder, so one group of three. γ ≠ β: θ and φ travel.
     h, steps = 2, 6
-    kwargs = {"sync_every": h, "averaging_rate": 0.9}
+    kwargs = {"sync_every": h, "averaging_rate": 0.9, **PAPERS}
     recs = run(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=3, max_steps=steps)
     assert_follows(recs, reference(3, steps, h, noloco_outer(0.5, 0.7, 0.9, 2)))
     numel = recs[0]["outer_states"][0]["numel"]
@@ -149,7 +152,7 @@ def test_noloco_three_replicas_general_gamma(tmp_path):
 @pytest.mark.slow
 def test_noloco_four_replicas_by_registered_name_with_paper_defaults(tmp_path):
     steps = 100  # H = 50 by default: two outer steps
-    recs = run(tmp_path, strategy="noloco", devices=4, max_steps=steps)
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs=PAPERS, devices=4, max_steps=steps)
     assert all(rec["strategy"] == "NoLoCoStrategy" for rec in recs)
     assert_follows(recs, reference(4, steps, 50, noloco_outer(0.5, 0.7, 0.7, 2)), atol=1e-4)
     for r, rec in enumerate(recs):
@@ -165,7 +168,7 @@ def test_noloco_four_replicas_by_registered_name_with_paper_defaults(tmp_path):
 
 def test_diloco_four_replicas_identical_after_each_outer_step(tmp_path):
     h, steps = 4, 8
-    recs = run(tmp_path, strategy="diloco", strategy_kwargs={"sync_every": h}, devices=4, max_steps=steps)
+    recs = run(tmp_path, strategy="diloco", strategy_kwargs={"sync_every": h, **PAPERS}, devices=4, max_steps=steps)
     assert_follows(recs, reference(4, steps, h, diloco_outer()))
     for step in range(steps):
         same = all(torch.equal(recs[0]["weights"][step], rec["weights"][step]) for rec in recs[1:])
@@ -178,7 +181,7 @@ def test_diloco_four_replicas_identical_after_each_outer_step(tmp_path):
 @pytest.mark.slow
 def test_single_replica_runs_with_no_communication(tmp_path):
     h, steps = 2, 6
-    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h}, devices=1, max_steps=steps)
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, **PAPERS}, devices=1, max_steps=steps)
     assert_follows(recs, reference(1, steps, h, noloco_outer(0.5, 0.7, 0.7, 2)))
     assert outer_step_batches(recs[0]) == []
     assert recs[0]["outer_states"][0]["outer_steps"] == 3
@@ -237,7 +240,7 @@ def test_validate_after_fit_keeps_every_replica_its_own_weights(tmp_path):
 @pytest.mark.slow
 def test_gasloc_random_pairs_four_replicas(tmp_path):
     h, steps = 3, 9
-    kwargs = {"sync_every": h, "outer_lr": 0.8, "outer_momentum": 0.6, "gossip_step": 0.3}
+    kwargs = {"sync_every": h, "outer_lr": 0.8, "outer_momentum": 0.6, "gossip_step": 0.3, **PAPERS}
     recs = run(tmp_path, strategy="gasloc", strategy_kwargs=kwargs, devices=4, max_steps=steps)
     assert_follows(recs, reference(4, steps, h, gasloc_outer(0.8, 0.6, 0.3, "random_pairs")))
     schedule = GASLoC().schedule
@@ -252,8 +255,8 @@ def test_gasloc_random_pairs_four_replicas(tmp_path):
 @pytest.mark.slow
 def test_gasloc_ring_with_odd_replicas_lets_one_sit_out(tmp_path):
     h, steps = 2, 6
-    recs = run(tmp_path, strategy="gasloc", strategy_kwargs={"sync_every": h, "topology": "ring"}, devices=3,
-               max_steps=steps)
+    recs = run(tmp_path, strategy="gasloc", strategy_kwargs={"sync_every": h, "topology": "ring", **PAPERS},
+               devices=3, max_steps=steps)
     assert_follows(recs, reference(3, steps, h, gasloc_outer(0.7, 0.5, 0.25, "ring")))
     # ring on 3 replicas: round 0 pairs (0, 1) and 2 sits out; round 1 pairs (1, 2) and 0 sits out
     assert [len(recs[2]["calls"][i]) for i in (1, 3, 5)] == [0, 1, 0]
@@ -263,7 +266,7 @@ def test_gasloc_ring_with_odd_replicas_lets_one_sit_out(tmp_path):
 @pytest.mark.slow
 def test_complete_gasloc_follows_diloco_with_the_same_outer_sgd(tmp_path):
     h, steps, eta, gamma = 2, 8, 0.7, 0.9
-    kwargs = {"sync_every": h, "outer_lr": eta, "outer_momentum": gamma}
+    kwargs = {"sync_every": h, "outer_lr": eta, "outer_momentum": gamma, **PAPERS}  # the identity of the papers' step
     gasloc = run(tmp_path / "g", strategy="gasloc", strategy_kwargs={**kwargs, "topology": "complete"}, devices=3,
                  max_steps=steps)
     diloco = run(tmp_path / "d", strategy="diloco", strategy_kwargs=kwargs, devices=3, max_steps=steps)

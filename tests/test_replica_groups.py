@@ -14,14 +14,14 @@ import lightning_loco
 import tiny
 from lightning_loco.transport import TorchDistributedTransport
 from test_checkpoints import assert_same_tree
-from test_multiprocess import noloco_outer, reference
+from test_multiprocess import PAPERS, noloco_outer, reference
 
 run = tiny.launch
 
 
 def test_two_replicas_of_two_ranks_equal_two_replicas_with_the_union_batch(tmp_path):
     h, steps = 3, 9
-    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "ranks_per_replica": 2},
+    recs = run(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "ranks_per_replica": 2, **PAPERS},
                devices=4, max_steps=steps)
     expected = reference(2, steps, h, noloco_outer(0.5, 0.7, 0.7, 2), ranks_per_replica=2)  # union batches
     numel = recs[0]["outer_states"][0]["numel"]

@@ -355,6 +355,7 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         accelerator="cpu",
         devices=config["devices"],
         max_steps=config["max_steps"],
+        max_epochs=config.get("max_epochs"),
         accumulate_grad_batches=config.get("accumulate", 1),
         gradient_clip_val=config.get("clip"),
         precision=None if config.get("fp16_scaler") else config.get("precision", "32-true"),

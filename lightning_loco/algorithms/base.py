@@ -8,6 +8,10 @@ strategies) and in a single process over simulated replicas (:mod:`lightning_loc
    point to point inside the group, or one all-reduce when the round is ``collective``;
 3. ``apply(state, group_sum, group_size)``: updates the outer state and returns the new live weights.
 
+``final_weights`` is the group's combination without the outer step's momentum extrapolation, from
+what ``apply`` sees: the live weights of the round that ends training (nothing after it corrects an
+overshoot), while ``apply`` still updates the outer state as usual.
+
 ``local_proxy`` is the outer step with every received quantity replaced by the replica's own: the
 prediction that overlapped training starts from while the real exchange is in flight
 (:mod:`lightning_loco.overlap`).
@@ -67,6 +71,12 @@ class OuterAlgorithm(ABC):
     @abstractmethod
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         """Finishes the outer step from the group's summed payloads; returns the new live weights."""
+
+    @abstractmethod
+    def final_weights(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
+        """The live weights for the round that ends training: what ``apply(state, group_sum,
+        group_size)`` combines, without the outer step's momentum extrapolation (a new tensor; called
+        before ``apply``, it changes neither ``state`` nor ``group_sum``)."""
 
     @abstractmethod
     def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:

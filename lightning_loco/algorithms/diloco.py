@@ -81,6 +81,11 @@ class DiLoCo(OuterAlgorithm):
         shadow = DiLoCoState(**state.shadow(self.outer_optimizer))
         return self.apply(shadow, weights - shadow.anchor, 1)  # Δ_i as the group's (single) sum
 
+    def final_weights(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
+        """mean θ = φ + Δ̄ = φ − g: the replicas' mean live weights, without the outer optimizer's step."""
+        assert isinstance(state, DiLoCoState)
+        return torch.add(state.anchor, group_sum, alpha=1.0 / group_size)
+
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, DiLoCoState)
         state.gradient.copy_(group_sum).div_(-group_size)  # g = φ − mean θ = −Δ̄

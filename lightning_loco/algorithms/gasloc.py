@@ -165,13 +165,24 @@ class GASLoC(OuterAlgorithm):
         torch.sub(shadow.anchor, torch.lerp(state.anchor, weights, self.outer_lr), out=shadow.gradient)
         return shadow.step()
 
+    def _gossip(self, z: Tensor, group_sum: Tensor, group_size: int) -> Tensor:
+        """x = z − α·Σ_j (z − z_j) = α·S + (1 − α·|G|)·z, with S the group's sum including z (a new tensor)."""
+        return z.mul(1 - self.gossip_step * group_size).add_(group_sum, alpha=self.gossip_step)
+
+    def final_weights(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
+        """x_i, the gossip mix, without the extrapolation γ·(x_i − x_prev_i) (or another outer
+        optimizer's step)."""
+        assert isinstance(state, GASLoCState) and state.z is not None
+        if self.topology == "complete":
+            return group_sum / group_size
+        return self._gossip(state.z, group_sum, group_size)
+
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, GASLoCState) and state.z is not None
         if self.topology == "complete":
             x = group_sum.div_(group_size)  # the all-reduce may have overwritten z: not needed here
         else:
-            # x = z − α·Σ_j (z − z_j) = α·S + (1 − α·|G|)·z, with S the group's sum including z
-            x = state.z.mul(1 - self.gossip_step * group_size).add_(group_sum, alpha=self.gossip_step)
+            x = self._gossip(state.z, group_sum, group_size)
         state.z = None
         torch.sub(state.anchor, x, out=state.gradient)  # d = θ − x
         return state.step()

@@ -111,6 +111,13 @@ class NoLoCo(OuterAlgorithm):
         proxy = torch.lerp(state.anchor, weights, self.outer_lr)
         return proxy.add_(state.momentum, alpha=self.outer_momentum)
 
+    def final_weights(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
+        """mean_{j∈G} θ_j: the group's mean live weights, without the momentum δ and the pull β
+        towards the anchor."""
+        assert isinstance(state, NoLoCoState)
+        weights = group_sum if self.sends_weights_only else group_sum[: state.anchor.numel()]
+        return weights / group_size
+
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         assert isinstance(state, NoLoCoState)
         phi, delta = state.anchor, state.momentum

@@ -33,7 +33,14 @@ from lightning_loco.overlap import check_overlap
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.strategies import _compat
 from lightning_loco.strategies.checkpointing import ReplicaCheckpoints
-from lightning_loco.strategies.setup import ReplicaSetup, check_int, params_of, parse_device
+from lightning_loco.strategies.setup import (
+    ReplicaSetup,
+    check_final_outer_step,
+    check_int,
+    fit_ends_after_this_step,
+    params_of,
+    parse_device,
+)
 from lightning_loco.transport import TorchDistributedTransport, Transport
 
 _compat.check_lightning()  # a Lightning without the private symbols we use fails here, naming them
@@ -62,6 +69,13 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
             all-reduce), so the model in memory is the consensus model. The papers define no final
             model; this is our choice. False keeps each replica's own weights.
+        final_outer_step: how the round that ends ``fit`` lands. "average" (default): the live weights
+            become the group's combination without the outer step's momentum extrapolation (NoLoCo:
+            the group's mean weights; DiLoCo: the replicas' mean weights; GASLoC: the gossip mix x),
+            since no inner step follows to correct an overshoot; the outer state is updated as usual.
+            "outer": the papers' plain outer step. The papers define no final model; this is our
+            choice. It applies when ``fit`` ends at ``max_steps`` or ``max_epochs`` (and to a round
+            still in flight then), not to an early stop nobody can foresee.
         outer_state_device: where the float32 outer state lives. None: the model's device; "cpu"
             keeps it off the accelerator.
         transport_factory: builds the transport of the outer steps, with the keyword arguments of
@@ -90,6 +104,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
         ranks_per_replica: int = 1,
         average_at_end: bool = True,
+        final_outer_step: Literal["average", "outer"] = "average",
         outer_state_device: Optional[str] = None,
         transport_factory: Optional[TransportFactory] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -105,6 +120,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         check_int("ranks_per_replica", ranks_per_replica, "1 (the default) makes every process a replica; the "
                    "number of devices per node makes every node one replica.")
         check_overlap(overlap_steps, overlap_merge, sync_every)
+        check_final_outer_step(final_outer_step)
         device = parse_device(outer_state_device)
         check_picklable(getattr(algorithm, "outer_optimizer", None), start_method)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
@@ -116,6 +132,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.algorithm, self.sync_every = algorithm, sync_every
         self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
+        self.final_outer_step = final_outer_step
         self._outer_state_device = device
         self.transport_factory = transport_factory or TorchDistributedTransport
         self.driver: Optional[OuterStepDriver] = None  # during fit
@@ -182,7 +199,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.driver = OuterStepDriver(
             self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
-            label=f"Replica {self.replica_index}",
+            label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
@@ -213,14 +230,24 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             )
         if self.driver.round_due(index):
             self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
-        self.driver.after_inner_step(index)
+        trainer = self.lightning_module.trainer
+        per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
+        self.driver.after_inner_step(index, last=fit_ends_after_this_step(trainer, per_batch))
         return output
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.driver is not None:
+            # Rounds that landed as the last (final_outer_step="average") before more training, from a
+            # resumed checkpoint or a guess for manual optimization: back to the outer step's weights.
+            self.driver.restore_outer_weights()
 
     @override
     def on_train_end(self) -> None:
         self._undo_sigterm_check()
         if self.driver is not None:
-            self.driver.land_all()  # a round still in flight lands now, early
+            self.driver.land_all()  # a round still in flight lands now, early (as the final round)
         if self.average_at_end:
             self.average_replicas()
         super().on_train_end()

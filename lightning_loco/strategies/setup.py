@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_loco import consensus
+from lightning_loco.driver import check_final_outer_step  # noqa: F401  (with the other argument checks)
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.strategies import _compat
 
@@ -38,6 +39,22 @@ def parse_device(value: Optional[Union[str, torch.device]]) -> Optional[torch.de
             f"outer_state_device={value!r} is not a device torch knows. Use None (the model's device) "
             "or 'cpu' (keeps the float32 outer state off the accelerator)."
         ) from err
+
+
+def fit_ends_after_this_step(trainer: "pl.Trainer", optimizers_per_batch: int = 1) -> bool:
+    """Whether the optimizer step being taken is the last of ``fit``: ``max_steps`` is reached with it,
+    or it falls in the last batch of the last epoch (``max_epochs``). An early stop (``EarlyStopping``,
+    ``max_time``, a signal) cannot be foreseen. With manual optimization ``optimizers_per_batch``
+    optimizer steps are taken to make up one batch (one step each of the optimizers), so that every
+    optimizer's step of the last batch counts as its last; a guess that proves wrong is undone when
+    the next batch starts (``OuterStepDriver.restore_outer_weights``)."""
+    if trainer.max_steps >= 0 and trainer.global_step + optimizers_per_batch >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
+        return False
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
 
 
 def params_of(optimizer: Optimizer) -> list[torch.Tensor]:
