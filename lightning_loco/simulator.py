@@ -202,7 +202,10 @@ class TrainingSimulator:
         gradient_clip_val: clip each replica's gradient norm (Lightning's ``gradient_clip_val``).
         gradient_averaging: average the gradients over replicas at every step: DDP at the same global
             batch (needs ``algorithm=None``).
-        overlap_steps, overlap_merge: as on the strategies.
+        overlap_steps, overlap_merge, final_outer_step: as on the strategies (the last default,
+            "average", lands the round that ends training without the momentum extrapolation).
+        max_steps: the run's length, when known: its last step is taken as the end of training (see
+            ``final_outer_step``); ``step(last=True)`` does the same for any step.
         batched: ``True`` computes every replica's gradients in one ``torch.func.vmap`` call, ``False``
             loops over replicas, ``"auto"`` tries the batched path and falls back to the loop (with a
             warning) where the module does not allow it (e.g. BatchNorm's running statistics).
@@ -223,6 +226,8 @@ class TrainingSimulator:
         gradient_averaging: bool = False,
         overlap_steps: Any = 0,
         overlap_merge: str = "predict_correct",
+        final_outer_step: str = "average",
+        max_steps: int | None = None,
         batched: bool | str = "auto",
         track_norms: bool = True,
     ) -> None:
@@ -239,6 +244,7 @@ class TrainingSimulator:
         n = len(shards)
         self.num_replicas, self.algorithm, self.sync_every = n, algorithm, sync_every
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
+        self.max_steps = max_steps
         self.loss_fn = loss or training_step_loss
         self._template = copy.deepcopy(module)  # for the consensus model
         self.replicas = [copy.deepcopy(module) for _ in range(n)]
@@ -252,6 +258,7 @@ class TrainingSimulator:
         self.shards = [_Shard(s) for s in shards]
         self.rng_states = [torch.get_rng_state() for _ in range(n)]  # every rank seeded alike
         self.step_count = 0
+        self.lr_history: list[float] = []  # replica 0's learning rate (first group) at each step
         self.tokens_per_step: int | None = None
         self.network: InProcessNetwork | None = None
         self.drivers: list[OuterStepDriver] = []
@@ -260,7 +267,7 @@ class TrainingSimulator:
             for i, replica in enumerate(self.replicas):
                 driver = OuterStepDriver(
                     algorithm, self.network.transport(i), sync_every, overlap_steps, overlap_merge,
-                    label=f"Simulated replica {i}",
+                    label=f"Simulated replica {i}", final_outer_step=final_outer_step,
                 )
                 driver.track_norms = track_norms
                 driver.add(FlatParameters(self.params[i], "cpu"))
@@ -334,9 +341,14 @@ class TrainingSimulator:
             self.rng_states[i] = torch.get_rng_state()
         return losses
 
-    def step(self) -> list[float]:
-        """One inner step on every replica (and the outer step where one is due). Returns the
+    def step(self, last: bool = False) -> list[float]:
+        """One inner step on every replica (and the outer step where one is due). ``last``: training
+        ends after this step (as the step reaching ``max_steps``), so a round landing now is the final
+        one; training may still go on after it, from the outer step's own weights. Returns the
         replicas' training losses (from the batched path: ``nan``, the losses are not kept)."""
+        for driver in self.drivers:  # a final landing, and training goes on after all
+            driver.restore_outer_weights()
+        last = last or (self.max_steps is not None and self.step_count + 1 == self.max_steps)
         batches = [shard.next() for shard in self.shards]
         if self.tokens_per_step is None:
             first = batches[0][0] if isinstance(batches[0], (tuple, list)) else batches[0]
@@ -347,11 +359,12 @@ class TrainingSimulator:
             losses = self._loop_grads(batches)
         if self.gradient_averaging:
             self._average_gradients()
+        self.lr_history.append(float(self.optimizers[0].param_groups[0]["lr"]))
         for i in range(self.num_replicas):
             if self.gradient_clip_val is not None:
                 torch.nn.utils.clip_grad_norm_(self.params[i], self.gradient_clip_val)
             self.optimizers[i].step()
-        self._after_inner_step()
+        self._after_inner_step(last)
         for scheduler in self.schedulers:
             if scheduler is not None:
                 scheduler.step()
@@ -367,17 +380,17 @@ class TrainingSimulator:
             for p in per_param:
                 p.grad = mean.clone()
 
-    def _after_inner_step(self) -> None:
+    def _after_inner_step(self, last: bool) -> None:
         if not self.drivers:
             return
         slot = self.drivers[0].slots[0]
         busy = self.drivers[0].round_due(0) or slot.in_flight is not None
         if not busy:
             for driver in self.drivers:
-                driver.after_inner_step(0)
+                driver.after_inner_step(0, last)
             return
         # A round is due or in flight: replicas wait for their peers, so each runs in its own thread.
-        for future in [self._pool.submit(driver.after_inner_step, 0) for driver in self.drivers]:
+        for future in [self._pool.submit(driver.after_inner_step, 0, last) for driver in self.drivers]:
             future.result()
 
     def run(self, steps: int, every: int = 0, callback: Callable[[TrainingSimulator], None] | None = None) -> None:
@@ -401,6 +414,14 @@ class TrainingSimulator:
         """Every replica's flat float32 weights (in its optimizer's parameter order)."""
         return [torch.cat([p.detach().reshape(-1).float() for p in params]) for params in self.params]
 
+    def outer_weights(self) -> list[Tensor] | None:
+        """After a final landing (``final_outer_step="average"``): the weights the papers' plain outer
+        step gave each replica instead, which training that goes on starts from. Else ``None``."""
+        kept = [d.slots[0].outer_weights for d in self.drivers]
+        if not kept or any(w is None for w in kept):
+            return None
+        return [w.clone() for w in kept]  # type: ignore[union-attr]
+
     def spread(self) -> float:
         """RMS distance of the replicas' weights from their mean (the strategies' ``replica_spread``)."""
         w = torch.stack(self.weights())
@@ -418,18 +439,34 @@ class TrainingSimulator:
 
     def consensus_module(self) -> nn.Module:
         """A copy of the module holding the replicas' average weights."""
+        return self._module_with(torch.stack(self.weights()).mean(0))
+
+    def _module_with(self, flat: Tensor) -> nn.Module:
         module = copy.deepcopy(self._template)
         own = {id(p): name for name, p in self.replicas[0].named_parameters()}
         target = dict(module.named_parameters())
-        FlatParameters([target[own[id(p)]] for p in self.params[0]], "cpu").scatter(torch.stack(self.weights()).mean(0))
+        FlatParameters([target[own[id(p)]] for p in self.params[0]], "cpu").scatter(flat)
         return module
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[Batch], loss: LossFn | None = None) -> Evaluation:
-        """Mean loss over ``batches`` of each replica and of the consensus (average) model."""
+    def evaluate(
+        self,
+        batches: Iterable[Batch],
+        loss: LossFn | None = None,
+        weights: Sequence[Tensor] | None = None,
+        replicas: Sequence[int] | None = None,
+    ) -> Evaluation:
+        """Mean loss over ``batches`` of each replica and of the consensus (average of all replicas)
+        model; of ``weights`` (flat, one per replica, e.g. :meth:`outer_weights`) instead of the live
+        ones when given. ``replicas``: evaluate only these replicas (the consensus still averages all)."""
         loss_fn = loss or self.loss_fn
         batches = list(batches)
-        models = [*self.replicas, self.consensus_module()]
+        chosen = list(range(self.num_replicas)) if replicas is None else list(replicas)
+        if weights is None:
+            models = [*(self.replicas[i] for i in chosen), self.consensus_module()]
+        else:
+            mean = torch.stack(list(weights)).mean(0)
+            models = [*(self._module_with(weights[i]) for i in chosen), self._module_with(mean)]
         results = []
         for model in models:
             was_training = model.training

@@ -30,7 +30,8 @@ def simulate(n: int, algorithm, steps: int, h: int, batched, clip=None, schedule
     """Every replica's flat weights after every step (as tiny.Recorder keeps them)."""
     module = tiny.TinyRegressor(lr=0.05, scheduler=scheduler)
     shards = distributed_shards(tiny.dataset(), n, batch_size=4, shuffle=True, seed=0)
-    sim = TrainingSimulator(module, shards, algorithm, sync_every=h, gradient_clip_val=clip, batched=batched)
+    sim = TrainingSimulator(module, shards, algorithm, sync_every=h, gradient_clip_val=clip, batched=batched,
+                            max_steps=steps)
     history = []
     for _ in range(steps):
         sim.step()
@@ -56,6 +57,28 @@ def test_the_simulator_follows_the_multiprocess_strategy_step_by_step(tmp_path, 
                                        msg=lambda m: f"{name}, replica {r}, step {step}: {m}")
     # the replicas really trained apart and met: not all identical, not all different after a round
     assert not torch.equal(history[h - 2][0], history[h - 2][1])
+
+
+def test_a_final_landing_can_be_taken_back_and_training_goes_on_as_if_it_never_happened():
+    def make():
+        return TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), NoLoCo(), sync_every=2)
+
+    plain, probed = make(), make()
+    plain.run(2)
+    probed.step()
+    probed.step(last=True)  # lands as the end of training: the pair's mean, no momentum extrapolation
+    kept = probed.outer_weights()
+    assert kept is not None and plain.outer_weights() is None
+    for w, k in zip(probed.weights(), kept):
+        assert not torch.allclose(w, k)
+    for a, b in zip(kept, plain.weights()):  # kept aside: what the plain outer step gave
+        torch.testing.assert_close(a, b)
+    ev = probed.evaluate([tiny.dataset()[:16]], weights=kept)
+    assert ev.consensus_loss == pytest.approx(plain.evaluate([tiny.dataset()[:16]]).consensus_loss, rel=1e-6)
+    plain.run(3)
+    probed.run(3)  # the next step starts from the outer step's own weights
+    for a, b in zip(plain.weights(), probed.weights()):
+        torch.testing.assert_close(a, b)
 
 
 def test_batched_and_looped_paths_agree():
