@@ -136,3 +136,33 @@ def test_emulator_cleans_up_when_its_process_is_terminated(tmp_path):
             proc.kill()
             proc.wait()
     assert prefix not in namespaces()
+
+
+@pytest.mark.slow
+def test_b5_quick(tmp_path):
+    out = bench(tmp_path, "b5_convergence")
+    result = json.loads((tmp_path / "b5_convergence.json").read_text())
+    rows = result["rows"]
+    assert {r["part"] for r in rows} == {"main", "h1", "large", "tuning", "h_study"}
+    main = {r["method"] for r in rows if r["part"] == "main"}
+    assert main == {"ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs"}
+    assert {r["split"] for r in rows if r["part"] == "main"} == {"iid", "non_iid"}
+    for r in rows:  # the losses are real numbers from training, not placeholders
+        assert 0 < r["consensus"]["mean"] < 6 and 0 < r["mean_replica"]["mean"] < 6
+    ddp = next(r for r in rows if r["method"] == "ddp" and r["split"] == "iid")
+    indep = next(r for r in rows if r["method"] == "independent" and r["split"] == "iid")
+    assert ddp["mbytes_per_replica"] > 0 and indep["mbytes_per_replica"] == 0
+    (process_row,) = result["processes"]
+    # the same run through Lightning with real processes and through the simulator
+    assert process_row["processes_consensus"] == pytest.approx(process_row["simulator_consensus"], abs=0.02)
+    assert "NoLoCo vs DiLoCo" in out and "plain gossip" in out
+    assert (tmp_path / "b5_convergence_n2.png").exists()
+
+
+@pytest.mark.slow
+def test_simulator_sweep_quick(tmp_path):
+    bench(tmp_path, "simulator_sweep")
+    result = json.loads((tmp_path / "simulator_sweep.json").read_text())
+    assert result["replicas"] == 8 and len(result["rows"]) == 3
+    by_h = {r["H"]: r for r in result["rows"] if r["beta"] == 0.7}
+    assert by_h[30]["mb_per_replica"] < by_h[10]["mb_per_replica"]  # fewer rounds, fewer bytes
