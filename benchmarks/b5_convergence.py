@@ -1,7 +1,8 @@
 """B5: does it train as well as the papers say? Convergence at equal tokens.
 
-    python -m benchmarks.b5_convergence            # the full grid, about an hour on 2 CPU cores
-    python -m benchmarks.b5_convergence --quick    # a smoke run of every part, under a minute
+    python -m benchmarks.b5_convergence                        # the grid: under an hour on 2 CPU cores
+    python -m benchmarks.b5_convergence --parts tuning h_study  # the tuning experiment: ~12 min more
+    python -m benchmarks.b5_convergence --quick                 # a smoke run of every part, under a minute
 
 Every method trains the same byte-level GPT on Shakespeare from the same start, with the same
 inner optimizer (AdamW, warmup then cosine), the same batch per replica and the same number of
@@ -32,15 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import statistics
 import subprocess
 import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -67,8 +66,8 @@ class Settings:
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
-        return dict(block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                    lr=self.lr, warmup_steps=self.warmup_steps, max_steps=self.steps)
+        return {"block_size": self.block_size, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                "lr": self.lr, "warmup_steps": self.warmup_steps, "max_steps": self.steps}
 
 
 # H = 10 and 450 steps: 45 outer steps (at least 40 were asked for), so that the whole grid fits in
@@ -80,9 +79,12 @@ QUICK = Settings(steps=24, sync_every=4, batch_size=4, block_size=32, n_layer=1,
                  warmup_steps=4, eval_every=12, eval_batches=2, final_eval_batches=4)
 
 PARTS = ("main", "h1", "large", "tuning", "h_study", "processes")
+DEFAULT_PARTS = ("main", "h1", "large", "processes")
 MAIN_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs")
 LARGE_METHODS = {16: ("ddp", "independent", "diloco", "noloco", "gasloc_pairs"), 64: ("diloco", "noloco", "gasloc_pairs")}
-H1_METHODS = ("gasloc_ring", "gossip_ring", "gasloc_pairs", "gossip_pairs")
+# At H = 1, also GASLoC with gossip's η = 1 and α = ½: then only the outer momentum γ differs from
+# plain gossip, the paper's claim of momentum as gossip acceleration in isolation.
+H1_METHODS = ("gasloc_ring", "gossip_ring", "gasloc_pairs", "gossip_pairs", "gasloc_ring_matched", "gasloc_pairs_matched")
 
 
 # The tuning part: every method gets the same 3 x 3 grid of outer learning rate and outer momentum
@@ -99,7 +101,7 @@ def tuned(method: str, lr: float, momentum: float) -> str:
 
 
 def make_algorithm(method: str) -> Any:
-    from lightning_loco.algorithms import GASLoC, DiLoCo, NoLoCo
+    from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 
     if "@" in method:  # a tuning variant: "noloco@lr=0.5,m=0.25"
         base, spec = method.split("@")
@@ -119,6 +121,8 @@ def make_algorithm(method: str) -> Any:
         "gasloc_ring": GASLoC(topology="ring"),
         "gossip_pairs": GASLoC(topology="random_pairs", outer_lr=1.0, outer_momentum=0.0, gossip_step=0.5),
         "gossip_ring": GASLoC(topology="ring", outer_lr=1.0, outer_momentum=0.0, gossip_step=0.5),
+        "gasloc_pairs_matched": GASLoC(topology="random_pairs", outer_lr=1.0, outer_momentum=0.5, gossip_step=0.5),
+        "gasloc_ring_matched": GASLoC(topology="ring", outer_lr=1.0, outer_momentum=0.5, gossip_step=0.5),
     }[method]
 
 
@@ -342,7 +346,7 @@ def processes_part(settings: Settings, quick: bool, folder: Path) -> list[dict[s
 
     rows = []
     cases = [("noloco", 2)] if quick else [("noloco", 4), ("diloco", 4), ("noloco", 8), ("diloco", 8)]
-    parts, val, _ = load_data(settings)
+    _, val, _ = load_data(settings)
     final_probe = eval_batches(val, settings.final_eval_batches)
     for method, n in cases:
         out = folder / f"processes-{method}-n{n}"
@@ -350,7 +354,7 @@ def processes_part(settings: Settings, quick: bool, folder: Path) -> list[dict[s
         config = {"settings": asdict(settings), "out": str(out), "method": method, "replicas": n, "seed": 0}
         started = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "benchmarks.b5_convergence", "--lightning-run", json.dumps(config)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=3600)
+                              cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False)
         wall = time.perf_counter() - started
         if proc.returncode != 0:
             raise RuntimeError(f"the {method} run with {n} processes failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
@@ -391,7 +395,9 @@ def mean_spread(values: list[float]) -> dict[str, float]:
 
 
 def correlation(xs: list[float], ys: list[float]) -> float | None:
-    if len(xs) < 3 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
+    """Pearson's r; ``None`` when either series is flat (a spread that is zero up to float noise, as
+    for DDP, or DiLoCo right after its all-reduce)."""
+    if len(xs) < 3 or max(map(abs, xs)) < 1e-4 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
         return None
     return statistics.correlation(xs, ys)
 
@@ -419,7 +425,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-MAIN_ORDER = {m: k for k, m in enumerate((*MAIN_METHODS, "gossip_ring"))}
+MAIN_ORDER = {m: k for k, m in enumerate((*MAIN_METHODS, *H1_METHODS))}
 
 
 def _mean_or_none(values: list[float | None]) -> float | None:
@@ -454,7 +460,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"{part} N={n} {split} H={h}: NoLoCo vs DiLoCo ({key}) {rel:+.2f} % "
                              f"({'within 1 % or better' if rel <= 1 else 'worse by more than 1 %'})")
         if part == "h1" and method.startswith("gasloc"):
-            g = index.get((part, n, split, h, method.replace("gasloc", "gossip")))
+            g = index.get((part, n, split, h, "gossip_ring" if "ring" in method else "gossip_pairs"))
             if g is not None:
                 for key in ("consensus", "mean_replica"):
                     diff = g[key]["mean"] - r[key]["mean"]
@@ -483,10 +489,13 @@ def plots(records: list[dict[str, Any]], folder: Path, quick: bool) -> list[str]
                 mean = [statistics.mean(p) for p in points]
                 tokens = [p["tokens"] / 1e6 for p in runs[0]["curve"]]
                 mbytes = [p["bytes_per_replica"] / 1e6 for p in runs[0]["curve"]]
-                axes[0][col].plot(tokens, mean, label=method, lw=1.2)
-                if method != "independent":
-                    axes[1][col].plot([max(b, 1e-3) for b in mbytes], mean, label=method, lw=1.2, marker=".")
-            axes[0][col].set_title(f"N={n}, {split}: consensus validation loss", fontsize=9)
+                color = f"C{MAIN_METHODS.index(method)}"  # the same colour for a method in every panel
+                axes[0][col].plot(tokens, mean, label=method, lw=1.2, color=color)
+                if method != "independent":  # it sends nothing: no point on a log axis of bytes
+                    sent = [(b, m) for b, m in zip(mbytes, mean) if b > 0]
+                    axes[1][col].plot([b for b, _ in sent], [m for _, m in sent], label=method, lw=1.2, marker=".",
+                                      color=color)
+            axes[0][col].set_title(f"N={n}, {split}: consensus validation loss (mean of seeds)", fontsize=9)
             axes[0][col].set_xlabel("tokens (millions, all replicas)")
             axes[1][col].set_xscale("log")
             axes[1][col].set_xlabel("MB sent per replica (log)")
@@ -530,7 +539,10 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
     write_json("b5_convergence.json", {
         "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "processes": process_rows,
         "plots": pngs, "runs": len(records),
-        "curves": {r["name"]: {"curve": r["curve"], "peer_distance": r["peer_distance"]} for r in records},
+        # per run: the measuring points (the full records, with per-replica losses and every round's
+        # peer distance, stay in the runs folder)
+        "curves": {r["name"]: [{k: round(v, 5) for k, v in p.items() if k != "replicas"} for p in r["curve"]]
+                   for r in records},
     }, folder)
     print(f"wrote {folder / 'b5_convergence.json'} and {', '.join(pngs)}")
 
@@ -551,7 +563,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small model and grid: a smoke run of every part")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each (default 2)")
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS), choices=PARTS,
+                        help=f"default: {' '.join(DEFAULT_PARTS)} (--quick: all)")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and start over")
     parser.add_argument("--lightning-run", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -559,6 +572,8 @@ def main() -> None:
         lightning_run(json.loads(args.lightning_run))
         return
     settings = QUICK if args.quick else FULL
+    if args.quick and args.parts == list(DEFAULT_PARTS):
+        args.parts = list(PARTS)
     folder = results_dir(args.quick)
     runs_dir = folder / ("b5_runs_quick" if args.quick else "b5_runs")
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -575,12 +590,11 @@ def main() -> None:
             run_all(pool, extra, settings, runs_dir, started)
     process_rows: list[dict[str, Any]] = []
     process_file = runs_dir / "processes.json"
-    if "processes" in args.parts:
-        if process_file.exists() and not args.fresh:
-            process_rows = json.loads(process_file.read_text())
-        else:
-            process_rows = processes_part(settings, args.quick, runs_dir)
-            process_file.write_text(json.dumps(process_rows))
+    if process_file.exists() and not args.fresh:  # kept from an earlier run of this part
+        process_rows = json.loads(process_file.read_text())
+    elif "processes" in args.parts:
+        process_rows = processes_part(settings, args.quick, runs_dir)
+        process_file.write_text(json.dumps(process_rows))
     report(folder, runs_dir, settings, args.quick, process_rows)
     print(f"B5 took {time.perf_counter() - started:.0f} s")
 

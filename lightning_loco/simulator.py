@@ -320,7 +320,11 @@ class TrainingSimulator:
         except (RuntimeError, TypeError):
             return False  # batches of different shapes (a last partial batch): loop this step
         assert self._grad_fn is not None
-        grads = self._grad_fn({k: self._stacked[k] for k in self._names}, stacked_batch)
+        with warnings.catch_warnings():
+            # PyTorch warns once that some ops (CPU flash attention) have no batching rule and loop
+            # over the replicas instead: correct, only slower (docs/simulator.md says so)
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+            grads = self._grad_fn({k: self._stacked[k] for k in self._names}, stacked_batch)
         for i, r in enumerate(self.replicas):
             for name in self._names:
                 r.get_parameter(name).grad = grads[name][i]
