@@ -348,6 +348,13 @@ def processes_part(settings: Settings, quick: bool, folder: Path) -> list[dict[s
     cases = [("noloco", 2)] if quick else [("noloco", 4), ("diloco", 4), ("noloco", 8), ("diloco", 8)]
     _, val, _ = load_data(settings)
     final_probe = eval_batches(val, settings.final_eval_batches)
+    model = GPT(**settings.model_kwargs).eval()
+
+    @torch.no_grad()
+    def probe_loss(state: dict[str, Any]) -> float:
+        model.load_state_dict(state)
+        return statistics.mean(gpt_loss(model, b).item() for b in final_probe)
+
     for method, n in cases:
         out = folder / f"processes-{method}-n{n}"
         out.mkdir(parents=True, exist_ok=True)
@@ -359,17 +366,8 @@ def processes_part(settings: Settings, quick: bool, folder: Path) -> list[dict[s
         if proc.returncode != 0:
             raise RuntimeError(f"the {method} run with {n} processes failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
         saved = [torch.load(out / f"rank{r}.pt") for r in range(n)]
-        losses = []
-        model = GPT(**settings.model_kwargs)
-        model.eval()
-        for s in saved:
-            model.load_state_dict(s["state"])
-            with torch.no_grad():
-                losses.append(statistics.mean(gpt_loss(model, b).item() for b in final_probe))
-        avg = {k: torch.stack([s["state"][k].float() for s in saved]).mean(0) for k in saved[0]["state"]}
-        model.load_state_dict(avg)
-        with torch.no_grad():
-            consensus = statistics.mean(gpt_loss(model, b).item() for b in final_probe)
+        losses = [probe_loss(s["state"]) for s in saved]
+        consensus = probe_loss({k: torch.stack([s["state"][k].float() for s in saved]).mean(0) for k in saved[0]["state"]})
         # the simulator on the same configuration, in this process (both threads, as the processes share them)
         job = Job(method, n, "iid", 0, settings.sync_every, "processes")
         sim_record = run_job(job, settings, str(out / "simulator.json"), threads=2)
@@ -407,7 +405,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         groups.setdefault((r["part"], r["replicas"], r["split"], r["sync_every"], r["method"]), []).append(r)
     rows = []
-    for (part, n, split, h, method), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3], MAIN_ORDER.get(kv[0][4], 99))):
+    for (part, n, split, h, method), runs in sorted(groups.items(), key=lambda kv: (*kv[0][:4], MAIN_ORDER.get(kv[0][4], 99))):
         spread_lr = [correlation([p["spread"] for p in r["curve"][1:]], [p["lr"] for p in r["curve"][1:]]) for r in runs]
         peer_lr = [correlation([p["peer_distance"] for p in r["peer_distance"]], [p["lr"] for p in r["peer_distance"]])
                    for r in runs]

@@ -255,11 +255,11 @@ class TrainingSimulator:
         self.optimizers = [p[0] for p in parsed]
         self.schedulers = [p[1] for p in parsed]
         self.params = [[p for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
+        self.flats = [FlatParameters(params, "cpu") for params in self.params]  # each replica's weights as one vector
         self.shards = [_Shard(s) for s in shards]
         self.rng_states = [torch.get_rng_state() for _ in range(n)]  # every rank seeded alike
         self.step_count = 0
         self.lr_history: list[float] = []  # replica 0's learning rate (first group) at each step
-        self.tokens_per_step: int | None = None
         self.network: InProcessNetwork | None = None
         self.drivers: list[OuterStepDriver] = []
         if algorithm is not None:
@@ -270,7 +270,7 @@ class TrainingSimulator:
                     label=f"Simulated replica {i}", final_outer_step=final_outer_step,
                 )
                 driver.track_norms = track_norms
-                driver.add(FlatParameters(self.params[i], "cpu"))
+                driver.add(self.flats[i])
                 self.drivers.append(driver)
             self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="simulated-replica")
         self._names: list[str] = []
@@ -294,12 +294,9 @@ class TrainingSimulator:
         from torch.func import functional_call, grad, vmap
 
         first = self.replicas[0]
-        named = dict(first.named_parameters())
-        if any(not isinstance(b, Tensor) for b in first.buffers()):
-            raise ValueError("unsupported buffers")
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in first.modules()):
             raise ValueError("BatchNorm running statistics are updated in place")
-        self._names = list(named)
+        self._names = [name for name, _ in first.named_parameters()]
         template = _LossModule(copy.deepcopy(first), self.loss_fn)
         for name in self._names:
             stacked = torch.stack([r.get_parameter(name).detach() for r in self.replicas])
@@ -354,9 +351,6 @@ class TrainingSimulator:
             driver.restore_outer_weights()
         last = last or (self.max_steps is not None and self.step_count + 1 == self.max_steps)
         batches = [shard.next() for shard in self.shards]
-        if self.tokens_per_step is None:
-            first = batches[0][0] if isinstance(batches[0], (tuple, list)) else batches[0]
-            self.tokens_per_step = int(first.numel()) if isinstance(first, Tensor) else None
         if self.batched and self._batched_grads(batches):
             losses = [float("nan")] * self.num_replicas
         else:
@@ -416,7 +410,7 @@ class TrainingSimulator:
 
     def weights(self) -> list[Tensor]:
         """Every replica's flat float32 weights (in its optimizer's parameter order)."""
-        return [torch.cat([p.detach().reshape(-1).float() for p in params]) for params in self.params]
+        return [flat.gather() for flat in self.flats]
 
     def outer_weights(self) -> list[Tensor] | None:
         """After a final landing (``final_outer_step="average"``): the weights the papers' plain outer

@@ -34,30 +34,32 @@ def shakespeare_files() -> list[str]:
     return files
 
 
+def _read(path: str) -> bytes:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Text file not found: {path}")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _tokens(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
 def read_bytes(files: Sequence[str]) -> torch.Tensor:
-    chunks = []
-    for path in files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Text file not found: {path}")
-        with open(path, "rb") as f:
-            chunks.append(f.read())
-    data = b"\n".join(chunks)
+    data = b"\n".join(_read(path) for path in files)
     if not data:
         raise ValueError(f"The text files {list(files)} are empty")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return _tokens(data)
 
 
 def read_file_tokens(files: Sequence[str]) -> list[torch.Tensor]:
     """Each file's bytes as a token tensor (an error for a missing or empty file)."""
     out = []
     for path in files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Text file not found: {path}")
-        with open(path, "rb") as f:
-            data = f.read()
+        data = _read(path)
         if not data:
             raise ValueError(f"The text file {path} is empty")
-        out.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).long())
+        out.append(_tokens(data))
     return out
 
 
