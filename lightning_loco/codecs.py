@@ -1,0 +1,319 @@
+"""Wire formats of the outer step's payloads: pure tensor code, no network, no Lightning.
+
+A :class:`Codec` turns a flat float32 buffer into one flat ``uint8`` buffer of exactly
+``nbytes(n)`` bytes (what crosses the network) and back into float32:
+
+* ``float32``: the identity. Strategies never call a codec for it: the payload travels as it is,
+  bitwise today's path;
+* ``bfloat16`` and ``float16``: a cast (2 bytes per value), rounded to nearest;
+* ``int8``: per-block absmax quantisation. Each block of ``block_size`` values gets one float32 scale
+  s = max|x| / 127 and sends round(x / s) as int8, so every value comes back within s/2 = max|x|/254 of
+  itself (float rounding aside). ``nbytes(n) = n + 4·⌈n / block_size⌉``. A block of zeros has s = 0
+  and decodes to zeros (no division by zero); the last block may be shorter.
+
+The encoded buffer is self-contained given n: float32 scales first, then the values.
+
+Receivers accumulate in float32: every member of a group decodes every payload, its own included,
+and sums the decoded buffers in ascending replica order, so all members hold bitwise the same sum
+(:func:`decode_sum`). The all-reduce with a lossy codec (:func:`chunked_all_reduce`) never sums in
+low precision: the buffer is cut into N chunks, replica c decodes and sums chunk c of every replica in
+float32, encodes that sum once, and everyone decodes the same bytes.
+
+Error feedback (:class:`WireFormat`, ``error_feedback``): for a payload that is a pseudo-gradient Δ
+the sender keeps the residual e of what its codec lost and sends Q(Δ + e) instead of Q(Δ), then sets
+e ← Δ + e − D(Q(Δ + e)). Nothing is lost for good, only delayed.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+COMPRESSIONS = (None, "int8")
+DEFAULT_BLOCK_SIZE = 256
+FLOAT16_MAX = 65504.0
+
+
+class PayloadError(RuntimeError):
+    """A payload that cannot be sent: NaN or inf, or values its wire format cannot carry."""
+
+
+class Codec(ABC):
+    """Encodes flat float32 buffers into ``nbytes(n)`` bytes and back."""
+
+    name: str
+    lossy: bool = True
+
+    @abstractmethod
+    def nbytes(self, n: int) -> int:
+        """Exact size in bytes of ``n`` encoded values."""
+
+    @abstractmethod
+    def encode(self, x: Tensor) -> Tensor:
+        """A flat float32 tensor → a flat ``uint8`` tensor of ``nbytes(x.numel())`` bytes (same device)."""
+
+    @abstractmethod
+    def decode(self, data: Tensor, n: int) -> Tensor:
+        """The ``uint8`` buffer of ``n`` encoded values → a new flat float32 tensor."""
+
+    def roundtrip(self, x: Tensor) -> Tensor:
+        """D(Q(x)): what a receiver gets for ``x``."""
+        return self.decode(self.encode(x), x.numel())
+
+    def check(self, x: Tensor) -> Optional[str]:
+        """Why ``x`` (known to be finite) cannot be sent in this format, or ``None``."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class Float32Codec(Codec):
+    """The identity (4 bytes per value). Strategies skip it: float32 payloads travel as they are."""
+
+    name = "float32"
+    lossy = False
+
+    def nbytes(self, n: int) -> int:
+        return 4 * n
+
+    def encode(self, x: Tensor) -> Tensor:
+        return x.detach().to(torch.float32).contiguous().view(torch.uint8)
+
+    def decode(self, data: Tensor, n: int) -> Tensor:
+        return data.view(torch.float32)[:n].clone()
+
+
+class CastCodec(Codec):
+    """bfloat16 or float16 on the wire: 2 bytes per value, round to nearest (even)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"CastCodec takes torch.bfloat16 or torch.float16, got {dtype}")
+        self.dtype = dtype
+        self.name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+
+    def nbytes(self, n: int) -> int:
+        return 2 * n
+
+    def encode(self, x: Tensor) -> Tensor:
+        return x.detach().to(self.dtype).contiguous().view(torch.uint8)
+
+    def decode(self, data: Tensor, n: int) -> Tensor:
+        return data.view(self.dtype)[:n].to(torch.float32)
+
+    def check(self, x: Tensor) -> Optional[str]:
+        if self.dtype == torch.float16 and x.numel():
+            largest = x.abs().max().item()
+            if largest > FLOAT16_MAX:
+                return (f"it holds |x| = {largest:.4g}, beyond float16's largest value {FLOAT16_MAX:g}; use "
+                        "wire_dtype='bfloat16' (float32's range) or compression='int8' (scaled per block)")
+        return None
+
+
+class Int8BlockCodec(Codec):
+    """Per-block absmax int8: ``block_size`` values share one float32 scale max|x| / 127.
+
+    Round trip error: at most max|x|/254 per value within its block (half a quantisation step), plus
+    float32 rounding of the scale. Zeros stay exact zeros; a block of zeros decodes to zeros.
+    """
+
+    name = "int8"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        check_block_size(block_size)
+        self.block_size = block_size
+
+    def blocks(self, n: int) -> int:
+        return math.ceil(n / self.block_size)
+
+    def nbytes(self, n: int) -> int:
+        return n + 4 * self.blocks(n)
+
+    def _padded(self, x: Tensor) -> Tensor:
+        n, b = x.numel(), self.block_size
+        blocks = self.blocks(n)
+        if blocks * b == n:
+            return x.reshape(blocks, b)
+        padded = x.new_zeros(blocks * b)
+        padded[:n] = x
+        return padded.reshape(blocks, b)
+
+    def encode(self, x: Tensor) -> Tensor:
+        x = x.detach().to(torch.float32).reshape(-1)
+        n = x.numel()
+        out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=x.device)
+        if n == 0:
+            return out
+        rows = self._padded(x)
+        scales = rows.abs().amax(dim=1) / 127.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # a zero block: 0 / 1 = 0
+        q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
+        nb = 4 * scales.numel()
+        out[:nb] = scales.view(torch.uint8)
+        out[nb:] = q.view(torch.uint8)
+        return out
+
+    def decode(self, data: Tensor, n: int) -> Tensor:
+        if n == 0:
+            return torch.empty(0, dtype=torch.float32, device=data.device)
+        blocks, b = self.blocks(n), self.block_size
+        scales = data[: 4 * blocks].view(torch.float32)
+        q = data[4 * blocks : 4 * blocks + n].view(torch.int8).to(torch.float32)
+        if blocks * b != n:
+            q = torch.cat([q, q.new_zeros(blocks * b - n)])
+        return (q.reshape(blocks, b) * scales[:, None]).reshape(-1)[:n]
+
+
+def check_block_size(block_size: Any) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(
+            f"compression_block_size must be an integer >= 1, got {block_size!r}. The default, "
+            f"{DEFAULT_BLOCK_SIZE}, spends 4 bytes of scale per {DEFAULT_BLOCK_SIZE} values (1.6 % on top of "
+            "int8); smaller blocks follow outliers more closely for more scale bytes."
+        )
+
+
+def make_codec(wire_dtype: Any = "float32", compression: Any = None, block_size: Any = DEFAULT_BLOCK_SIZE) -> Codec:
+    """The codec for the strategies' arguments; ``ValueError`` naming the argument for bad ones."""
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(
+            f"wire_dtype must be one of {', '.join(map(repr, WIRE_DTYPES))}, got {wire_dtype!r}. 'float32' (the "
+            "default) sends payloads as they are; 'bfloat16' and 'float16' halve the bytes."
+        )
+    if compression not in COMPRESSIONS:
+        raise ValueError(
+            f"compression must be None (the default) or 'int8', got {compression!r}. 'int8' quantises each block "
+            "of compression_block_size values with one float32 scale (about a quarter of float32's bytes)."
+        )
+    check_block_size(block_size)
+    if compression == "int8":
+        if wire_dtype != "float32":
+            raise ValueError(
+                f"compression='int8' already sets the wire format; leave wire_dtype at 'float32', got {wire_dtype!r}."
+            )
+        return Int8BlockCodec(block_size)
+    if wire_dtype == "float32":
+        return Float32Codec()
+    return CastCodec(torch.bfloat16 if wire_dtype == "bfloat16" else torch.float16)
+
+
+def check_payload(x: Tensor, codec: Optional[Codec], who: str) -> None:
+    """Raises :class:`PayloadError` naming ``who`` if ``x`` holds NaN or inf, or values ``codec``
+    cannot carry. Reads ``x`` only (one pass; a host sync on an accelerator)."""
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise PayloadError(
+            f"{who}: the outer step's payload holds {bad} NaN or infinite value(s) of {x.numel()}; nothing was sent. "
+            "The inner steps diverged on this replica (lower the learning rate, clip gradients, or look for a bad "
+            "batch); its peers are left untouched."
+        )
+    if codec is not None:
+        reason = codec.check(x)
+        if reason is not None:
+            raise PayloadError(f"{who}: the outer step's payload cannot be sent as {codec.name}: {reason}.")
+
+
+# ------------------------------------------------------------------ layouts: slices and chunks
+
+
+def segments(n: int, slices: int = 1, chunks: int = 1) -> list[tuple[int, int]]:
+    """The (start, end) ranges that are encoded separately: ``slices`` parts as
+    ``torch.tensor_split`` cuts them (one per rank of a replica), each cut into ``chunks`` parts
+    (one per replica, for the all-reduce)."""
+    out = []
+    for start, end in _split(0, n, slices):
+        out += _split(start, end, chunks)
+    return out
+
+
+def _split(start: int, end: int, parts: int) -> list[tuple[int, int]]:
+    n = end - start
+    q, r = divmod(n, parts)
+    bounds, pos = [], start
+    for k in range(parts):
+        size = q + (1 if k < r else 0)  # tensor_split's sizes: the first n mod parts get one more
+        bounds.append((pos, pos + size))
+        pos += size
+    return bounds
+
+
+def roundtrip_segments(x: Tensor, codec: Codec, parts: Sequence[tuple[int, int]]) -> Tensor:
+    """D(Q(x)) encoding each segment on its own, as the transport does."""
+    return torch.cat([codec.roundtrip(x[a:b]) for a, b in parts]) if parts else x.clone()
+
+
+def decode_sum(encoded: dict[int, Tensor], n: int, codec: Codec, group: Sequence[int]) -> Tensor:
+    """Σ_j D(encoded_j) in float32, added in ascending replica order (identical on every member)."""
+    order = sorted(group)
+    total = codec.decode(encoded[order[0]], n)
+    for j in order[1:]:
+        total.add_(codec.decode(encoded[j], n))
+    return total
+
+
+def chunked_all_reduce(payloads: Sequence[Tensor], codec: Codec) -> Tensor:
+    """The sum of every replica's payload as the lossy all-reduce computes it, in one place: chunk c
+    (``torch.tensor_split`` into N) is decoded from every replica and summed in ascending order in
+    float32, then encoded once and decoded by all. Reference for the transports (and the in-process
+    transport's result)."""
+    n = len(payloads)
+    chunked = [torch.tensor_split(p, n) for p in payloads]
+    out = []
+    for c in range(n):
+        size = chunked[0][c].numel()
+        encoded = {j: codec.encode(chunked[j][c]) for j in range(n)}
+        reduced = decode_sum(encoded, size, codec, range(n))
+        out.append(codec.roundtrip(reduced))
+    return torch.cat(out)
+
+
+def all_reduce_bytes(codec: Codec, numel: int, num_replicas: int, replica: int) -> int:
+    """Bytes replica ``replica`` sends in the chunked all-reduce of ``numel`` values: chunk j of its
+    payload to each replica j ≠ it, then its reduced chunk to each of the N − 1 others.
+    About 2(N − 1)/N × ``codec.nbytes(numel)``."""
+    sizes = [b - a for a, b in _split(0, numel, num_replicas)]
+    scatter = sum(codec.nbytes(s) for j, s in enumerate(sizes) if j != replica)
+    return scatter + (num_replicas - 1) * codec.nbytes(sizes[replica])
+
+
+# ------------------------------------------------------------------ what a driver needs
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How one run's payloads travel: the codec, and whether the sender keeps an error-feedback
+    residual (see the module docstring)."""
+
+    codec: Codec
+    error_feedback: bool = False
+
+    @property
+    def lossy(self) -> bool:
+        return self.codec.lossy
+
+
+def wire_format(
+    wire_dtype: Any = "float32",
+    compression: Any = None,
+    block_size: Any = DEFAULT_BLOCK_SIZE,
+    error_feedback: Any = None,
+    pseudo_gradient: bool = False,
+) -> WireFormat:
+    """Checks the arguments and builds the :class:`WireFormat`. ``error_feedback=None`` turns it on
+    for a lossy codec when the payload is a pseudo-gradient (``pseudo_gradient``), off otherwise."""
+    codec = make_codec(wire_dtype, compression, block_size)
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise ValueError(
+            f"error_feedback must be None (on for pseudo-gradient payloads such as DiLoCo's with a lossy wire "
+            f"format, off for weights), True or False, got {error_feedback!r}."
+        )
+    feedback = pseudo_gradient if error_feedback is None else error_feedback
+    return WireFormat(codec, feedback and codec.lossy)
