@@ -8,6 +8,8 @@ Two operations cover every algorithm:
 * ``start_all_reduce_sum(payload)``: one collective over all replicas (DiLoCo), summed in place.
 
 Both post the operation and return a :class:`Pending` at once; ``Pending.wait()`` returns the sum.
+Both take an optional lossy ``codec`` (:mod:`lightning_loco.codecs`): the payload then travels
+encoded and is summed in float32 after decoding; without one (or with float32) it travels as it is.
 The blocking forms are ``group_sum`` and ``all_reduce_sum``. Implementations:
 :mod:`~lightning_loco.transport.torch_dist` (torch.distributed, gloo or NCCL) and
 :mod:`~lightning_loco.transport.in_process` (N replicas in one process, for tests and studies).
@@ -18,9 +20,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_loco.codecs import Codec
 
 
 class PeerError(RuntimeError):
@@ -105,13 +110,14 @@ class Transport(Protocol):
     num_replicas: int
     stats: TransportStats
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> Pending:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional["Codec"] = None) -> Pending:
         """Posts the group's exchange; ``payload`` must not change until the sum has been waited for.
-        The sum is a new tensor."""
+        The sum is a new tensor. Callers pass ``codec`` only when it is lossy."""
         ...
 
-    def start_all_reduce_sum(self, payload: Tensor) -> Pending:
-        """Posts an all-reduce over every replica; the sum lands in ``payload``."""
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional["Codec"] = None) -> Pending:
+        """Posts an all-reduce over every replica; the sum lands in ``payload``. With a lossy
+        ``codec``: decoded chunks summed in float32, the same result on every replica."""
         ...
 
     def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:

@@ -13,6 +13,10 @@ threads of their own (a blocking outer step then waits for its peers). Tests ste
 * ``fail(j)``: replica ``j`` stops; exchanges with it raise :class:`PeerError` naming it;
 * ``timeout``: how long ``wait()`` waits for a peer that never posts before raising ``PeerError``;
 * ``delay``: seconds an exchange takes after its last member posted (a link's transfer time).
+
+With a lossy ``codec`` (:mod:`lightning_loco.codecs`) a group's sum is the sum of every member's
+decoded payload and the all-reduce is :func:`~lightning_loco.codecs.chunked_all_reduce`: bitwise what
+the torch.distributed transport computes from the same payloads, with the bytes it would send.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
+from lightning_loco.codecs import Codec, all_reduce_bytes, chunked_all_reduce
 from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
 
 
@@ -38,6 +43,7 @@ class InProcessNetwork:
         self.delay = delay
         self._last_post: dict[tuple[Any, ...], float] = {}
         self._in_place: dict[tuple[Any, ...], dict[int, Tensor]] = {}
+        self._combine: dict[tuple[Any, ...], Callable[[dict[int, Tensor], Sequence[int]], Tensor]] = {}
         self._cond = threading.Condition()
         self._posted: dict[tuple[Any, ...], dict[int, Tensor]] = {}
         self._held = False
@@ -67,19 +73,27 @@ class InProcessNetwork:
             self._cond.notify_all()
 
     def _post(
-        self, key: tuple[Any, ...], replica: int, payload: Tensor, group: tuple[int, ...], in_place: bool = False
+        self, key: tuple[Any, ...], replica: int, payload: Tensor, group: tuple[int, ...], in_place: bool = False,
+        combine: Optional[Callable[[dict[int, Tensor], Sequence[int]], Tensor]] = None,
     ) -> None:
         with self._cond:
+            if combine is not None:
+                self._combine[key] = combine
             self._posted.setdefault(key, {})[replica] = payload.detach().clone()
             self._last_post[key] = time.monotonic()
             self.posts.append((replica, group))
             if in_place:  # as a real all-reduce: the sum lands in every member's buffer when it completes
                 self._in_place.setdefault(key, {})[replica] = payload
                 if self._complete(key, group):
-                    total = sum_in_group_order(self._posted[key], group)
+                    total = self.combined(key, group)
                     for buffer in self._in_place.pop(key).values():
                         buffer.copy_(total)
             self._cond.notify_all()
+
+    def combined(self, key: tuple[Any, ...], group: Sequence[int]) -> Tensor:
+        """The group's result from the posted buffers: their sum in ascending replica order, or the
+        exchange's own combination (a lossy all-reduce)."""
+        return self._combine.get(key, sum_in_group_order)(self._posted[key], group)
 
     def _complete(self, key: tuple[Any, ...], group: Sequence[int]) -> bool:
         if self._held or len(self._posted.get(key, ())) != len(group):
@@ -142,8 +156,8 @@ class InProcessPending:
                     missing = network._missing(self.key, self.group) or list(self.peers)
                     raise peer_error(me, missing, missing, f"no answer within {timeout} s")
                 network._cond.wait(min(remaining, 0.005) if network.delay else remaining)
-            buffers = dict(network._posted[self.key])
-        self._result = self.finish(sum_in_group_order(buffers, self.group))
+            total = network.combined(self.key, self.group)
+        self._result = self.finish(total)
         now = time.perf_counter()
         self.wait_seconds, self.seconds, self.waited = now - blocked, now - self.started, True
         if self.peers:
@@ -174,23 +188,34 @@ class InProcessTransport:
         self._counts[base] = count + 1
         return (*base, count)
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> InProcessPending:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> InProcessPending:
         if self.replica not in group:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         if self.replica in self.network._failed:
             raise peer_error(self.replica, [self.replica], [self.replica], "this replica stopped")
         members = tuple(sorted(group))
         key = self._key("group", members)
-        self.network._post(key, self.replica, payload, members)
-        nbytes = payload.numel() * payload.element_size() * (len(members) - 1)
+        if codec is not None and codec.lossy and len(members) > 1:  # members sum every decoded payload, their own too
+            self.network._post(key, self.replica, codec.roundtrip(payload), members)
+            nbytes = codec.nbytes(payload.numel()) * (len(members) - 1)
+        else:
+            self.network._post(key, self.replica, payload, members)
+            nbytes = payload.numel() * payload.element_size() * (len(members) - 1)
         return InProcessPending(self, key, members, lambda total: total.to(payload.device), nbytes)
 
-    def start_all_reduce_sum(self, payload: Tensor) -> InProcessPending:
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> InProcessPending:
         members = tuple(range(self.num_replicas))
         key = self._key("all", members)
-        self.network._post(key, self.replica, payload, members, in_place=True)
         n = self.num_replicas
-        nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
+        if codec is not None and codec.lossy and n > 1:
+            def combine(buffers: dict[int, Tensor], group: Sequence[int]) -> Tensor:
+                return chunked_all_reduce([buffers[j] for j in sorted(group)], codec)
+
+            self.network._post(key, self.replica, payload, members, in_place=True, combine=combine)
+            nbytes = all_reduce_bytes(codec, payload.numel(), n, self.replica)
+        else:
+            self.network._post(key, self.replica, payload, members, in_place=True)
+            nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
 
         def finish(total: Tensor) -> Tensor:
             payload.copy_(total)

@@ -11,6 +11,15 @@ training goes on, and ``PendingSum.wait()`` returns the sum.
 
 A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
+
+With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the bytes on the wire are the codec's:
+
+* group sums send each rank's encoded slice; every member decodes every payload, its own included,
+  and sums in float32 in ascending replica order;
+* the all-reduce becomes an all-to-all of encoded chunks (chunk c goes to replica c), a float32 sum
+  of the decoded chunks in ascending replica order, and an all-gather of each encoded reduced chunk,
+  all point to point: 2(N−1)/N × the codec's size per replica, and bitwise the same result on every
+  replica. The all-to-all runs in the background; the all-gather runs when the sum is waited for.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_loco.codecs import Codec, all_reduce_bytes, decode_sum
 from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "sum_in_group_order"]
@@ -224,15 +234,17 @@ class TorchDistributedTransport:
         dist.all_gather(parts, padded, group=self.replica_group)
         return torch.cat([t[:n] for t, n in zip(parts, sizes)])
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> PendingSum:
         """Posts the group's exchange (receives first) and returns at once. ``payload`` must not
-        change until the pending sum has been waited for."""
+        change until the pending sum has been waited for. A lossy ``codec`` sets the wire format."""
         if self.replica not in group:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         others = [j for j in group if j != self.replica]
         if not others:
             # always a new tensor, as for a real group: callers may update it in place
             return self._pending([], payload.clone, 0, ())
+        if codec is not None and codec.lossy:
+            return self._start_coded_group_sum(payload, group, others, codec)
         send = self._slice(payload.to(self.device)).contiguous()
         received = {j: torch.empty_like(send) for j in others}
         ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
@@ -249,8 +261,11 @@ class TorchDistributedTransport:
         nbytes = send.numel() * send.element_size() * len(others)
         return self._pending(works, finish, nbytes, tuple(others))
 
-    def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
-        """Posts the all-reduce and returns at once; the sum lands in ``payload``."""
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> PendingSum:
+        """Posts the all-reduce and returns at once; the sum lands in ``payload``. A lossy ``codec``
+        sets the wire format (see the module docstring)."""
+        if codec is not None and codec.lossy and self.num_replicas > 1:
+            return self._start_coded_all_reduce(payload, codec)
         buf = payload.to(self.device)
         part = self._slice(buf)
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
@@ -271,3 +286,52 @@ class TorchDistributedTransport:
         # own algorithm, so this is the nominal figure, not a measurement.
         nbytes = 2 * (n - 1) * part.numel() * part.element_size() // n
         return self._pending([work] if work is not None else [], finish, nbytes, peers)
+
+    # ------------------------------------------------------------------ lossy wire formats
+
+    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor]) -> list[Any]:
+        """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j."""
+        ops = [dist.P2POp(dist.irecv, buf, self.replica_ranks[j], self.process_group) for j, buf in receives.items()]
+        ops += [dist.P2POp(dist.isend, buf, self.replica_ranks[j], self.process_group) for j, buf in sends.items()]
+        try:
+            return dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+            raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
+
+    def _start_coded_group_sum(self, payload: Tensor, group: Sequence[int], others: list[int], codec: Codec) -> PendingSum:
+        part = self._slice(payload.to(self.device))
+        n = part.numel()
+        send = codec.encode(part.contiguous())
+        received = {j: torch.empty(codec.nbytes(n), dtype=torch.uint8, device=self.device) for j in others}
+        works = self._exchange(dict.fromkeys(others, send), received)
+
+        def finish() -> Tensor:
+            encoded = {**received, self.replica: send}
+            total = decode_sum(encoded, n, codec, group)
+            return self._gather_slices(total, payload).to(payload.device)
+
+        return self._pending(works, finish, codec.nbytes(n) * len(others), tuple(others))
+
+    def _start_coded_all_reduce(self, payload: Tensor, codec: Codec) -> PendingSum:
+        buf = payload.to(self.device)
+        part = self._slice(buf)
+        num, me = self.num_replicas, self.replica
+        peers = tuple(j for j in range(num) if j != me)
+        chunks = torch.tensor_split(part, num)
+        sizes = [c.numel() for c in chunks]
+        encoded = [codec.encode(c.contiguous()) for c in chunks]
+        mine = {j: torch.empty(codec.nbytes(sizes[me]), dtype=torch.uint8, device=self.device) for j in peers}
+        works = self._exchange({j: encoded[j] for j in peers}, mine)  # the all-to-all (reduce-scatter half)
+
+        def finish() -> Tensor:
+            reduced = codec.encode(decode_sum({**mine, me: encoded[me]}, sizes[me], codec, range(num)))
+            gathered = {j: torch.empty(codec.nbytes(sizes[j]), dtype=torch.uint8, device=self.device) for j in peers}
+            for work in self._exchange(dict.fromkeys(peers, reduced), gathered):  # the all-gather half
+                work.wait()
+            gathered[me] = reduced
+            total = torch.cat([codec.decode(gathered[j], sizes[j]) for j in range(num)])
+            whole = self._gather_slices(total, buf)
+            payload.copy_(whole)
+            return payload
+
+        return self._pending(works, finish, all_reduce_bytes(codec, part.numel(), num, me), peers)
