@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
+from lightning_loco.codecs import WireFormat
 from lightning_loco.flat import FlatParameters
 from lightning_loco.overlap import (
     AutoOverlap,
@@ -76,6 +77,7 @@ class OuterStepReport:
     correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
     peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
     final: bool = False  # landed as the end of training: live weights without the momentum extrapolation
+    compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of this replica's payload x (lossy wire formats)
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:
@@ -101,6 +103,9 @@ class OuterSlot:
     # After a round landed as the end of training: the live weights its plain outer step gave, which
     # training that goes on after all (a resumed checkpoint) starts from.
     outer_weights: Optional[Tensor] = None
+    # Error feedback (lossy wire formats on pseudo-gradients): what the codec has lost of the payloads
+    # sent so far, added to the next one. Outer state: saved and restored with the rest.
+    residual: Optional[Tensor] = None
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, outer state, a round in flight (its received sum is awaited first, not landed:
@@ -113,6 +118,8 @@ class OuterSlot:
         }
         if self.outer_weights is not None:
             out["outer_weights"] = self.outer_weights
+        if self.residual is not None:
+            out["residual"] = self.residual
         return out
 
 
@@ -131,6 +138,8 @@ class OuterStepDriver:
         final_outer_step: "outer" (default: the papers' outer step, always) or "average": a round that
             lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
             live weights to ``algorithm.final_weights``, without the momentum extrapolation.
+        wire: how payloads travel (:mod:`lightning_loco.codecs`); default float32 as they are. With
+            error feedback every slot keeps a residual.
     """
 
     def __init__(
@@ -143,6 +152,7 @@ class OuterStepDriver:
         agree_overlap: Optional[Callable[[int], int]] = None,
         label: str = "",
         final_outer_step: str = "outer",
+        wire: Optional[WireFormat] = None,
     ) -> None:
         check_overlap(overlap_steps, overlap_merge, sync_every)
         check_final_outer_step(final_outer_step)
@@ -151,6 +161,7 @@ class OuterStepDriver:
         self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
         self.agree_overlap = agree_overlap
         self.final_outer_step = final_outer_step
+        self.wire = wire
         self.label = label or f"Replica {transport.replica}"
         self.slots: list[OuterSlot] = []
         self.reports: list[OuterStepReport] = []
@@ -164,6 +175,8 @@ class OuterStepDriver:
         if self.overlap_steps == "auto":
             auto = AutoOverlap(auto_cap(self.sync_every, self.algorithm.name))
         slot = OuterSlot(flat=flat, state=state, auto=auto)
+        if self.wire is not None and self.wire.error_feedback:
+            slot.residual = torch.zeros_like(state.anchor)
         self.slots.append(slot)
         return slot
 
@@ -228,7 +241,11 @@ class OuterStepDriver:
         snapshot = weights
         if tau and algorithm.schedule(t, self.transport.num_replicas).collective:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
-        posted = algorithm.post(slot.state, weights, t, self.transport, keep_own=self.track_norms)
+        posted = algorithm.post(
+            slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
+            residual=slot.residual, who=f"{self.label}, optimizer {index}, outer step {t}",
+            measure_error=self.track_norms,
+        )
         if tau:
             posted.pending.watch()  # so that polls see when the transfer is done
         reference = snapshot
@@ -239,6 +256,7 @@ class OuterStepDriver:
             outer_step=t, start_step=slot.inner_steps, land_step=slot.inner_steps + tau, group=posted.group,
             pending=posted.pending, reference=reference, merge=merge,
             pseudo_gradient_norm=norm, anchor_before=before, own_payload=posted.own,
+            compression_error_norm=posted.compression_error,
         )
         slot.outer_steps += 1
         slot.in_flight.start_seconds = time.perf_counter() - started
@@ -286,7 +304,7 @@ class OuterStepDriver:
                 seconds=flight.start_seconds + time.perf_counter() - started,
                 pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
                 overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
-                final=final_weights is not None,
+                final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
             )
         )
 
@@ -353,6 +371,9 @@ class OuterStepDriver:
             slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
             outer_weights = entry.get("outer_weights")  # saved after a final landing: restored if training goes on
             slot.outer_weights = None if outer_weights is None else outer_weights.to(slot.state.anchor.device).clone()
+            residual = entry.get("residual")
+            if slot.residual is not None:  # saved without error feedback: it starts from zero
+                slot.residual.copy_(residual if residual is not None else torch.zeros_like(slot.residual))
             flight = entry.get("in_flight")
             if flight is not None:
                 device = slot.state.anchor.device

@@ -76,6 +76,7 @@ class InFlight:
     own_payload: Optional[Tensor] = None  # kept only when norms are tracked (for the peer distance)
     start_seconds: float = 0.0  # time the start took from training (posting, prediction)
     completed_after: Optional[float] = None  # seconds from posting until first seen complete
+    compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload sent (lossy wire formats)
 
     def poll(self) -> None:
         """Notes when the exchange is first seen complete (non-blocking)."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 from torch import Tensor
 
+from lightning_loco.codecs import WireFormat, check_payload, roundtrip_segments, segments
 from lightning_loco.schedules import Round
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ class OuterAlgorithm(ABC):
     """The maths of one outer step, on flat float32 buffers."""
 
     name: ClassVar[str]
+    # Whether the payload is a pseudo-gradient (θ − φ, DiLoCo), which error feedback suits, rather than
+    # weights (NoLoCo's θ, GASLoC's z): see docs/compression.md.
+    payload_is_pseudo_gradient: ClassVar[bool] = False
 
     def check_num_replicas(self, num_replicas: int) -> None:
         """Raises ``ValueError`` if the algorithm cannot run on ``num_replicas`` (checked early)."""
@@ -85,30 +89,59 @@ class OuterAlgorithm(ABC):
         the state, in closed form where the algorithm has one."""
 
     def post(
-        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport", keep_own: bool = False
+        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport", keep_own: bool = False,
+        wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None, who: str = "",
+        measure_error: bool = False,
     ) -> "Posted":
         """Starts round ``outer_step`` for this replica: computes its payload from ``weights`` and posts
         the group's sum on ``transport`` (it travels while the caller goes on). The state is not
         changed until ``apply``. With ``keep_own``, ``Posted.own`` is this replica's payload as sent
-        (a copy taken before an all-reduce starts summing into it)."""
+        (a copy taken before an all-reduce starts summing into it).
+
+        ``wire``: the wire format (default: float32 as it is). A payload with NaN or inf raises
+        :class:`~lightning_loco.codecs.PayloadError` naming ``who`` before anything is sent, whatever
+        the format. With a lossy codec and ``residual`` (the error-feedback residual e, updated in
+        place), the payload sent is Δ + e and e becomes what the codec loses of it.
+        ``Posted.compression_error`` is ‖D(Q(x)) − x‖ of the payload x sent, known with a residual and
+        computed with ``measure_error``."""
         round_ = self.schedule(outer_step, transport.num_replicas)
         group = round_.group_of(transport.replica)
+        who = who or f"Replica {transport.replica}, outer step {outer_step}"
         payload = self.payload(state, weights)
+        codec = wire.codec if wire is not None and wire.lossy else None
+        talks = len(group) > 1 or (round_.collective and transport.num_replicas > 1)
+        if codec is not None and not talks:
+            codec = None  # nobody to send to: nothing is encoded, nothing is lost
+        error = None
+        if codec is not None and (residual is not None or measure_error):
+            if residual is not None:
+                payload = payload + residual  # a new tensor: never the live weights
+            check_payload(payload, codec, who)
+            parts = segments(payload.numel(), getattr(transport, "ranks_per_replica", 1),
+                             transport.num_replicas if round_.collective else 1)
+            lost = payload - roundtrip_segments(payload, codec, parts)
+            if residual is not None:
+                residual.copy_(lost)
+            error = torch.linalg.vector_norm(lost).item()
+        else:
+            check_payload(payload, codec, who)
         own = None
         if keep_own:
             own = payload.clone() if round_.collective else payload
+        extra = {} if codec is None else {"codec": codec}  # transports without codecs keep working in float32
         if round_.collective:
-            pending = transport.start_all_reduce_sum(payload)
+            pending = transport.start_all_reduce_sum(payload, **extra)
         else:
-            pending = transport.start_group_sum(payload, group)
-        return Posted(tuple(group), round_.collective, payload, pending, own)
+            pending = transport.start_group_sum(payload, group, **extra)
+        return Posted(tuple(group), round_.collective, payload, pending, own, error)
 
     def step(
-        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport"
+        self, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport",
+        wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None,
     ) -> tuple[Tensor, tuple[int, ...]]:
         """One whole, blocking outer step of this replica over ``transport``: returns the new live
-        weights and the group this replica met."""
-        posted = self.post(state, weights, outer_step, transport)
+        weights and the group this replica met. ``wire`` and ``residual`` as in :meth:`post`."""
+        posted = self.post(state, weights, outer_step, transport, wire=wire, residual=residual)
         return self.apply(state, posted.pending.wait(), len(posted.group)), posted.group
 
 
@@ -121,6 +154,7 @@ class Posted:
     payload: Tensor
     pending: "Pending"
     own: Optional[Tensor] = None  # the payload as sent, when asked for (``post(keep_own=True)``)
+    compression_error: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload x sent (lossy wire formats)
 
 
 def check_positive(name: str, value: float, paper_default: float) -> None:

@@ -48,6 +48,7 @@ class DiLoCo(OuterAlgorithm):
     """
 
     name = "diloco"
+    payload_is_pseudo_gradient = True
 
     def __init__(
         self,
