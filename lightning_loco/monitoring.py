@@ -8,7 +8,11 @@ steps):
   ``outer/bytes_received``, ``outer/pseudo_gradient_norm`` (‖θ − anchor‖ before the step),
   ``outer/update_norm`` (how far the anchor moved) and ``outer/peer`` (the first peer of the logged
   replica, −1 when it met nobody). Loggers write on rank 0, so these describe rank 0's replica;
-  bytes and times are alike on every replica.
+  bytes and times are alike on every replica. The bytes are those on the wire: with a lossy wire
+  format (``wire_dtype``, ``compression``) the encoded size.
+* with a lossy wire format, ``outer/compression_error_norm``: ‖D(Q(x)) − x‖, what the codec lost of
+  the payload x this replica sent at that outer step (x includes the error-feedback residual where
+  there is one). Computed locally from the payload: no message.
 * ``outer/peer_distance``: ‖own payload − mean payload of the replica's group‖ over the optimizer's
   parameters, the local signal of how far the replicas are apart. The strategy computes it from
   what the outer step exchanges anyway: it costs no message (logged when the strategy provides it).
@@ -178,6 +182,7 @@ class OuterStepMonitor(L.Callback):
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
             "update_norm": report.update_norm,
             "peer_distance": report.peer_distance,
+            "compression_error_norm": report.compression_error_norm,
         }
         if report.overlap_steps:
             values.update(overlap_steps=report.overlap_steps, exchange_seconds=report.exchange_seconds,

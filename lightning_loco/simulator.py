@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
+from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.schedules import Round
@@ -211,7 +212,11 @@ class TrainingSimulator:
             warning) where the module does not allow it (e.g. BatchNorm's running statistics).
             The batched path draws dropout for all replicas from one generator (``randomness=
             "different"``); the loop keeps one RNG stream per replica, as separate processes do.
-        track_norms: keep the outer-step norms and peer distances in the drivers' reports.
+        track_norms: keep the outer-step norms and peer distances in the drivers' reports (and the
+            compression error norm with a lossy wire format).
+        wire_dtype, compression, compression_block_size, error_feedback: the wire format of the
+            outer steps, as on the strategies (:mod:`lightning_loco.codecs`); ``bytes_sent`` counts the
+            encoded bytes.
     """
 
     def __init__(
@@ -230,6 +235,10 @@ class TrainingSimulator:
         max_steps: int | None = None,
         batched: bool | str = "auto",
         track_norms: bool = True,
+        wire_dtype: str = "float32",
+        compression: str | None = None,
+        compression_block_size: int = DEFAULT_BLOCK_SIZE,
+        error_feedback: bool | None = None,
     ) -> None:
         if not shards:
             raise ValueError("need one shard (an iterable of batches) per replica, got none")
@@ -241,6 +250,9 @@ class TrainingSimulator:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val}")
+        pseudo_gradient = algorithm.payload_is_pseudo_gradient if algorithm is not None else False
+        wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback, pseudo_gradient)
+        self.wire = wire
         n = len(shards)
         self.num_replicas, self.algorithm, self.sync_every = n, algorithm, sync_every
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
@@ -268,6 +280,7 @@ class TrainingSimulator:
                 driver = OuterStepDriver(
                     algorithm, self.network.transport(i), sync_every, overlap_steps, overlap_merge,
                     label=f"Simulated replica {i}", final_outer_step=final_outer_step,
+                    wire=wire if wire.lossy else None,
                 )
                 driver.track_norms = track_norms
                 driver.add(self.flats[i])

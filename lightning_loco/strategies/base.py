@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_loco import checkpoints
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.outer_optimizer import check_picklable
+from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterSlot, OuterStepDriver, OuterStepReport
 from lightning_loco.flat import FlatParameters
 from lightning_loco.overlap import check_overlap
@@ -76,6 +77,21 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             "outer": the papers' plain outer step. The papers define no final model; this is our
             choice. It applies when ``fit`` ends at ``max_steps`` or ``max_epochs`` (and to a round
             still in flight then), not to an early stop nobody can foresee.
+        wire_dtype: the float format of the outer step's payloads on the wire: "float32" (default: sent
+            as they are), "bfloat16" or "float16" (half the bytes). The outer state stays float32 and
+            receivers decode and sum in float32; DiLoCo's all-reduce never sums in low precision (an
+            all-to-all of encoded chunks, float32 sums, an all-gather). float16 keeps 3 more bits than
+            bfloat16 but carries no |x| > 65504 (such a payload fails with a clear error). See
+            docs/compression.md for which suits which algorithm.
+        compression: None (default) or "int8": each block of ``compression_block_size`` values is sent
+            as int8 with one float32 scale (about a quarter of float32's bytes). Leave ``wire_dtype`` at
+            "float32" with it.
+        compression_block_size: values per int8 scale, an integer >= 1 (default 256: 1.6 % of the int8
+            bytes go to scales; smaller blocks follow outliers more closely for more scale bytes).
+        error_feedback: with a lossy wire format, keep what the codec lost of each payload and add it
+            to the next (the residual is outer state, saved in checkpoints). None (default): on where
+            the payload is a pseudo-gradient (DiLoCo), off where it is weights (NoLoCo, GASLoC), as
+            measured in docs/compression.md; True or False forces it.
         outer_state_device: where the float32 outer state lives. None: the model's device; "cpu"
             keeps it off the accelerator.
         transport_factory: builds the transport of the outer steps, with the keyword arguments of
@@ -105,6 +121,10 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         ranks_per_replica: int = 1,
         average_at_end: bool = True,
         final_outer_step: Literal["average", "outer"] = "average",
+        wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        compression: Optional[Literal["int8"]] = None,
+        compression_block_size: int = DEFAULT_BLOCK_SIZE,
+        error_feedback: Optional[bool] = None,
         outer_state_device: Optional[str] = None,
         transport_factory: Optional[TransportFactory] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -121,6 +141,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
                    "number of devices per node makes every node one replica.")
         check_overlap(overlap_steps, overlap_merge, sync_every)
         check_final_outer_step(final_outer_step)
+        wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback,
+                           pseudo_gradient=algorithm.payload_is_pseudo_gradient)
         device = parse_device(outer_state_device)
         check_picklable(getattr(algorithm, "outer_optimizer", None), start_method)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
@@ -133,6 +155,9 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
         self.final_outer_step = final_outer_step
+        self.wire_dtype, self.compression = wire_dtype, compression
+        self.compression_block_size, self.error_feedback = compression_block_size, error_feedback
+        self.wire = wire
         self._outer_state_device = device
         self.transport_factory = transport_factory or TorchDistributedTransport
         self.driver: Optional[OuterStepDriver] = None  # during fit
@@ -200,6 +225,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
+            wire=self.wire if self.wire.lossy else None,
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
