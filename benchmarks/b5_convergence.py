@@ -3,6 +3,7 @@
     python -m benchmarks.b5_convergence                        # the grid: under an hour on 2 CPU cores
     python -m benchmarks.b5_convergence --parts tuning h_study  # the tuning experiment: ~12 min more
     python -m benchmarks.b5_convergence --quick                 # a smoke run of every part, under a minute
+    python -m benchmarks.b5_convergence --parts codecs          # wire formats: 45 runs, ~40 min on 2 cores
 
 Every method trains the same byte-level GPT on Shakespeare from the same start, with the same
 inner optimizer (AdamW, warmup then cosine), the same batch per replica and the same number of
@@ -23,6 +24,10 @@ Runs go through :class:`lightning_loco.simulator.TrainingSimulator`, which runs 
 driver and outer step for N replicas in one process (``tests/test_simulator.py`` shows it follows
 the multi-process strategies step by step). The ``processes`` part trains the same configuration with
 real processes through Lightning at N = 4 and 8 and compares loss and time per step.
+
+The ``codecs`` part trains DiLoCo, NoLoCo and GASLoC (random pairs) at N = 4 on iid shards with
+every wire format (``CODECS``: float32, bfloat16, float16, int8 with the default error feedback, and
+int8 with it switched the other way), 3 seeds each, and plots the loss against the bytes sent.
 
 Each finished run is kept as one JSON file in ``b5_runs/`` next to the results, so an interrupted
 run resumes where it stopped (``--fresh`` starts over). The summary is ``b5_convergence.json`` with
@@ -78,7 +83,7 @@ FULL = Settings(steps=450, sync_every=10, batch_size=8, block_size=64, n_layer=2
 QUICK = Settings(steps=24, sync_every=4, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
                  warmup_steps=4, eval_every=12, eval_batches=2, final_eval_batches=4)
 
-PARTS = ("main", "h1", "large", "tuning", "h_study", "processes")
+PARTS = ("main", "h1", "large", "tuning", "h_study", "codecs", "processes")
 DEFAULT_PARTS = ("main", "h1", "large", "processes")
 MAIN_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs")
 LARGE_METHODS = {16: ("ddp", "independent", "diloco", "noloco", "gasloc_pairs"), 64: ("diloco", "noloco", "gasloc_pairs")}
@@ -94,6 +99,27 @@ TUNING_GRID = {
     "noloco": ((0.5, 0.7, 0.9), (0.0, 0.25, 0.5)),
     "gasloc_pairs": ((0.5, 0.7, 1.0), (0.0, 0.25, 0.5)),
 }
+
+
+# The codecs part: wire formats as (wire_dtype, compression, error_feedback); None = the default
+# (error feedback on for DiLoCo's pseudo-gradients, off for NoLoCo's and GASLoC's weights).
+CODECS = {
+    "float32": ("float32", None, None),
+    "bfloat16": ("bfloat16", None, None),
+    "int8": ("float32", "int8", None),
+    "float16": ("float16", None, None),
+    "int8_ef": ("float32", "int8", True),  # error feedback on weights (NoLoCo, GASLoC)
+    "int8_no_ef": ("float32", "int8", False),  # DiLoCo without its error feedback
+}
+CODEC_METHODS = ("diloco", "noloco", "gasloc_pairs")
+
+
+def codec_variants(method: str, first: bool) -> list[str]:
+    """The wire formats of the codecs part for ``method``: the targets first (float32, bfloat16,
+    int8), then float16 and error feedback switched the other way."""
+    if first:
+        return ["float32", "bfloat16", "int8"]
+    return ["float16", "int8_no_ef" if method == "diloco" else "int8_ef"]
 
 
 def tuned(method: str, lr: float, momentum: float) -> str:
@@ -133,11 +159,13 @@ class Job:
     split: str
     seed: int
     sync_every: int
-    part: str  # "main", "h1" or "large"
+    part: str  # "main", "h1", "large", "tuning", "h_study" or "codecs"
+    wire: str = "float32"  # a key of CODECS
 
     @property
     def name(self) -> str:
-        return f"{self.part}-{self.method}-n{self.replicas}-{self.split}-h{self.sync_every}-s{self.seed}"
+        wire = "" if self.part != "codecs" else f"-{self.wire}"
+        return f"{self.part}-{self.method}{wire}-n{self.replicas}-{self.split}-h{self.sync_every}-s{self.seed}"
 
 
 def jobs_for(settings: Settings, quick: bool) -> list[Job]:
@@ -163,6 +191,11 @@ def jobs_for(settings: Settings, quick: bool) -> list[Job]:
     for h in (settings.sync_every // 2, settings.sync_every * 5):
         methods = ("noloco", "diloco") if quick else ("noloco", "diloco", "gasloc_pairs")
         jobs += [Job(m, n, "iid", 0, h, "h_study") for m in methods]
+    # wire formats: the targets with every seed first, then the rest
+    for first in (True, False):
+        for seed in seeds:
+            jobs += [Job(m, n, "iid", seed, settings.sync_every, "codecs", w)
+                     for m in CODEC_METHODS for w in codec_variants(m, first)]
     return jobs
 
 
@@ -239,9 +272,11 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
     probe, final_probe = eval_batches(val, settings.eval_batches), eval_batches(val, settings.final_eval_batches)
     torch.manual_seed(job.seed)
     model = GPT(**settings.model_kwargs)
+    wire_dtype, compression, error_feedback = CODECS[job.wire]
     sim = TrainingSimulator(
         model, shards_for(job, settings, parts), make_algorithm(job.method), sync_every=job.sync_every,
         loss=gpt_loss, gradient_clip_val=1.0, gradient_averaging=job.method == "ddp",
+        wire_dtype=wire_dtype, compression=compression, error_feedback=error_feedback,
     )
     tokens_per_step = job.replicas * settings.batch_size * settings.block_size
     curve: list[dict[str, Any]] = []
@@ -287,6 +322,9 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
             if values:
                 step = sim.drivers[0].reports[t].inner_step
                 peer.append({"step": step, "peer_distance": statistics.mean(values), "lr": lrs[step - 1]})
+    # what the codec lost of each payload against one outer step's change ‖θ − anchor‖ (see docs/compression.md)
+    errors = [(r.compression_error_norm, r.pseudo_gradient_norm) for d in sim.drivers for r in d.reports
+              if r.compression_error_norm is not None and r.pseudo_gradient_norm]
     record = {
         **asdict(job), "name": job.name, "settings": asdict(settings), "curve": curve, "peer_distance": peer,
         "final": {"mean_replica": end["mean_replica"], "consensus": end["consensus"],
@@ -294,6 +332,8 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
                   "replicas": end["replicas"], "spread": sim.spread(),
                   "bytes_per_replica": statistics.mean(sim.bytes_sent()),
                   "tokens": settings.steps * tokens_per_step},
+        "compression_error_norm": statistics.mean(e for e, _ in errors) if errors else None,
+        "compression_error_ratio": statistics.mean(e / g for e, g in errors) if errors else None,
         "batched": sim.batched, "seconds": time.perf_counter() - started,
         "seconds_per_step": timed / max(1, settings.steps - settings.eval_every),
     }
@@ -403,7 +443,8 @@ def correlation(xs: list[float], ys: list[float]) -> float | None:
 def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r["part"], r["replicas"], r["split"], r["sync_every"], r["method"]), []).append(r)
+        method = r["method"] if r["part"] != "codecs" else f"{r['method']}:{r.get('wire', 'float32')}"
+        groups.setdefault((r["part"], r["replicas"], r["split"], r["sync_every"], method), []).append(r)
     rows = []
     for (part, n, split, h, method), runs in sorted(groups.items(), key=lambda kv: (*kv[0][:4], MAIN_ORDER.get(kv[0][4], 99))):
         spread_lr = [correlation([p["spread"] for p in r["curve"][1:]], [p["lr"] for p in r["curve"][1:]]) for r in runs]
@@ -419,6 +460,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "mbytes_per_replica": statistics.mean(r["final"]["bytes_per_replica"] for r in runs) / 1e6,
             "corr_spread_lr": _mean_or_none(spread_lr), "corr_peer_distance_lr": _mean_or_none(peer_lr),
             "seconds": statistics.mean(r["seconds"] for r in runs),
+            "compression_error_ratio": _mean_or_none([r.get("compression_error_ratio") for r in runs]),
         })
     return rows
 
@@ -466,6 +508,66 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                     verdict = "beats" if diff > noise else ("loses to" if -diff > noise else "ties")
                     lines.append(f"H=1 N={n} {method} ({key}): {verdict} plain gossip by {diff:+.3f} (noise {noise:.3f})")
     return lines
+
+
+def codec_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The codecs part against float32, per method: the final losses, bytes, and the verdicts on the
+    targets (bfloat16 within the seed spread, int8 within 1 %)."""
+    out = []
+    index = {r["method"]: r for r in rows if r["part"] == "codecs"}
+    for key, r in index.items():
+        method, wire = key.split(":")
+        base = index.get(f"{method}:float32")
+        if base is None:
+            continue
+        row = {"method": method, "wire": wire, "seeds": r["seeds"],
+               "consensus": r["consensus"]["mean"], "pm": r["consensus"]["half_range"],
+               "replica": r["mean_replica"]["mean"], "mbytes": r["mbytes_per_replica"],
+               "bytes_ratio": r["mbytes_per_replica"] / base["mbytes_per_replica"],
+               "error_ratio": r.get("compression_error_ratio"),
+               "delta": r["consensus"]["mean"] - base["consensus"]["mean"],
+               "delta_pct": 100 * (r["consensus"]["mean"] / base["consensus"]["mean"] - 1),
+               "noise": r["consensus"]["half_range"] + base["consensus"]["half_range"]}
+        row["within_spread"] = abs(row["delta"]) <= row["noise"]
+        row["within_1pct"] = row["delta_pct"] <= 1.0
+        out.append(row)
+    return out
+
+
+def codec_plot(records: list[dict[str, Any]], folder: Path) -> list[str]:
+    """Consensus loss against MB sent per replica, one panel per method, one line per wire format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in records if r["part"] == "codecs"]
+    if not runs:
+        return []
+    methods = [m for m in CODEC_METHODS if any(r["method"] == m for r in runs)]
+    fig, axes = plt.subplots(1, len(methods), figsize=(4.2 * len(methods), 3.8), squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        for k, wire in enumerate(CODECS):
+            chosen = [r for r in runs if r["method"] == method and r.get("wire") == wire]
+            if not chosen:
+                continue
+            points = list(zip(*[[p["consensus"] for p in r["curve"]] for r in chosen]))
+            mean = [statistics.mean(p) for p in points]
+            mbytes = [p["bytes_per_replica"] / 1e6 for p in chosen[0]["curve"]]
+            sent = [(b, m) for b, m in zip(mbytes, mean) if b > 0]
+            ax.plot([b for b, _ in sent], [m for _, m in sent], marker=".", lw=1.1, color=f"C{k}",
+                    label=f"{wire} ({len(chosen)} seeds)")
+        ax.set_xscale("log")
+        ax.set_xlabel("MB sent per replica (log)")
+        ax.set_ylabel("consensus validation loss")
+        ax.set_title(f"{method}, N=4 iid: loss against bytes", fontsize=9)
+        ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = folder / "b5_codecs.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [path.name]
 
 
 def plots(records: list[dict[str, Any]], folder: Path, quick: bool) -> list[str]:
@@ -533,9 +635,19 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
             ("processes_s_per_step", "processes s/step", ".3f"), ("simulator_s_per_step", "simulator s/step", ".3f"),
             ("time_ratio", "processes/simulator", ".2f"),
         ]))
-    pngs = plots(records, folder, quick)
+    codecs = codec_rows(rows)
+    if codecs:
+        print(table(codecs, [
+            ("method", "method", "s"), ("wire", "wire", "s"), ("seeds", "seeds", "d"),
+            ("consensus", "consensus", ".3f"), ("pm", "±", ".3f"), ("replica", "mean replica", ".3f"),
+            ("mbytes", "MB/replica", ".2f"), ("bytes_ratio", "bytes/float32", ".3f"),
+            ("error_ratio", "‖D(Q(x))−x‖/‖θ−φ‖", ".3f"),
+            ("delta_pct", "Δ vs float32 %", "+.2f"), ("noise", "seed half-ranges", ".3f"),
+            ("within_spread", "within spread", ""), ("within_1pct", "within 1 %", ""),
+        ]))
+    pngs = plots(records, folder, quick) + codec_plot(records, folder)
     write_json("b5_convergence.json", {
-        "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "processes": process_rows,
+        "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "codecs": codecs, "processes": process_rows,
         "plots": pngs, "runs": len(records),
         # per run: the measuring points (the full records, with per-replica losses and every round's
         # peer distance, stay in the runs folder)
