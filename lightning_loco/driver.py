@@ -175,8 +175,6 @@ class OuterStepDriver:
         if self.overlap_steps == "auto":
             auto = AutoOverlap(auto_cap(self.sync_every, self.algorithm.name))
         slot = OuterSlot(flat=flat, state=state, auto=auto)
-        if self.wire is not None and self.wire.error_feedback:
-            slot.residual = torch.zeros_like(state.anchor)
         self.slots.append(slot)
         return slot
 
@@ -241,6 +239,8 @@ class OuterStepDriver:
         snapshot = weights
         if tau and algorithm.schedule(t, self.transport.num_replicas).collective:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
+        if self.wire is not None and self.wire.error_feedback and slot.residual is None:
+            slot.residual = torch.zeros(algorithm.payload_numel(slot.state), device=slot.state.anchor.device)
         posted = algorithm.post(
             slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
             residual=slot.residual, who=f"{self.label}, optimizer {index}, outer step {t}",
@@ -371,9 +371,9 @@ class OuterStepDriver:
             slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
             outer_weights = entry.get("outer_weights")  # saved after a final landing: restored if training goes on
             slot.outer_weights = None if outer_weights is None else outer_weights.to(slot.state.anchor.device).clone()
-            residual = entry.get("residual")
-            if slot.residual is not None:  # saved without error feedback: it starts from zero
-                slot.residual.copy_(residual if residual is not None else torch.zeros_like(slot.residual))
+            residual = entry.get("residual")  # error feedback: the residual goes on (saved without: from zero)
+            feedback = self.wire is not None and self.wire.error_feedback
+            slot.residual = residual.to(slot.state.anchor.device).clone() if feedback and residual is not None else None
             flight = entry.get("in_flight")
             if flight is not None:
                 device = slot.state.anchor.device

@@ -72,6 +72,10 @@ class OuterAlgorithm(ABC):
     def payload(self, state: OuterState, weights: Tensor) -> Tensor:
         """The buffer this replica contributes to its group's sum. May be summed in place."""
 
+    def payload_numel(self, state: OuterState) -> int:
+        """The number of values ``payload`` returns (the size of an error-feedback residual)."""
+        return state.anchor.numel()
+
     @abstractmethod
     def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
         """Finishes the outer step from the group's summed payloads; returns the new live weights."""
@@ -115,6 +119,8 @@ class OuterAlgorithm(ABC):
         error = None
         if codec is not None and (residual is not None or measure_error):
             if residual is not None:
+                if residual.numel() != payload.numel():
+                    raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
                 payload = payload + residual  # a new tensor: never the live weights
             check_payload(payload, codec, who)
             parts = segments(payload.numel(), getattr(transport, "ranks_per_replica", 1),

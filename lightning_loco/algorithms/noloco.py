@@ -104,6 +104,9 @@ class NoLoCo(OuterAlgorithm):
             return weights
         return torch.cat([weights, state.anchor])
 
+    def payload_numel(self, state: OuterState) -> int:
+        return state.anchor.numel() * (1 if self.sends_weights_only else 2)
+
     def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
         """φ + α·δ + β·(θ − φ): the update with the group's mean replaced by this replica's own values
         (the γ term vanishes)."""

@@ -120,10 +120,10 @@ class Transport(Protocol):
         ``codec``: decoded chunks summed in float32, the same result on every replica."""
         ...
 
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
+    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional["Codec"] = None) -> Tensor:
         ...
 
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
+    def all_reduce_sum(self, payload: Tensor, codec: Optional["Codec"] = None) -> Tensor:
         ...
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> Pending:

@@ -223,11 +223,11 @@ class InProcessTransport:
 
         return InProcessPending(self, key, members, finish, nbytes)
 
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
-        return self.start_group_sum(payload, group).wait()
+    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> Tensor:
+        return self.start_group_sum(payload, group, codec).wait()
 
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
-        return self.start_all_reduce_sum(payload).wait()
+    def all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> Tensor:
+        return self.start_all_reduce_sum(payload, codec).wait()
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> InProcessPending:
         pending = InProcessPending(self, ("resolved",), (self.replica, *peers), lambda t: t, 0)

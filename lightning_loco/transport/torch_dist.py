@@ -210,11 +210,11 @@ class TorchDistributedTransport:
         """Wraps posted works (a subclass may return its own kind of ``PendingSum``)."""
         return PendingSum(self, works, finish, nbytes, peers)
 
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
-        return self.start_group_sum(payload, group).wait()
+    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> Tensor:
+        return self.start_group_sum(payload, group, codec).wait()
 
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
-        return self.start_all_reduce_sum(payload).wait()
+    def all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> Tensor:
+        return self.start_all_reduce_sum(payload, codec).wait()
 
     def _slice(self, buf: Tensor) -> Tensor:
         """This rank's slice of a flat buffer (k equal slices, the last ones shorter if need be)."""
