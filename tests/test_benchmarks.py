@@ -143,7 +143,7 @@ def test_b5_quick(tmp_path):
     out = bench(tmp_path, "b5_convergence")
     result = json.loads((tmp_path / "b5_convergence.json").read_text())
     rows = result["rows"]
-    assert {r["part"] for r in rows} == {"main", "h1", "large", "tuning", "h_study"}
+    assert {r["part"] for r in rows} == {"main", "h1", "large", "tuning", "h_study", "codecs"}
     main = {r["method"] for r in rows if r["part"] == "main"}
     assert main == {"ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs"}
     assert {r["split"] for r in rows if r["part"] == "main"} == {"iid", "non_iid"}
@@ -157,6 +157,13 @@ def test_b5_quick(tmp_path):
     assert process_row["processes_consensus"] == pytest.approx(process_row["simulator_consensus"], abs=0.02)
     assert "NoLoCo vs DiLoCo" in out and "plain gossip" in out
     assert (tmp_path / "b5_convergence_n2.png").exists()
+    # the codecs part: every wire format of every method against float32, bytes as the codecs' sizes
+    codecs = {(r["method"], r["wire"]): r for r in result["codecs"]}
+    for method in ("diloco", "noloco", "gasloc_pairs"):
+        assert codecs[(method, "bfloat16")]["bytes_ratio"] == pytest.approx(0.5)
+        assert 0.25 < codecs[(method, "int8")]["bytes_ratio"] < 0.26
+        assert codecs[(method, "int8")]["error_ratio"] > codecs[(method, "float16")]["error_ratio"] > 0
+    assert (tmp_path / "b5_codecs.png").exists()
 
 
 @pytest.mark.slow
