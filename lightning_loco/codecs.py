@@ -30,7 +30,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +67,7 @@ class Codec(ABC):
         """D(Q(x)): what a receiver gets for ``x``."""
         return self.decode(self.encode(x), x.numel())
 
-    def check(self, x: Tensor) -> Optional[str]:
+    def check(self, x: Tensor) -> str | None:
         """Why ``x`` (known to be finite) cannot be sent in this format, or ``None``."""
         return None
 
@@ -109,7 +109,7 @@ class CastCodec(Codec):
     def decode(self, data: Tensor, n: int) -> Tensor:
         return data.view(self.dtype)[:n].to(torch.float32)
 
-    def check(self, x: Tensor) -> Optional[str]:
+    def check(self, x: Tensor) -> str | None:
         if self.dtype == torch.float16 and x.numel():
             largest = x.abs().max().item()
             if largest > FLOAT16_MAX:
@@ -205,7 +205,7 @@ def make_codec(wire_dtype: Any = "float32", compression: Any = None, block_size:
     return CastCodec(torch.bfloat16 if wire_dtype == "bfloat16" else torch.float16)
 
 
-def check_payload(x: Tensor, codec: Optional[Codec], who: str) -> None:
+def check_payload(x: Tensor, codec: Codec | None, who: str) -> None:
     """Raises :class:`PayloadError` naming ``who`` if ``x`` holds NaN or inf, or values ``codec``
     cannot carry. Reads ``x`` only (one pass; a host sync on an accelerator)."""
     if not bool(torch.isfinite(x).all()):

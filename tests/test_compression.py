@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import tiny
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_driver import ALGORITHMS, assert_same, lockstep, replicas_for, roundtrip, threaded, trace
 
-import tiny
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.codecs import (
@@ -35,9 +35,9 @@ from lightning_loco.simulator import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
 
 WIRES = {
-    "bfloat16": dict(wire_dtype="bfloat16"),
-    "float16": dict(wire_dtype="float16"),
-    "int8": dict(compression="int8", block_size=4),  # small blocks: several per tiny model
+    "bfloat16": {"wire_dtype": "bfloat16"},
+    "float16": {"wire_dtype": "float16"},
+    "int8": {"compression": "int8", "block_size": 4},  # small blocks: several per tiny model
 }
 
 
@@ -368,7 +368,7 @@ def _gloo_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None
         if k > 1:
             replica_groups = [dist.new_group(list(range(i * k, i * k + k))) for i in range(world // k)]
             slice_groups = [dist.new_group(list(range(j, world, k))) for j in range(k)]
-            groups = dict(replica_group=replica_groups[rank // k], slice_group=slice_groups[rank % k])
+            groups = {"replica_group": replica_groups[rank // k], "slice_group": slice_groups[rank % k]}
         t = TorchDistributedTransport(torch.device("cpu"), ranks_per_replica=k, **groups)
         results = {}
         for name in ("bfloat16", "int8"):
