@@ -69,7 +69,10 @@ class PendingSum:
         self._error: Optional[RuntimeError] = None
         self._event: Optional[Any] = None  # CUDA transports: recorded on the side stream after the works
         if works and transport.device.type == "cuda":
-            self._event = transport.completion_event(works)
+            try:
+                self._event = transport.completion_event(works)
+            except RuntimeError as err:  # TORCH_NCCL_BLOCKING_WAIT=1: the works were waited for here
+                raise transport.peer_error(peers, err) from err
 
     @property
     def watcher(self) -> Optional[threading.Thread]:
