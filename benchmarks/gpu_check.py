@@ -207,6 +207,18 @@ def fit(setting: Setting, strategy: Any, steps: int, callbacks: list[Any] = (), 
     return model
 
 
+def guarded(errors: dict[str, str], config: str, run: Callable[[], Any]) -> Any:
+    """``run()``, or None after recording its error under ``config``: one failed run does not end
+    its part."""
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001 (recorded, reported in the table and the JSON)
+        errors[config] = f"{type(err).__name__}: {err}"[:600]
+        say(f"  {config} failed: {errors[config][:200]}")
+        free_memory()
+        return None
+
+
 def free_port() -> int:
     """A port the system says is free (never a fixed one)."""
     with socket.socket() as s:
@@ -260,12 +272,16 @@ def part_overhead(setting: Setting, budget: Budget) -> dict[str, Any]:
     steps = setting.warmup + setting.overhead_steps
     tokens = setting.overhead_steps * setting.batch_size * setting.block_size
     samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    errors: dict[str, str] = {}
+    params = 0
     for rep in range(setting.overhead_repeats):
         if rep and not budget.allows(1.1 / setting.overhead_repeats, f"repeats {rep + 1}+"):
             break
         for config, make in configs.items():  # interleaved: a drift in the machine hits all alike
             window = Window()
-            model = fit(setting, make(), steps, [window])
+            model = guarded(errors, config, lambda make=make, window=window: fit(setting, make(), steps, [window]))
+            if model is None:
+                continue
             samples[config].append({"tokens_per_s": tokens / window.seconds, "outer_steps": window.outer,
                                     "s_per_step": window.seconds / setting.overhead_steps})
             say(f"part 1: repeat {rep + 1} {config}: {samples[config][-1]['tokens_per_s']:.0f} tokens/s")
@@ -275,9 +291,11 @@ def part_overhead(setting: Setting, budget: Budget) -> dict[str, Any]:
     plain = [s["tokens_per_s"] for s in samples["plain"]]
     rows = {}
     for config, runs in samples.items():
+        if not runs:
+            continue
         rates = [s["tokens_per_s"] for s in runs]
         row: dict[str, Any] = {"tokens_per_s": summary(rates), "outer_steps_timed": runs[0]["outer_steps"]}
-        if config != "plain":
+        if config != "plain" and len(runs) == len(plain):
             pairs = [r / p for r, p in zip(rates, plain)]  # repeat by repeat: neighbours in time
             row["ratio"] = statistics.median(rates) / statistics.median(plain)
             row["ratio_per_repeat"] = summary(pairs)
@@ -287,7 +305,8 @@ def part_overhead(setting: Setting, budget: Budget) -> dict[str, Any]:
                 row["outer_step_cost_s"] = summary(extra)  # time per step over plain, per outer step
         rows[config] = row
     return {"parameters": params, "sync_every": h, "steps_timed": setting.overhead_steps,
-            "tokens_per_step": setting.batch_size * setting.block_size, "repeats": len(plain), "configs": rows}
+            "tokens_per_step": setting.batch_size * setting.block_size, "repeats": len(plain), "configs": rows,
+            "errors": errors}
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -421,6 +440,17 @@ def part_host_sync(setting: Setting, budget: Budget) -> dict[str, Any]:
 
             return counted
 
+        def cleanup(self) -> None:
+            """After a failed run: sync debugging off, ``Tensor`` methods restored."""
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode(0)
+            for counter in (self.hook_reads, self.reads):
+                counter.active = False
+                counter.uninstall()
+            if getattr(self, "caught", None) is not None:
+                self.caught.__exit__(None, None, None)
+                self.caught = None
+
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx < warm:
                 return
@@ -430,6 +460,7 @@ def part_host_sync(setting: Setting, budget: Budget) -> dict[str, Any]:
             self.reads.uninstall()
             syncs = [str(w.message) for w in self.warned if "synchroniz" in str(w.message)]
             self.caught.__exit__(None, None, None)
+            self.caught = None
             outer = rounds_seen(trainer.strategy) != self.outer_before
             self.steps.append({"outer": outer, "host_reads": self.reads.count, "cuda_syncs": len(syncs) if on_gpu else None,
                                "hook_host_reads": self.hook_reads.count - self.hook_before,
@@ -445,13 +476,21 @@ def part_host_sync(setting: Setting, budget: Budget) -> dict[str, Any]:
         "noloco-1+monitor": lambda: (strategy_for("noloco", h), [OuterStepMonitor()]),
     }
     steps = warm + 3 * h
-    out: dict[str, Any] = {"sync_every": h, "steps_counted": 3 * h, "sync_debug_mode": on_gpu, "configs": {}}
+    out: dict[str, Any] = {"sync_every": h, "steps_counted": 3 * h, "sync_debug_mode": on_gpu, "configs": {},
+                           "errors": {}}
     for config, make in configs.items():
         if not budget.allows(0.12, config):
             continue
-        strategy, extra = make()
         count = Count()
-        model = fit(setting, strategy, steps, [count, *extra])
+
+        def run(make: Callable[[], Any] = make, count: Any = count) -> Any:
+            strategy, extra = make()
+            return fit(setting, strategy, steps, [count, *extra])
+
+        model = guarded(out["errors"], config, run)
+        if model is None:
+            count.cleanup()
+            continue
         inner = [s for s in count.steps if not s["outer"]]
         outer = [s for s in count.steps if s["outer"]]
 
@@ -489,7 +528,7 @@ def part_memory(setting: Setting, budget: Budget) -> dict[str, Any]:
         configs[f"{name}-1"] = lambda name=name: strategy_for(name, h)
         configs[f"{name}-1-cpu-state"] = lambda name=name: strategy_for(name, h, outer_state_device="cpu")
     steps = 2 * h + 1  # two outer steps, then one inner step
-    out: dict[str, Any] = {"sync_every": h, "steps": steps, "configs": {}}
+    out: dict[str, Any] = {"sync_every": h, "steps": steps, "configs": {}, "errors": {}}
     plain_peak = None
     for config, make in configs.items():
         if not budget.allows(0.08, config):
@@ -499,7 +538,9 @@ def part_memory(setting: Setting, budget: Budget) -> dict[str, Any]:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        model = fit(setting, make(), steps)
+        model = guarded(out["errors"], config, lambda make=make: fit(setting, make(), steps))
+        if model is None:
+            continue
         params = numel(model)
         peak = torch.cuda.max_memory_allocated() - base if on_gpu else None
         row: dict[str, Any] = {"peak_bytes": peak}
@@ -668,7 +709,7 @@ def part_nccl(setting: Setting, budget: Budget) -> dict[str, Any]:
     backend = "nccl" if on_gpu else "gloo"
     h = setting.short_sync_every
     tau = max(1, h // 3)
-    out: dict[str, Any] = {"backend": backend, "sync_every": h, "runs": {}}
+    out: dict[str, Any] = {"backend": backend, "sync_every": h, "runs": {}, "errors": {}}
 
     class Seen(L.Callback):
         def on_train_end(self, trainer: Any, module: Any) -> None:
@@ -681,7 +722,10 @@ def part_nccl(setting: Setting, budget: Budget) -> dict[str, Any]:
             continue
         seen = Seen()
         algorithm = name.split("-")[0]
-        model = fit(setting, strategy_for(algorithm, h, process_group_backend=backend, **kwargs), 3 * h, [seen])
+        model = guarded(out["errors"], name, lambda algorithm=algorithm, kwargs=kwargs, seen=seen: fit(
+            setting, strategy_for(algorithm, h, process_group_backend=backend, **kwargs), 3 * h, [seen]))
+        if model is None:
+            continue
         reports = model.trainer_strategy.outer_step_reports
         out["runs"][name] = {
             "rounds": len(reports), "overlap_steps": [r.overlap_steps for r in reports],
@@ -783,22 +827,27 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def rows_of(parts: dict[int, dict[str, Any]], on_gpu: bool) -> list[dict[str, str]]:
-    """One table: part, what was checked, the result, the target, and whether it was met."""
+    """One table: part, what was checked, the result, the target, and whether it was met ("ok",
+    "MISSED", "-" where there is no target or it does not apply, "FAILED" for a run that failed)."""
     rows: list[dict[str, str]] = []
 
-    def add(part: int, check: str, result: str, target: str = "", ok: bool | None = None) -> None:
-        status = "-" if ok is None else ("ok" if ok else "MISSED")
+    def add(part: int, check: str, result: str, target: str = "", ok: bool | None = None, failed: bool = False) -> None:
+        status = "FAILED" if failed else "-" if ok is None else ("ok" if ok else "MISSED")
         rows.append({"part": str(part), "check": check, "result": result, "target": target, "status": status})
 
     for part, res in parts.items():
         if res.get("status") != "ran":
-            add(part, PARTS[part][0], (res.get("error") or res.get("status", "?"))[:90], "", False)
+            add(part, PARTS[part][0], (res.get("error") or res.get("status", "?"))[:90], failed=True)
             continue
+        for config, error in res.get("errors", {}).items():
+            add(part, f"{config} failed", error[:90], failed=True)
         if part == 1:
             for config, row in res["configs"].items():
                 if config == "plain":
                     add(1, "plain tokens/s", fmt(row["tokens_per_s"]["median"], ".0f"))
                     continue
+                if "ratio" not in row:
+                    continue  # plain failed in some repeat: no ratio
                 spread = row["ratio_per_repeat"]
                 add(1, f"{config} tokens/s over plain (H={res['sync_every']})",
                     f"{row['ratio']:.3f} [{spread['min']:.3f}, {spread['max']:.3f}]", ">= 0.98",
@@ -806,14 +855,14 @@ def rows_of(parts: dict[int, dict[str, Any]], on_gpu: bool) -> list[dict[str, st
                 if "outer_step_cost_s" in row:
                     add(1, f"{config} cost per outer step (ms)", fmt(row["outer_step_cost_s"]["median"] * 1e3, ".1f"))
         elif part == 2:
-            plain = res["configs"]["plain"]
+            plain = res["configs"].get("plain", {})
             for config, row in res["configs"].items():
                 key = "cuda_syncs_per_inner_step" if on_gpu else "host_reads_per_inner_step"
                 what = "CUDA syncs" if on_gpu else "host reads"
                 if config == "plain":
                     add(2, f"plain: {what} per inner step", fmt(row[key], ".2f"))
                     continue
-                caused = None if row[key] is None or plain[key] is None else row[key] - plain[key]
+                caused = None if row[key] is None or plain.get(key) is None else row[key] - plain[key]
                 target_met = caused is not None and caused <= 0 and row["hook_host_reads_per_inner_step"] == 0
                 add(2, f"{config}: {what} per inner step over plain; in our hooks",
                     f"{fmt(caused, '+.2f')}; {fmt(row['hook_host_reads_per_inner_step'], '.0f')}", "0; 0",
@@ -831,7 +880,7 @@ def rows_of(parts: dict[int, dict[str, Any]], on_gpu: bool) -> list[dict[str, st
         elif part == 4:
             for config, row in res["configs"].items():
                 if row["errors"]:
-                    add(4, config, "; ".join(row["errors"])[:90], "", False)
+                    add(4, config, "; ".join(row["errors"])[:90], failed=True)
                     continue
                 add(4, f"{config}: outer step ms [min, max]",
                     f"{row['outer_step_s']['median'] * 1e3:.1f} [{row['outer_step_s']['min'] * 1e3:.1f}, "

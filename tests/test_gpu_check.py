@@ -251,8 +251,24 @@ def test_a_failing_part_is_recorded_and_the_others_still_report(monkeypatch):
     ok = {"status": "ran", "backend": "gloo", "runs": {}, "transport": {"bitwise_equal": True,
           "event_completion": False, "new_threads": 0}}
     rows = gpu_check.rows_of({3: result, 5: ok}, on_gpu=False)
-    assert rows[0]["part"] == "3" and rows[0]["status"] == "MISSED" and "illegal memory access" in rows[0]["result"]
+    assert rows[0]["part"] == "3" and rows[0]["status"] == "FAILED" and "illegal memory access" in rows[0]["result"]
     assert rows[-1]["part"] == "5" and rows[-1]["status"] == "ok"
+
+
+def test_a_failing_run_inside_a_part_is_recorded_and_the_part_goes_on():
+    errors = {}
+
+    def oom():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+    assert gpu_check.guarded(errors, "gasloc-1", oom) is None
+    assert gpu_check.guarded(errors, "diloco-1", lambda: 42) == 42
+    assert list(errors) == ["gasloc-1"] and "out of memory" in errors["gasloc-1"]
+    part = {"status": "ran", "configs": {"plain": {"peak_bytes": None}, "diloco-1": {"peak_bytes": None}},
+            "errors": errors}
+    rows = gpu_check.rows_of({3: part}, on_gpu=False)
+    assert [(r["check"], r["status"]) for r in rows if r["status"] == "FAILED"] == [("gasloc-1 failed", "FAILED")]
+    assert any(r["check"].startswith("diloco-1") for r in rows)
 
 
 def _dry_run(tmp_path, *parts, isolate=False):
@@ -266,7 +282,7 @@ def _dry_run(tmp_path, *parts, isolate=False):
     assert result["cuda"] is False
     assert [int(p) for p in result["parts"]] == [int(p) for p in parts]
     assert all(part["status"] == "ran" for part in result["parts"].values())
-    assert not [row for row in result["rows"] if row["status"] == "MISSED"]
+    assert not [row for row in result["rows"] if row["status"] in ("MISSED", "FAILED")]
     return result
 
 
