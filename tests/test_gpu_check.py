@@ -314,3 +314,26 @@ def test_cpu_dry_run_of_every_part(tmp_path):
         assert not row["errors"], config
         assert row["trained"] and row["replicas_agree"] and row["staging_reused"], config
         assert row["staging_pinned"] is False and row["rounds"] == 2
+
+
+# ---------------------------------------------------------------- on a machine with CUDA (the GPU check covers more)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_is_pinned_and_exact():
+    pool = StagingPool()
+    x = torch.randn(1000, device="cuda")
+    host = pool.to_host(x)
+    assert pool.pinned and host.is_pinned() and torch.equal(host, x.cpu())
+    back = pool.to_device(host, x.device)
+    pool.give_back(host)
+    assert torch.equal(back, x) and pool.take(1000).data_ptr() == host.data_ptr()
+    params = [torch.nn.Parameter(torch.randn(3, 2, device="cuda")), torch.nn.Parameter(torch.randn(4, device="cuda"))]
+    flat = FlatParameters(params, "cpu")
+    assert flat._staged()
+    gathered = flat.gather()
+    assert gathered.device.type == "cpu" and torch.equal(gathered, torch.cat([p.detach().cpu().reshape(-1) for p in params]))
+    flat.scatter(gathered * 2)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat([p.detach().cpu().reshape(-1) for p in params]), gathered * 2)
+    assert flat.staging.allocations == 1
