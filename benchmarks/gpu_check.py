@@ -468,11 +468,14 @@ def part_host_sync(setting: Setting, budget: Budget) -> dict[str, Any]:
             self.reads.where = []
 
     h = setting.short_sync_every
+    tau = max(2, h // 3)  # inner steps with the round in flight before it lands
     configs = {
         "plain": lambda: (strategy_for("plain", h), []),
         "noloco-1": lambda: (strategy_for("noloco", h), []),
         "noloco-1-cpu-state": lambda: (strategy_for("noloco", h, outer_state_device="cpu"), []),
-        "noloco-1-overlap": lambda: (strategy_for("noloco", h, overlap_steps=max(1, h // 5)), []),
+        "noloco-1-overlap": lambda: (strategy_for("noloco", h, overlap_steps=tau), []),
+        # a world of one still all-reduces: on NCCL, inner steps poll a CUDA event while the round is in flight
+        "diloco-1-overlap": lambda: (strategy_for("diloco", h, overlap_steps=tau), []),
         "noloco-1+monitor": lambda: (strategy_for("noloco", h), [OuterStepMonitor()]),
     }
     steps = warm + 3 * h

@@ -292,7 +292,7 @@ def test_cpu_dry_run(tmp_path):
     apply on the CPU pass. Every part runs in the slow test below."""
     result = _dry_run(tmp_path, "2", "5")
     syncs = result["parts"]["2"]["configs"]
-    for config in ("noloco-1", "noloco-1-cpu-state", "noloco-1-overlap"):
+    for config in ("noloco-1", "noloco-1-cpu-state", "noloco-1-overlap", "diloco-1-overlap"):
         assert syncs[config]["inner_steps"] > 0 and syncs[config]["hook_host_reads_per_inner_step"] == 0
         assert syncs[config]["host_reads_per_inner_step"] == syncs["plain"]["host_reads_per_inner_step"]
     nccl = result["parts"]["5"]
