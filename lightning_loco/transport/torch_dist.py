@@ -67,7 +67,7 @@ class PendingSum:
         self._result: Optional[Tensor] = None
         self._watcher: Optional[threading.Thread] = None
         self._error: Optional[RuntimeError] = None
-        self._event: Optional[Any] = None  # CUDA transports: recorded on the side stream after the works
+        self._event: Any | None = None  # CUDA transports: recorded on the side stream after the works
         if works and transport.device.type == "cuda":
             try:
                 self._event = transport.completion_event(works)
@@ -212,7 +212,7 @@ class TorchDistributedTransport:
         self.replica_ranks = [i * k + self.local_rank for i in range(self.num_replicas)]  # my counterparts
         self.stats = TransportStats()
         self.staging = StagingPool()  # host buffers for CUDA payloads crossing gloo (pinned with CUDA)
-        self._side_stream: Optional[Any] = None  # CUDA transports: where completion events are recorded
+        self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
 
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
