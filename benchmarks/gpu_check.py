@@ -185,7 +185,10 @@ def fit(setting: Setting, strategy: Any, steps: int, callbacks: list[Any] = (), 
     """One single-process fit; returns the trained model. The world-of-one process group a strategy
     creates is destroyed afterwards, so that the next fit can pick another backend."""
     import lightning as L
+    import torch
     import torch.distributed as dist
+
+    from lightning_loco.flat import FlatParameters
 
     os.environ.pop("MASTER_PORT", None)  # a fresh port for every world of one
     model = make_model(setting, steps)
@@ -195,12 +198,17 @@ def fit(setting: Setting, strategy: Any, steps: int, callbacks: list[Any] = (), 
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=list(callbacks),
         **trainer_kwargs,
     )
+    # Without CUDA, runs with the outer state on the CPU take the path of CUDA parameters through the
+    # staging buffer (which the model's parameters on the CPU would skip).
+    staged = not torch.cuda.is_available() and str(getattr(strategy, "_outer_state_device", None)) == "cpu"
+    FlatParameters.stage_cpu_params = staged
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single replica.*")
             warnings.filterwarnings("ignore", message=".*does not have many workers.*")
             trainer.fit(model, train_dataloaders=step_loader(steps))
     finally:
+        FlatParameters.stage_cpu_params = False
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     model.trainer_strategy = trainer.strategy
@@ -938,7 +946,10 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     setting = GPU if on_gpu else DRY
     if not on_gpu:
-        torch.set_num_threads(1)  # a tiny model gains nothing from more threads
+        # One thread: a tiny model gains nothing from more. OMP_NUM_THREADS keeps Lightning's DDP-based
+        # strategies from raising it to cores/processes (the plain Trainer would keep one: unfair).
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
         torch.set_flush_denormal(True)  # its tiny AdamW moments turn subnormal, which is slow on CPUs
     if args.part:
         result = run_part_here(args.part, setting, args.budget or PARTS[args.part][1])
