@@ -763,33 +763,36 @@ def part_nccl(setting: Setting, budget: Budget) -> dict[str, Any]:
         del model
         free_memory()
 
-    # The transport alone on a world of one: an overlapped all-reduce, polled, then waited for.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60),
-                            **({"device_id": device} if on_gpu else {}))
-    try:
-        groups = ProcessGroups(1, backend, timedelta(seconds=60))
-        groups.warm_up_groups = True  # as on NCCL, also in the dry run
-        group = dist.new_group([0], backend=backend)
-        groups._warm_up(group)
-        transport = TorchDistributedTransport(device)
-        payload = torch.arange(1 << 20, dtype=torch.float32, device=device)
-        expected = payload.clone()
-        threads = threading.active_count()
-        pending = transport.start_all_reduce_sum(payload)
-        polls, deadline = 0, time.perf_counter() + 30
-        while not pending.done() and time.perf_counter() < deadline:
-            polls += 1
-            time.sleep(0.001)
-        total = pending.wait()
-        out["transport"] = {
-            "done_seen": pending.done(), "polls": polls, "bitwise_equal": bool(torch.equal(total, expected)),
-            "event_completion": pending._event is not None, "new_threads": threading.active_count() - threads,
-            "group_warmed_up": True,
-        }
-    finally:
-        dist.destroy_process_group()
+    def transport_alone() -> dict[str, Any]:
+        """The transport on a world of one: an all-reduce polled with ``done()``, then waited for;
+        first a new group's warm-up."""
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        dist.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(seconds=60),
+                                **({"device_id": device} if on_gpu else {}))
+        try:
+            groups = ProcessGroups(1, backend, timedelta(seconds=60))
+            groups.warm_up_groups = True  # as on NCCL, also in the dry run
+            groups._warm_up(dist.new_group([0], backend=backend))
+            transport = TorchDistributedTransport(device)
+            payload = torch.arange(1 << 20, dtype=torch.float32, device=device)
+            expected = payload.clone()
+            threads = threading.active_count()
+            pending = transport.start_all_reduce_sum(payload)
+            polls, deadline = 0, time.perf_counter() + 30
+            while not pending.done() and time.perf_counter() < deadline:
+                polls += 1
+                time.sleep(0.001)
+            total = pending.wait()
+            return {
+                "done_seen": pending.done(), "polls": polls, "bitwise_equal": bool(torch.equal(total, expected)),
+                "event_completion": pending._event is not None, "new_threads": threading.active_count() - threads,
+                "group_warmed_up": True,
+            }
+        finally:
+            dist.destroy_process_group()
+
+    out["transport"] = guarded(out["errors"], "transport", transport_alone)
     say(f"part 5: transport on {backend}: {out['transport']}")
     return out
 
@@ -921,7 +924,7 @@ def rows_of(parts: dict[int, dict[str, Any]], on_gpu: bool) -> list[dict[str, st
                 add(5, f"{name} on {res['backend']}: rounds; CUDA-event completion",
                     f"{run['rounds']}; {run['event_completion']}", f"3; {expected_event}",
                     run["rounds"] == 3 and run["event_completion"] == expected_event)
-            t = res.get("transport", {})
+            t = res.get("transport") or {}
             add(5, f"transport all-reduce on {res['backend']}: equal; event; new threads",
                 f"{t.get('bitwise_equal')}; {t.get('event_completion')}; {t.get('new_threads')}",
                 f"True; {on_gpu}; 0", t.get("bitwise_equal") is True and t.get("event_completion") == on_gpu
