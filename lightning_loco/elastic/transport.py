@@ -1,0 +1,171 @@
+"""A ``Transport`` over the members of the current membership (:mod:`~lightning_loco.elastic.membership`).
+
+Replica indices are ranks in the current membership's sorted list of replica ids, so the algorithms'
+schedules draw each round's groups over the live members. Exchanges are point-to-point sends and receives
+on the membership's torchft process group, tagged with the outer step.
+
+A partner that fails (it died, its link broke, or it sent nothing within ``outer_step_timeout``) does not
+stop this replica: the round is finished alone. ``wait()`` then returns the sum as if every member of
+the group had sent this replica's payload (``group_size × own``), which the algorithms turn into the
+outer step of a group of one: this replica's own weights and pseudo-gradient only. The failure is noted
+so that the next membership gets a new process group; the Lighthouse drops a dead replica from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_loco.elastic.config import ElasticConfig
+from lightning_loco.elastic.membership import Membership
+from lightning_loco.transport.base import TransportStats, sum_in_group_order
+
+
+class ElasticPending:
+    """An exchange on the membership's process group; a failure makes it a round taken alone."""
+
+    def __init__(self, transport: "ElasticTransport", works: list[Any], payload: Tensor, finish: Callable[[], Tensor],
+                 group_size: int, nbytes: int, peers: tuple[int, ...], alone: bool = False) -> None:
+        self.transport, self.works, self.payload, self.finish = transport, works, payload, finish
+        self.group_size, self.nbytes, self.peers = group_size, nbytes, peers
+        self.started = time.perf_counter()
+        self.wait_seconds = 0.0
+        self.seconds = 0.0
+        self.alone = alone  # finished without its partners (set when a partner failed)
+        self.error: Optional[BaseException] = None
+        self._result: Optional[Tensor] = None
+
+    @property
+    def watcher(self) -> Optional[threading.Thread]:
+        return None
+
+    def watch(self) -> "ElasticPending":
+        return self
+
+    def done(self) -> bool:
+        return self._result is not None or all(w.is_completed() for w in self.works)
+
+    def completed_after(self) -> Optional[float]:
+        return time.perf_counter() - self.started if self.done() else None
+
+    def _alone(self) -> Tensor:
+        return self.payload.clone() if self.group_size == 1 else self.payload * self.group_size
+
+    def wait(self) -> Tensor:
+        if self._result is not None:
+            return self._result
+        blocked = time.perf_counter()
+        if self.alone:
+            result = self._alone()
+        else:
+            try:
+                for work in self.works:
+                    work.wait()
+                result = self.finish()
+            except RuntimeError as err:
+                self.error, self.alone = err, True
+                self.transport.partner_failed(self.peers, err)
+                result = self._alone()
+        now = time.perf_counter()
+        self.wait_seconds, self.seconds = now - blocked, now - self.started
+        if not self.alone and self.peers:
+            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
+        self.works, self._result = [], result
+        return result
+
+    def abandon(self, timeout: float) -> bool:
+        finished = self.done()
+        self.works = []
+        return finished
+
+
+class ElasticTransport:
+    """``Transport`` of one elastic replica (one process). ``replica`` and ``num_replicas`` describe the
+    current membership; :class:`~lightning_loco.elastic.driver.ElasticDriver` switches memberships."""
+
+    def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None) -> None:
+        self.config = config
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.membership = Membership(config)
+        self.stats = TransportStats()
+        self.outer_step = 0  # the round being posted: the exchanges' tag
+        self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed
+
+    @property
+    def replica(self) -> int:
+        view = self.membership.view
+        return view.rank if view is not None else 0
+
+    @property
+    def num_replicas(self) -> int:
+        view = self.membership.view
+        return len(view.members) if view is not None else 1
+
+    def member_ids(self, ranks: Sequence[int]) -> tuple[str, ...]:
+        view = self.membership.view
+        return tuple(view.members[j] for j in ranks) if view is not None else (self.config.replica_id,)
+
+    def partner_failed(self, peers: Sequence[int], err: BaseException) -> None:
+        ids = self.member_ids(peers)
+        self.failures.append({"outer_step": self.outer_step, "peers": list(ids), "error": str(err)[:200],
+                              "time": time.time()})
+        self.membership.failed()
+        warnings.warn(
+            f"Replica {self.config.replica_id!r}: outer step {self.outer_step} could not complete with {list(ids)} "
+            f"({str(err).splitlines()[0][:160]}); this replica finished the round alone, and the next membership "
+            "leaves out a replica that died.",
+            stacklevel=3,
+        )
+
+    def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
+        pending = ElasticPending(self, [], total, lambda: total, 1, 0, peers)
+        pending._result = total
+        return pending
+
+    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
+        return self.start_group_sum(payload, group).wait()
+
+    def all_reduce_sum(self, payload: Tensor) -> Tensor:
+        return self.start_all_reduce_sum(payload).wait()
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> ElasticPending:
+        if self.replica not in group:
+            raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
+        others = tuple(j for j in group if j != self.replica)
+        view = self.membership.view
+        if not others:
+            return ElasticPending(self, [], payload, payload.clone, 1, 0, ())
+        pg = view.pg if view is not None else None
+        if pg is None:  # this membership has no process group: every round alone
+            return ElasticPending(self, [], payload, payload.clone, len(group), 0, others, alone=True)
+        send = payload.detach().to(self.device).contiguous()
+        received = {j: torch.empty_like(send) for j in others}
+        tag = self.outer_step % (1 << 30)
+        pending = ElasticPending(self, [], payload, lambda: payload, len(group),
+                                 send.numel() * send.element_size() * len(others), others)
+        try:
+            works = [pg.recv([received[j]], j, tag) for j in others]
+            works += [pg.send([send], j, tag) for j in others]
+        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+            pending.alone, pending.error = True, err
+            self.partner_failed(others, err)
+            return pending
+
+        def finish() -> Tensor:
+            received[self.replica] = send
+            return sum_in_group_order(received, group).to(payload.device)
+
+        pending.works, pending.finish = works, finish
+        return pending
+
+    def start_all_reduce_sum(self, payload: Tensor) -> ElasticPending:
+        raise NotImplementedError("elastic mode has no all-reduce yet (DiLoCo is refused when the strategy is built)")
+
+    def close(self) -> None:
+        self.membership.close()
