@@ -8,9 +8,12 @@ own session with a time limit; a failing test kills their process groups.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -119,3 +122,150 @@ def test_plan_for_a_fresh_start_a_joiner_and_a_replica_that_fell_behind() -> Non
     # d is starting and c fell behind (it missed a membership): both heal from a at outer step 8
     assert (plan.members, plan.switch, plan.joiners, plan.donor, plan.reuse) == (("a", "c", "d"), 8, ("c", "d"), "a", False)
     assert plan.store_address.startswith("h:1/") and "q2" in plan.store_address
+
+
+# ---------------------------------------------------------------- real replicas, a real Lighthouse, SIGKILL
+
+OUTER_STEP_TIMEOUT = 30.0  # an exchange never waits longer: the process groups' timeout
+RUN_LIMIT_S = 150  # no replica process may run longer than this
+
+
+class Replicas:
+    """Replica processes (``examples/elastic/replica.py``), each in its own session; ``close`` kills what is left."""
+
+    def __init__(self, out: Path, lighthouse: str, **common: Any) -> None:
+        self.out, self.lighthouse, self.common = out, lighthouse, common
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.started = time.monotonic()
+
+    def start(self, replica_id: str, **extra: Any) -> subprocess.Popen:
+        args = {**self.common, **extra}
+        cmd = [sys.executable, str(REPLICA), "--lighthouse", self.lighthouse, "--replica-id", replica_id,
+               "--out", str(self.out), "--outer-step-timeout", str(OUTER_STEP_TIMEOUT)]
+        for key, value in args.items():
+            cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+        log = open(self.out / f"{replica_id}.{len(self.procs)}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.procs[f"{replica_id}.{len(self.procs)}"] = proc
+        return proc
+
+    def progress(self, replica_id: str) -> int:
+        try:
+            return int((self.out / f"{replica_id}.progress").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def wait_for_step(self, replica_id: str, step: int, proc: subprocess.Popen) -> None:
+        while self.progress(replica_id) < step:
+            assert proc.poll() is None, f"{replica_id} ended early: {self.logs()}"
+            assert time.monotonic() - self.started < RUN_LIMIT_S, f"{replica_id} never reached step {step}"
+            time.sleep(0.02)
+
+    def finish(self, proc: subprocess.Popen) -> int:
+        left = RUN_LIMIT_S - (time.monotonic() - self.started)
+        try:
+            return proc.wait(timeout=max(left, 1))
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise AssertionError(f"a replica hung past {RUN_LIMIT_S} s: {self.logs()}") from None
+
+    def record(self, replica_id: str) -> dict[str, Any]:
+        return json.loads((self.out / f"{replica_id}.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.out.glob("*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def lighthouse():
+    from lightning_loco.elastic.lighthouse import public_address, start_lighthouse
+
+    server = start_lighthouse("127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1500, join_timeout_ms=20_000)
+    yield public_address(server, "127.0.0.1:0")
+    server.shutdown()
+
+
+def falls(losses: list[list[float]]) -> bool:
+    values = [loss for _, _, loss in losses]
+    k = max(3, len(values) // 5)
+    return sum(values[-k:]) / k < 0.5 * sum(values[:k]) / k
+
+
+def check_agreement(records: dict[str, dict[str, Any]]) -> int:
+    """Every round a replica took with partners, each of those partners that left a record took with the same
+    group (nobody waits on a partner that does not wait for it). Returns the rounds checked."""
+    groups = {(rid, r["outer_step"]): tuple(r["group"]) for rid, rec in records.items() for r in rec["rounds"]}
+    checked = 0
+    for (rid, t), group in groups.items():
+        for other in group:
+            if other != rid and (other, t) in groups:
+                assert groups[(other, t)] == group, f"round {t}: {rid} met {group}, {other} met {groups[(other, t)]}"
+                checked += 1
+    return checked
+
+
+@pytest.mark.slow
+def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lighthouse: str) -> None:
+    """Four replicas. r3 is killed (SIGKILL) in an inner phase and restarted under the same id; r2 kills
+    itself right after posting the exchange of outer step 14, with its partner's round in flight. The
+    others finish fit, their losses fall, partners agree on every round, no exchange waits longer than
+    the outer-step timeout, and the restarted r3 takes the weights of a live replica and meets the
+    others from the first round of the membership that admits it."""
+    replicas = Replicas(tmp_path, lighthouse, max_steps=90, sync_every=2, step_sleep=0.1)
+    try:
+        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 14} if rid == "r2" else {}))
+                 for rid in ("r0", "r1", "r2", "r3")}
+        replicas.wait_for_step("r3", 11, procs["r3"])  # step 11 of H = 2: in the inner phase of outer step 5
+        os.killpg(procs["r3"].pid, signal.SIGKILL)
+        assert replicas.finish(procs["r3"]) == -signal.SIGKILL
+        (tmp_path / "r3.progress").unlink()
+        rejoined = replicas.start("r3")
+        codes = {rid: replicas.finish(p) for rid, p in [*procs.items(), ("r3'", rejoined)] if rid != "r3"}
+    finally:
+        replicas.close()
+    assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3'": 0}, replicas.logs()
+    records = {rid: replicas.record(rid) for rid in ("r0", "r1", "r3")}
+    survivors = [records["r0"], records["r1"]]
+
+    # the survivors finished every round from their first (a replica that asked the Lighthouse after the first
+    # min_replicas did joins as the others' first membership starts, healed), and their losses fell
+    for rec in survivors:
+        first = rec["rounds"][0]["outer_step"]
+        assert rec["outer_steps"] == 45 and [r["outer_step"] for r in rec["rounds"]] == list(range(first, 45))
+        assert first == rec["memberships"][0]["first_round"] and first < 10
+        assert falls(rec["losses"]), rec["losses"]
+        assert max(rec["comm_seconds"]) < OUTER_STEP_TIMEOUT
+    # r2's death in its exchange left a partner alone (a partner whose receive had completed keeps the round;
+    # the broken process group makes the rest of that membership's rounds alone), and nobody was alone once
+    # the memberships had dropped r2
+    at_14 = [r for rec in survivors for r in rec["rounds"] if r["outer_step"] == 14 and "r2" in r["group"]]
+    assert any(r["alone"] for r in at_14)
+    for rec in survivors:
+        without_r2 = min(m["first_round"] for m in rec["memberships"] if m["first_round"] > 14 and "r2" not in m["members"])
+        assert not any(r["alone"] for r in rec["rounds"] if r["outer_step"] >= without_r2)
+        assert without_r2 <= 17  # requested at the switch after the death, or the one after
+    # the memberships dropped r2 after it died, and took r3 back
+    final = survivors[0]["memberships"][-1]["members"]
+    assert "r2" not in final and "r3" in final and final == survivors[1]["memberships"][-1]["members"]
+    assert check_agreement(records) > 20
+
+    # the restarted r3 healed from a live replica: its weights are the donor's, at the donor's outer step
+    rejoin = records["r3"]
+    heal = rejoin["healed_from"][0]
+    assert heal["donor"] in ("r0", "r1") and heal["weights"]
+    donor_export = [e for e in records[heal["donor"]]["exported"] if e["outer_step"] == heal["outer_step"]]
+    assert donor_export and donor_export[0]["checksum"] == pytest.approx(heal["checksum"], rel=1e-12)
+    # ... and took part from that outer step on, with partners that agree
+    assert rejoin["rounds"][0]["outer_step"] == heal["outer_step"] == rejoin["memberships"][0]["first_round"]
+    assert [r["outer_step"] for r in rejoin["rounds"]] == list(range(heal["outer_step"], 45))
+    assert not any(r["alone"] for r in rejoin["rounds"])

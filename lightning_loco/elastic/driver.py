@@ -25,6 +25,7 @@ class ElasticDriver(OuterStepDriver):
             raise TypeError("ElasticDriver needs an ElasticTransport")
         self.rounds: list[dict[str, Any]] = []  # per round: its outer step, group (replica ids), alone or not
         self.healed_from: list[dict[str, Any]] = []  # the states this replica took from a live one
+        self.exported: list[dict[str, Any]] = []  # the states joiners took from this replica
 
     @property
     def membership(self) -> Any:
@@ -42,7 +43,9 @@ class ElasticDriver(OuterStepDriver):
     def export_state(self) -> dict[str, Any]:
         """What a joiner takes from this replica: the driver's state (anchor, outer state, counters) and the
         live weights, between rounds."""
-        return {"driver": self.state_dict(), "weights": [slot.flat.gather() for slot in self.slots]}
+        weights = [slot.flat.gather() for slot in self.slots]
+        self.exported.append({"outer_step": self.slots[0].outer_steps, "checksum": checksum(weights)})
+        return {"driver": self.state_dict(), "weights": weights}
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
         """Takes a donor's state (``heal``) or only its counters; returns the round this replica now stands at."""
@@ -55,7 +58,7 @@ class ElasticDriver(OuterStepDriver):
             for slot, entry in zip(self.slots, saved):
                 slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
         self.healed_from.append({"donor": state.get("donor"), "outer_step": self.slots[0].outer_steps,
-                                 "weights": heal})
+                                 "weights": heal, "checksum": checksum([s.flat.gather() for s in self.slots])})
         return self.slots[0].outer_steps
 
     def _start(self, index: int, slot: OuterSlot, tau: int) -> None:
@@ -80,8 +83,11 @@ class ElasticDriver(OuterStepDriver):
         if not final:
             self.membership.at_switch(slot.outer_steps, self.export_state, self.load_state)
 
-    def weights_checksum(self) -> float:
-        return float(sum(slot.flat.gather().double().sum() for slot in self.slots))
+
+
+def checksum(weights: list[Any]) -> list[float]:
+    """Sum and sum of squares of flat weights, in float64: equal for equal weights (a test's fingerprint)."""
+    return [float(sum(w.double().sum() for w in weights)), float(sum(w.double().square().sum() for w in weights))]
 
 
 __all__ = ["ElasticDriver", "ElasticTransport"]

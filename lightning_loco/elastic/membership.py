@@ -96,7 +96,7 @@ class View:
     rank: int
     first_round: int
     pg: Optional[Any]  # torchft ProcessGroupGloo; None: it could not be set up, every round alone
-    ok: bool = True  # no exchange failed in it so far
+    ok: bool = True  # no exchange failed on its process group so far
 
 
 @dataclass
@@ -241,6 +241,8 @@ class Membership:
             self._send_heal(plan, key, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),
                                          plan.switch, pg)
+        if old is not None and pg is old.pg:
+            self.view.ok = old.ok  # a group a failure broke stays broken
         if old is not None and old.pg is not None and old.pg is not pg:
             old.pg.shutdown()
         self.history.append({

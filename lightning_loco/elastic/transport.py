@@ -5,7 +5,10 @@ schedules draw each round's groups over the live members. Exchanges are point-to
 on the membership's torchft process group, tagged with the outer step.
 
 A partner that fails (it died, its link broke, or it sent nothing within ``outer_step_timeout``) does not
-stop this replica: the round is finished alone. ``wait()`` then returns the sum as if every member of
+stop this replica: the round is finished alone. gloo connects every member of a group to every other,
+and a connection that breaks fails every operation in flight on the group, on every member: so after a
+failure the rest of the membership's rounds are taken alone too (no member waits on them: each one's
+group is broken alike), and the next membership comes with a new process group. ``wait()`` then returns the sum as if every member of
 the group had sent this replica's payload (``group_size × own``), which the algorithms turn into the
 outer step of a group of one: this replica's own weights and pseudo-gradient only. The failure is noted
 so that the next membership gets a new process group; the Lighthouse drops a dead replica from it.
@@ -30,7 +33,7 @@ from lightning_loco.transport.base import TransportStats, sum_in_group_order
 class ElasticPending:
     """An exchange on the membership's process group; a failure makes it a round taken alone."""
 
-    def __init__(self, transport: "ElasticTransport", works: list[Any], payload: Tensor, finish: Callable[[], Tensor],
+    def __init__(self, transport: "ElasticTransport", works: list[tuple[int, list[Any]]], payload: Tensor, finish: Callable[[], Tensor],
                  group_size: int, nbytes: int, peers: tuple[int, ...], alone: bool = False) -> None:
         self.transport, self.works, self.payload, self.finish = transport, works, payload, finish
         self.group_size, self.nbytes, self.peers = group_size, nbytes, peers
@@ -49,7 +52,7 @@ class ElasticPending:
         return self
 
     def done(self) -> bool:
-        return self._result is not None or all(w.is_completed() for w in self.works)
+        return self._result is not None or all(w.is_completed() for _, works in self.works for w in works)
 
     def completed_after(self) -> Optional[float]:
         return time.perf_counter() - self.started if self.done() else None
@@ -64,14 +67,20 @@ class ElasticPending:
         if self.alone:
             result = self._alone()
         else:
-            try:
-                for work in self.works:
-                    work.wait()
-                result = self.finish()
-            except RuntimeError as err:
-                self.error, self.alone = err, True
-                self.transport.partner_failed(self.peers, err)
+            failed: list[int] = []
+            for peer, works in self.works:
+                try:
+                    for work in works:
+                        work.wait()
+                except RuntimeError as err:  # this partner failed; the others' transfers still complete
+                    self.error = err
+                    failed.append(peer)
+            if failed:
+                self.alone = True
+                self.transport.partner_failed(failed, self.error)
                 result = self._alone()
+            else:
+                result = self.finish()
         now = time.perf_counter()
         self.wait_seconds, self.seconds = now - blocked, now - self.started
         if not self.alone and self.peers:
@@ -111,7 +120,7 @@ class ElasticTransport:
         view = self.membership.view
         return tuple(view.members[j] for j in ranks) if view is not None else (self.config.replica_id,)
 
-    def partner_failed(self, peers: Sequence[int], err: BaseException) -> None:
+    def partner_failed(self, peers: Sequence[int], err: Optional[BaseException]) -> None:
         ids = self.member_ids(peers)
         self.failures.append({"outer_step": self.outer_step, "peers": list(ids), "error": str(err)[:200],
                               "time": time.time()})
@@ -141,8 +150,8 @@ class ElasticTransport:
         view = self.membership.view
         if not others:
             return ElasticPending(self, [], payload, payload.clone, 1, 0, ())
-        pg = view.pg if view is not None else None
-        if pg is None:  # this membership has no process group: every round alone
+        pg = view.pg if view is not None and view.ok else None
+        if pg is None:  # no process group, or one a failure broke: every round alone until the next membership
             return ElasticPending(self, [], payload, payload.clone, len(group), 0, others, alone=True)
         send = payload.detach().to(self.device).contiguous()
         received = {j: torch.empty_like(send) for j in others}
@@ -150,8 +159,8 @@ class ElasticTransport:
         pending = ElasticPending(self, [], payload, lambda: payload, len(group),
                                  send.numel() * send.element_size() * len(others), others)
         try:
-            works = [pg.recv([received[j]], j, tag) for j in others]
-            works += [pg.send([send], j, tag) for j in others]
+            recvs = {j: pg.recv([received[j]], j, tag) for j in others}
+            works = [(j, [recvs[j], pg.send([send], j, tag)]) for j in others]
         except RuntimeError as err:  # gloo may fail at once when a peer is already gone
             pending.alone, pending.error = True, err
             self.partner_failed(others, err)
