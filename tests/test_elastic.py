@@ -269,3 +269,33 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     assert rejoin["rounds"][0]["outer_step"] == heal["outer_step"] == rejoin["memberships"][0]["first_round"]
     assert [r["outer_step"] for r in rejoin["rounds"]] == list(range(heal["outer_step"], 45))
     assert not any(r["alone"] for r in rejoin["rounds"])
+
+
+@pytest.mark.slow
+def test_resume_from_own_checkpoint_instead_of_healing(tmp_path: Path, lighthouse: str) -> None:
+    """r0 and r1 train and save their own checkpoints. Then r0 resumes from its file while r1 starts afresh
+    with heal=False: r0 goes on from its own outer step, state and weights (nobody heals it: it is the
+    furthest), and r1 takes only the outer-step count from r0 and keeps its own weights."""
+    replicas = Replicas(tmp_path, lighthouse, sync_every=2, step_sleep=0.0)
+    try:
+        first = [replicas.start(rid, max_steps=16, save_ckpt=tmp_path / f"{rid}.ckpt") for rid in ("r0", "r1")]
+        assert [replicas.finish(p) for p in first] == [0, 0], replicas.logs()
+        before = {rid: replicas.record(rid) for rid in ("r0", "r1")}
+        second = [replicas.start("r0", max_steps=32, ckpt_path=tmp_path / "r0.ckpt"),
+                  replicas.start("r1", max_steps=32, no_heal=True)]
+        assert [replicas.finish(p) for p in second] == [0, 0], replicas.logs()
+    finally:
+        replicas.close()
+    after = {rid: replicas.record(rid) for rid in ("r0", "r1")}
+    assert before["r0"]["outer_steps"] == 8 and after["r0"]["outer_steps"] == 16
+    # r0: its own state, from where it stopped
+    assert after["r0"]["healed_from"] == [] and after["r0"]["rounds"][0]["outer_step"] == 8
+    assert after["r0"]["memberships"][0]["joiners"] == ["r1"] and after["r0"]["exported"][0]["outer_step"] == 8
+    assert after["r0"]["losses"][0][2] < 0.5 * before["r0"]["losses"][0][2]  # it did not start over
+    # r1: r0's count, its own fresh weights (the model's initial ones: its first loss is a fresh start's)
+    heal = after["r1"]["healed_from"][0]
+    assert heal == {**heal, "donor": "r0", "outer_step": 8, "weights": False}
+    assert heal["checksum"] != pytest.approx(after["r0"]["exported"][0]["checksum"])
+    assert after["r1"]["losses"][0][2] == pytest.approx(before["r1"]["losses"][0][2], rel=0.5)
+    assert [r["outer_step"] for r in after["r1"]["rounds"]] == list(range(8, 16))
+    assert check_agreement(after) >= 8

@@ -118,14 +118,14 @@ def main() -> None:
     )
     driver_holder: dict[str, Any] = {}
 
-    class Keep(L.Callback):  # the driver goes at teardown: keep what the record needs
+    class Keep(L.Callback):  # the driver (outer state, reports) goes at teardown: save and keep it before
         def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:
             driver_holder["driver"] = trainer.strategy.driver
+            if args.save_ckpt:
+                trainer.save_checkpoint(args.save_ckpt)
 
     trainer.callbacks.append(Keep())
     trainer.fit(model, ckpt_path=args.ckpt_path)
-    if args.save_ckpt:
-        trainer.save_checkpoint(args.save_ckpt)
     driver = driver_holder["driver"]
     membership = driver.transport.membership
     record = {
