@@ -1,4 +1,4 @@
-"""One elastic replica: a tiny regression model trained with NoLoCo (or GASLoC) over a Lighthouse.
+"""One elastic replica: a tiny regression model trained with NoLoCo (or GASLoC, DiLoCo) over a Lighthouse.
 
     python examples/elastic/replica.py --lighthouse HOST:PORT --replica-id r0 --out runs/elastic
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_loco import GASLoCStrategy, NoLoCoStrategy
+from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 
 IN_FEATURES = 8
 
@@ -73,15 +73,16 @@ class DieInExchange(L.Callback):
         transport = trainer.strategy.driver.transport
         if getattr(transport, "_wrapped", False):
             return
-        post = transport.start_group_sum
+        post, post_all = transport.start_group_sum, transport.start_all_reduce_sum
 
-        def start_group_sum(payload: torch.Tensor, group: Any) -> Any:
-            pending = post(payload, group)
-            if transport.outer_step == self.at and len(group) > 1:
+        def die_if_due(pending: Any) -> Any:
+            if transport.outer_step == self.at and transport.num_replicas > 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             return pending
 
-        transport.start_group_sum, transport._wrapped = start_group_sum, True
+        transport.start_group_sum = lambda payload, group: die_if_due(post(payload, group))
+        transport.start_all_reduce_sum = lambda payload: die_if_due(post_all(payload))
+        transport._wrapped = True
 
 
 def main() -> None:
@@ -89,7 +90,7 @@ def main() -> None:
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--replica-id", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--algorithm", choices=["noloco", "gasloc"], default="noloco")
+    parser.add_argument("--algorithm", choices=["noloco", "gasloc", "diloco"], default="noloco")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--sync-every", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.05)
@@ -106,10 +107,8 @@ def main() -> None:
     started = time.time()
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal)
-    if args.algorithm == "noloco":
-        strategy = NoLoCoStrategy(sync_every=args.sync_every, **elastic)
-    else:
-        strategy = GASLoCStrategy(sync_every=args.sync_every, **elastic)
+    classes = {"noloco": NoLoCoStrategy, "gasloc": GASLoCStrategy, "diloco": DiLoCoStrategy}
+    strategy = classes[args.algorithm](sync_every=args.sync_every, **elastic)
     model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress")
     callbacks = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
     trainer = L.Trainer(

@@ -117,11 +117,6 @@ def elastic_config(
             "requested in the background at every outer step and used at the next). Larger values ask the "
             "Lighthouse less often and take longer to drop a dead replica."
         )
-    if algorithm_name == "diloco":
-        raise ValueError(
-            "lighthouse=... is not supported by DiLoCoStrategy yet: elastic mode covers NoLoCo and GASLoC, whose "
-            "rounds meet one partner or a few. Use NoLoCoStrategy or GASLoCStrategy, or lighthouse=None."
-        )
     if overlap_steps != 0:
         raise ValueError(
             f"overlap_steps={overlap_steps!r} with lighthouse=...: elastic mode switches memberships between "

@@ -13,6 +13,8 @@ How a membership is agreed, with K = ``membership_every``:
 * the quorum is used at the next switch, K outer steps later, at round s + K: the members wait there
   for it only if it has not come yet. The healthy path adds no wait of its own: the quorum forms while
   the K rounds train;
+* DiLoCo's memberships are *synchronous*: the quorum is asked for at the switch and waited for there,
+  carrying how many rounds of the membership each member committed (see ``make_plan``);
 * a replica that asks with ``current=False`` (it is starting) or with a step below the others' (it fell
   behind) is a *joiner*: at the switch it takes the weights, anchor, outer state and counters of the
   *donor* (the first member, by id, that is not a joiner) through the rendezvous store, and takes part
@@ -56,23 +58,40 @@ class Plan:
     donor: Optional[str]
     reuse: bool  # same members as their common previous membership, no failure seen: keep its group
     store_address: str  # HOST:PORT/prefix of this membership's rendezvous
+    fresh: bool = False  # nobody held a membership before: the run starts
+    behind: tuple[str, ...] = ()  # sync only: members that heal to the leader's state (always with weights)
 
 
-def make_plan(quorum: Any, every: int, previous: Optional["View"]) -> Plan:
-    """The plan every participant of ``quorum`` derives alike (see the module docstring)."""
+def make_plan(quorum: Any, every: int, previous: Optional["View"], sync: bool = False) -> Plan:
+    """The plan every participant of ``quorum`` derives alike (see the module docstring).
+
+    ``sync`` (DiLoCo, whose members must hold the same anchor): the quorum was asked for at the switch
+    itself and applies at once; members that committed fewer rounds of their membership than the most are
+    *behind* and heal from the first member with the most; at the start of a run all members but the first
+    heal from it."""
     parts = sorted(quorum.participants, key=lambda p: p.replica_id)
     data = {p.replica_id: (p.data or {}) for p in parts}
     current = [p for p in parts if data[p.replica_id].get("current")]
     if current:
         base = max(p.step for p in current)
-        switch = base + every
+        switch = base if sync else base + every
     else:
         base = max(p.step for p in parts)
         switch = base
     joiners = tuple(
         p.replica_id for p in parts if p.step < base or (current and not data[p.replica_id].get("current"))
     )
-    up = [p for p in parts if p.replica_id not in joiners]
+    up = [p.replica_id for p in parts if p.replica_id not in joiners]
+    behind: tuple[str, ...] = ()
+    if sync and up:
+        if not current:
+            behind = tuple(up[1:])
+        else:
+            committed = {r: int(data[r].get("committed", 0)) for r in up}
+            best = max(committed.values())
+            up.sort(key=lambda r: committed[r] < best)  # stable: the first with the most leads
+            behind = tuple(r for r in up if committed[r] < best)
+        joiners = tuple(sorted(joiners + behind))
     members = tuple(p.replica_id for p in parts)
     views = {data[p.replica_id].get("view", -1) for p in parts}
     reuse = (
@@ -82,8 +101,8 @@ def make_plan(quorum: Any, every: int, previous: Optional["View"]) -> Plan:
     store = parts[0].store_address
     return Plan(
         quorum_id=int(quorum.quorum_id), members=members, switch=switch, joiners=joiners,
-        donor=up[0].replica_id if joiners and up else None, reuse=reuse,
-        store_address=f"{store}/lightning_loco/elastic/q{quorum.quorum_id}",
+        donor=up[0] if joiners and up else None, reuse=reuse,
+        store_address=f"{store}/lightning_loco/elastic/q{quorum.quorum_id}", fresh=not current, behind=behind,
     )
 
 
@@ -148,6 +167,9 @@ class Membership:
                                     timeout=timedelta(seconds=config.join_timeout))
         self.store_address = f"{host}:{self._store.port}"
         self.view: Optional[View] = None
+        # DiLoCo: the quorum is asked for at each switch and waited for there (its rounds are global anyway),
+        # so that it carries how many rounds each member committed; see make_plan.
+        self.sync = False
         self.history: list[dict[str, Any]] = []  # one entry per membership taken up
         self.waits: list[float] = []  # seconds the main thread waited for a quorum, one per switch
         self._request: Optional[_Request] = None
@@ -164,10 +186,11 @@ class Membership:
             except Exception as err:  # a missed beat is retried; the Lighthouse decides who is dead
                 log.debug("heartbeat failed: %s", err)
 
-    def _ask(self, step: int, current: bool) -> None:
+    def _ask(self, step: int, current: bool, committed: Optional[int] = None) -> None:
         request = _Request(step=step, current=current, thread=threading.Thread())
         view = self.view
-        data = {"current": current, "view": view.quorum_id if view else -1, "ok": bool(view and view.ok)}
+        data = {"current": current, "view": view.quorum_id if view else -1, "ok": bool(view and view.ok),
+                "committed": committed or 0}
 
         def run() -> None:
             try:
@@ -176,7 +199,7 @@ class Membership:
                     address=self.store_address, store_address=self.store_address, step=step, world_size=1,
                     shrink_only=False, data=data,
                 )
-                plan = make_plan(quorum, self.config.membership_every, view)
+                plan = make_plan(quorum, self.config.membership_every, view, self.sync)
                 pg = view.pg if plan.reuse and view is not None else self._configure(plan)
                 request.result = (plan, pg)
             except BaseException as err:  # handed to the main thread at the switch
@@ -205,19 +228,25 @@ class Membership:
     def due(self, next_round: int) -> bool:
         """Whether the switch before round ``next_round`` must take up a new membership."""
         request = self._request
-        if request is None or self.view is None:
+        if self.view is None:
             return True
-        return next_round >= request.step + self.config.membership_every
+        if self.sync:
+            return next_round >= self.view.first_round + self.config.membership_every
+        return request is None or next_round >= request.step + self.config.membership_every
 
     def at_switch(self, next_round: int, export: Callable[[], dict[str, Any]],
-                  load: Callable[[dict[str, Any], bool], int]) -> int:
+                  load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None) -> int:
         """Between rounds (before the inner steps of round ``next_round``): takes up the next membership when
         it is due, healing this replica (``load(state, heal)``, which returns the round it now stands at) or
-        healing joiners from it (``export()``), and asks for the one after. Returns the next round."""
+        healing joiners from it (``export()``), and asks for the one after. Returns the next round.
+
+        ``committed`` (DiLoCo, whose members must hold the same anchor): the rounds of the current membership
+        this replica committed; members with fewer than the most heal from one with the most, and at the
+        start of a run every member heals from the first."""
         if not self.due(next_round):
             return next_round
-        if self._request is None:
-            self._ask(next_round, current=self.view is not None)
+        if self._request is None:  # the first switch, or every switch of a synchronous membership (DiLoCo)
+            self._ask(next_round, current=self.view is not None, committed=committed)
         request = self._request
         assert request is not None
         waited = time.perf_counter()
@@ -231,13 +260,14 @@ class Membership:
             ) from request.error
         self._request = None
         plan, pg = request.result
-        key = f"heal/{','.join(plan.joiners)}"
-        if self.replica_id in plan.joiners:
+        joiners, donor = plan.joiners, plan.donor
+        key = f"heal/{','.join(joiners)}"
+        if self.replica_id in joiners:
             state = self._receive_heal(plan, key)
-            next_round = load(state, self.config.heal)
+            next_round = load(state, self.config.heal or self.replica_id in plan.behind)
             if next_round != plan.switch:
                 raise RuntimeError(f"healed to round {next_round}, expected {plan.switch}")
-        elif plan.donor == self.replica_id:
+        elif donor == self.replica_id and joiners:
             self._send_heal(plan, key, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),
                                          plan.switch, pg)
@@ -247,11 +277,12 @@ class Membership:
             old.pg.shutdown()
         self.history.append({
             "time": time.time(), "quorum_id": plan.quorum_id, "members": list(plan.members), "first_round": plan.switch,
-            "joiners": list(plan.joiners), "donor": plan.donor, "reused_group": plan.reuse, "group_ok": pg is not None,
+            "joiners": list(joiners), "donor": donor, "reused_group": plan.reuse, "group_ok": pg is not None,
         })
         log.info("Replica %r: membership %d from outer step %d: %s", self.replica_id, plan.quorum_id, plan.switch,
                  list(plan.members))
-        self._ask(plan.switch, current=True)
+        if not self.sync:
+            self._ask(plan.switch, current=True)  # in the background, for the next switch
         return next_round
 
     def _store_client(self, plan: Plan) -> Any:

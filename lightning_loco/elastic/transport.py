@@ -5,13 +5,14 @@ schedules draw each round's groups over the live members. Exchanges are point-to
 on the membership's torchft process group, tagged with the outer step.
 
 A partner that fails (it died, its link broke, or it sent nothing within ``outer_step_timeout``) does not
-stop this replica: the round is finished alone. gloo connects every member of a group to every other,
-and a connection that breaks fails every operation in flight on the group, on every member: so after a
-failure the rest of the membership's rounds are taken alone too (no member waits on them: each one's
-group is broken alike), and the next membership comes with a new process group. ``wait()`` then returns the sum as if every member of
+stop this replica: the round is finished alone. ``wait()`` then returns the sum as if every member of
 the group had sent this replica's payload (``group_size × own``), which the algorithms turn into the
-outer step of a group of one: this replica's own weights and pseudo-gradient only. The failure is noted
-so that the next membership gets a new process group; the Lighthouse drops a dead replica from it.
+outer step of a group of one: this replica's own weights and pseudo-gradient only.
+
+gloo connects every member of a group to every other, and a connection that breaks fails every
+operation in flight on the group, on every member. So after a failure the rest of the membership's
+rounds are taken alone too (no member waits on them: each one's group is broken alike), and the next
+membership comes with a new process group; the Lighthouse drops a dead replica from it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_loco.elastic.config import ElasticConfig
@@ -33,7 +35,8 @@ from lightning_loco.transport.base import TransportStats, sum_in_group_order
 class ElasticPending:
     """An exchange on the membership's process group; a failure makes it a round taken alone."""
 
-    def __init__(self, transport: "ElasticTransport", works: list[tuple[int, list[Any]]], payload: Tensor, finish: Callable[[], Tensor],
+    def __init__(self, transport: "ElasticTransport", works: list[tuple[int, list[Any]]], payload: Tensor,
+                 finish: Callable[[], Tensor],
                  group_size: int, nbytes: int, peers: tuple[int, ...], alone: bool = False) -> None:
         self.transport, self.works, self.payload, self.finish = transport, works, payload, finish
         self.group_size, self.nbytes, self.peers = group_size, nbytes, peers
@@ -77,7 +80,7 @@ class ElasticPending:
                     failed.append(peer)
             if failed:
                 self.alone = True
-                self.transport.partner_failed(failed, self.error)
+                self.transport.partner_failed(self.peers if -1 in failed else failed, self.error)
                 result = self._alone()
             else:
                 result = self.finish()
@@ -174,7 +177,36 @@ class ElasticTransport:
         return pending
 
     def start_all_reduce_sum(self, payload: Tensor) -> ElasticPending:
-        raise NotImplementedError("elastic mode has no all-reduce yet (DiLoCo is refused when the strategy is built)")
+        """One all-reduce over the current membership (DiLoCo); the sum lands in ``payload``. If it fails the
+        pending is ``alone`` and the driver drops the round (see
+        :class:`~lightning_loco.elastic.driver.ElasticDriver`)."""
+        n = self.num_replicas
+        others = tuple(j for j in range(n) if j != self.replica)
+        if not others:
+            return ElasticPending(self, [], payload, lambda: payload, 1, 0, ())
+        view = self.membership.view
+        pg = view.pg if view is not None and view.ok else None
+        if pg is None:
+            return ElasticPending(self, [], payload, lambda: payload, n, 0, others, alone=True)
+        buf = payload.detach().to(self.device)
+        pending = ElasticPending(self, [], payload, lambda: payload, n,
+                                 2 * (n - 1) * buf.numel() * buf.element_size() // n, others)
+        try:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            work = pg.allreduce([buf], options)
+        except RuntimeError as err:
+            pending.alone, pending.error = True, err
+            self.partner_failed(others, err)
+            return pending
+
+        def finish() -> Tensor:
+            if buf.data_ptr() != payload.data_ptr():
+                payload.copy_(buf)
+            return payload
+
+        pending.works, pending.finish = [(-1, [work])], finish
+        return pending
 
     def close(self) -> None:
         self.membership.close()
