@@ -110,7 +110,8 @@ def elastic_config(
                    "It bounds how long an exchange waits for a partner that died or hangs; make it longer than "
                    "the slowest exchange of one model copy between your sites.")
     _check_seconds("join_timeout", join_timeout, 600.0,
-                   "It bounds how long a replica waits to be admitted and healed; make it longer than a few outer steps.")
+                   "It bounds how long a replica waits to be admitted and healed; make it longer than a few "
+                   "outer steps.")
     if isinstance(membership_every, bool) or not isinstance(membership_every, int) or membership_every < 1:
         raise ValueError(
             f"membership_every must be an integer >= 1, got {membership_every!r} (default 1: a membership refresh "
@@ -134,6 +135,7 @@ def elastic_config(
         )
     require_torchft()
     return ElasticConfig(
-        lighthouse=lighthouse, replica_id=replica_id or default_replica_id(), outer_step_timeout=float(outer_step_timeout),
+        lighthouse=lighthouse, replica_id=replica_id or default_replica_id(),
+        outer_step_timeout=float(outer_step_timeout),
         join_timeout=float(join_timeout), membership_every=membership_every, heal=bool(heal),
     )
