@@ -235,13 +235,13 @@ def check_agreement(records: dict[str, dict[str, Any]]) -> int:
 @pytest.mark.slow
 def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lighthouse: str) -> None:
     """Four replicas. r3 is killed (SIGKILL) in an inner phase and restarted under the same id; r2 kills
-    itself right after posting the exchange of outer step 14, with its partner's round in flight. The
+    itself right after posting the exchange of its 10th round, with its partners' round in flight. The
     others finish fit, their losses fall, partners agree on every round, no exchange waits longer than
     the outer-step timeout, and the restarted r3 takes the weights of a live replica and meets the
     others from the first round of the membership that admits it."""
     replicas = Replicas(tmp_path, lighthouse, max_steps=90, sync_every=2, step_sleep=0.1)
     try:
-        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 14} if rid == "r2" else {}))
+        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 10} if rid == "r2" else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
         replicas.wait_for_step("r3", 11, procs["r3"])  # step 11 of H = 2: in the inner phase of outer step 5
         os.killpg(procs["r3"].pid, signal.SIGKILL)
@@ -260,19 +260,19 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     for rec in survivors:
         first = rec["rounds"][0]["outer_step"]
         assert rec["outer_steps"] == 45 and [r["outer_step"] for r in rec["rounds"]] == list(range(first, 45))
-        assert first == rec["memberships"][0]["first_round"] and first < 10
+        assert first == rec["memberships"][0]["first_round"]
         assert falls(rec["losses"]), rec["losses"]
         assert max(rec["comm_seconds"]) < OUTER_STEP_TIMEOUT
-    # r2's death in its exchange left its partners alone: in that round if r2's payload had not reached them
-    # (one whose receive completed keeps the round), then in the next that still lists r2 (r2 had asked for
-    # it before it died); nobody was alone once the memberships had dropped r2
-    after = [r for rec in survivors for r in rec["rounds"] if r["outer_step"] >= 14 and "r2" in r["group"]]
-    assert after and any(r["alone"] for r in after)
+    # r2's death in its exchange left a partner alone (in that round if r2's payload had not reached it, then
+    # in the rest of the membership, whose process group the failure broke); rounds were taken alone only in
+    # memberships that listed a replica that died (r2, or r3 before it was restarted)
+    assert any(r["alone"] for rec in survivors for r in rec["rounds"] if "r2" in r["group"])
     for rec in survivors:
-        without_r2 = min(m["first_round"] for m in rec["memberships"]
-                         if m["first_round"] > 14 and "r2" not in m["members"])
-        assert not any(r["alone"] for r in rec["rounds"] if r["outer_step"] >= without_r2)
-        assert without_r2 <= 17  # requested at the switch after the death, or the one after
+        members = {m["quorum_id"]: m["members"] for m in rec["memberships"]}
+        rejoined = max(m["quorum_id"] for m in rec["memberships"] if "r3" in m["joiners"])
+        for r in rec["rounds"]:
+            if r["alone"]:
+                assert "r2" in members[r["quorum_id"]] or r["quorum_id"] < rejoined, r
     # the memberships dropped r2 after it died, and took r3 back
     final = survivors[0]["memberships"][-1]["members"]
     assert "r2" not in final and "r3" in final and final == survivors[1]["memberships"][-1]["members"]
@@ -322,14 +322,14 @@ def test_resume_from_own_checkpoint_instead_of_healing(tmp_path: Path, lighthous
 
 @pytest.mark.slow
 def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse: str) -> None:
-    """DiLoCo, four replicas: r3 is killed in an inner phase, r2 kills itself inside the all-reduce of outer
-    step 8. r0 and r1 finish with the same anchor (their final weights are equal), the rounds whose
+    """DiLoCo, four replicas: r3 is killed in an inner phase, r2 kills itself inside the all-reduce of its
+    fourth round. r0 and r1 finish with the same anchor (their final weights are equal), the rounds whose
     all-reduce failed are dropped alike on both, the memberships leave out r2 and r3, and losses fall."""
     # gloo's ring all-reduce may not notice a dead member before its timeout: a short one keeps the test short
     replicas = Replicas(tmp_path, lighthouse, algorithm="diloco", max_steps=40, sync_every=2, step_sleep=0.05,
                         outer_step_timeout=5.0)
     try:
-        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 8} if rid == "r2" else {}))
+        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 4} if rid == "r2" else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
         replicas.wait_for_step("r3", 7, procs["r3"])
         os.killpg(procs["r3"].pid, signal.SIGKILL)
@@ -339,8 +339,9 @@ def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse:
     assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3": -signal.SIGKILL}, replicas.logs()
     r0, r1 = replicas.record("r0"), replicas.record("r1")
     assert r0["final_weights"] == pytest.approx(r1["final_weights"], abs=1e-6)
-    assert [(r["outer_step"], r["dropped"]) for r in r0["rounds"] if r["outer_step"] >= 8] == \
-        [(r["outer_step"], r["dropped"]) for r in r1["rounds"] if r["outer_step"] >= 8]
+    common = {r["outer_step"] for r in r0["rounds"]} & {r["outer_step"] for r in r1["rounds"]}
+    assert [(r["outer_step"], r["dropped"]) for r in r0["rounds"] if r["outer_step"] in common] == \
+        [(r["outer_step"], r["dropped"]) for r in r1["rounds"] if r["outer_step"] in common]
     assert any(r["dropped"] for r in r0["rounds"])
     assert r0["memberships"][-1]["members"] == ["r0", "r1"] == r1["memberships"][-1]["members"]
     assert falls(r0["losses"]) and falls(r1["losses"])

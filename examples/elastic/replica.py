@@ -64,10 +64,11 @@ class Regressor(L.LightningModule):
 
 
 class DieInExchange(L.Callback):
-    """Kills this process (SIGKILL) right after it posts the exchange of outer step ``at``."""
+    """Kills this process (SIGKILL) right after it posts the exchange of its ``at``-th round with others
+    (counted from 1: a replica that joined late counts from its first round)."""
 
     def __init__(self, at: int) -> None:
-        self.at = at
+        self.at, self.posted = at, 0
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         transport = trainer.strategy.driver.transport
@@ -76,8 +77,10 @@ class DieInExchange(L.Callback):
         post, post_all = transport.start_group_sum, transport.start_all_reduce_sum
 
         def die_if_due(pending: Any) -> Any:
-            if transport.outer_step == self.at and transport.num_replicas > 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if transport.num_replicas > 1:
+                self.posted += 1
+                if self.posted == self.at:
+                    os.kill(os.getpid(), signal.SIGKILL)
             return pending
 
         transport.start_group_sum = lambda payload, group: die_if_due(post(payload, group))
@@ -97,14 +100,17 @@ def main() -> None:
     parser.add_argument("--outer-step-timeout", type=float, default=30.0)
     parser.add_argument("--join-timeout", type=float, default=60.0)
     parser.add_argument("--membership-every", type=int, default=1)
-    parser.add_argument("--die-in-exchange-at", type=int, default=None)
+    parser.add_argument("--die-in-exchange-at", type=int, default=None,
+                        help="kill this process right after it posts its N-th exchange with others")
     parser.add_argument("--no-heal", action="store_true", help="take only the step count when joining")
     parser.add_argument("--ckpt-path", default=None, help="resume from this replica's own checkpoint")
     parser.add_argument("--save-ckpt", default=None, help="save a checkpoint here when fit ends")
+    parser.add_argument("--launched-at", type=float, default=None,
+                        help="when the launcher started this process (time.time()); default: after the imports")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|LOCAL_RANK).*")
-    started = time.time()
+    started = args.launched_at or time.time()
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal)
     classes = {"noloco": NoLoCoStrategy, "gasloc": GASLoCStrategy, "diloco": DiLoCoStrategy}

@@ -306,9 +306,18 @@ class Membership:
         return torch.load(io.BytesIO(raw), weights_only=True)
 
     def failed(self) -> None:
-        """An exchange of the current membership failed: the next one gets a fresh process group."""
-        if self.view is not None:
-            self.view.ok = False
+        """An exchange of the current membership failed: its process group is aborted, which closes this
+        replica's connections, so that a member still waiting on one fails at once instead of at its
+        timeout (gloo does not always tell every member that a peer died); the rest of the membership's
+        rounds are taken alone, and the next membership gets a fresh group."""
+        view = self.view
+        if view is not None and view.ok:
+            view.ok = False
+            if view.pg is not None:
+                try:
+                    view.pg.abort()
+                except Exception as err:  # already broken: nothing more to close
+                    log.debug("abort failed: %s", err)
 
     def close(self) -> None:
         """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group."""

@@ -10,9 +10,11 @@ the group had sent this replica's payload (``group_size × own``), which the alg
 outer step of a group of one: this replica's own weights and pseudo-gradient only.
 
 gloo connects every member of a group to every other, and a connection that breaks fails every
-operation in flight on the group, on every member. So after a failure the rest of the membership's
-rounds are taken alone too (no member waits on them: each one's group is broken alike), and the next
-membership comes with a new process group; the Lighthouse drops a dead replica from it.
+operation in flight on the group of that member; but a member may not hear of a peer's death until it
+talks to it. So a replica that sees a failure aborts the membership's group, closing its connections:
+any member waiting on it fails at once instead of at its timeout, and does the same. The rest of the
+membership's rounds are taken alone, and the next membership comes with a new process group; the
+Lighthouse drops a dead replica from it.
 """
 
 from __future__ import annotations
