@@ -57,6 +57,13 @@ def test_elastic_refuses_exponential_gossip() -> None:
         GASLoCStrategy(lighthouse="h:1", topology="exponential")
 
 
+def test_an_elastic_replica_is_one_process() -> None:
+    import lightning as L
+
+    with pytest.raises(ValueError, match="devices=1 and num_nodes=1"):
+        L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1"), accelerator="cpu", devices=2, logger=False)
+
+
 def test_static_launch_stays_the_default() -> None:
     strategy = NoLoCoStrategy(sync_every=4)
     assert strategy.elastic is None
