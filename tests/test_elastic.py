@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -89,6 +90,32 @@ def test_without_torchft_the_error_names_the_extra() -> None:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ERR" in proc.stdout and "lightning-loco[elastic]" in proc.stdout
+
+
+@pytest.mark.slow
+def test_lighthouse_command_prints_its_address_and_serves(capsys: pytest.CaptureFixture) -> None:
+    from torchft.coordination import LighthouseClient
+
+    from lightning_loco.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["lighthouse", "--min-replicas", "0"])
+    assert exited.value.code == 2 and "min_replicas must be an integer >= 1, got 0" in capsys.readouterr().err
+    cli = [sys.executable, "-m", "lightning_loco.cli", "lighthouse"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*cli, "--min-replicas", "2", "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # the process's own time limit is the test's: killed below on failure
+        assert line.startswith("lighthouse 127.0.0.1:") and "(min_replicas=2)" in line, line
+        address = line.split()[1]
+        LighthouseClient(f"http://{address}", connect_timeout=timedelta(seconds=10)).heartbeat("probe")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 # ---------------------------------------------------------------- the plan: derived alike by every participant
@@ -299,10 +326,10 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
 
 @pytest.mark.slow
 def test_resume_from_own_checkpoint_instead_of_healing(tmp_path: Path, lighthouse: str) -> None:
-    """r0 and r1 train and save their own checkpoints. Then r0 resumes from its file while r1 starts afresh
-    with heal=False: r0 goes on from its own outer step, state and weights (nobody heals it: it is the
-    furthest), and r1 takes only the outer-step count from r0 and keeps its own weights."""
-    replicas = Replicas(tmp_path, lighthouse, sync_every=2, step_sleep=0.0)
+    """GASLoC. r0 and r1 train and save their own checkpoints. Then r0 resumes from its file while r1 starts
+    afresh with heal=False: r0 goes on from its own outer step, state and weights (nobody heals it: it is
+    the furthest), and r1 takes only the outer-step count from r0 and keeps its own weights."""
+    replicas = Replicas(tmp_path, lighthouse, algorithm="gasloc", sync_every=2, step_sleep=0.0)
     try:
         first = [replicas.start(rid, max_steps=16, save_ckpt=tmp_path / f"{rid}.ckpt") for rid in ("r0", "r1")]
         assert [replicas.finish(p) for p in first] == [0, 0], replicas.logs()
