@@ -43,6 +43,7 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
         (dict(lighthouse="h:1", replica_id=""), ["replica_id=''"]),
         (dict(lighthouse="h:1", overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
         (dict(lighthouse="h:1", ranks_per_replica=2), ["ranks_per_replica=2"]),
+        (dict(lighthouse="h:1", transport_factory=print), ["transport_factory and lighthouse"]),
     ],
 )
 def test_bad_elastic_arguments_fail_when_built(kwargs: dict[str, Any], words: list[str]) -> None:

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from lightning_loco.driver import OuterSlot, OuterStepDriver
-from lightning_loco.elastic.transport import ElasticTransport
+from lightning_loco.elastic.transport import ElasticTransport, ElasticTransportFactory
 
 
 class ElasticDriver(OuterStepDriver):
@@ -32,6 +32,7 @@ class ElasticDriver(OuterStepDriver):
         super().__init__(*args, **kwargs)
         if not isinstance(self.transport, ElasticTransport):
             raise TypeError("ElasticDriver needs an ElasticTransport")
+        self.label = f"Replica {self.transport.config.replica_id!r}"
         self.rounds: list[dict[str, Any]] = []  # per round: its outer step, group (replica ids), alone or not
         self.healed_from: list[dict[str, Any]] = []  # the states this replica took from a live one
         self.exported: list[dict[str, Any]] = []  # the states joiners took from this replica
@@ -119,4 +120,4 @@ def checksum(weights: list[Any]) -> list[float]:
     return [float(sum(w.double().sum() for w in weights)), float(sum(w.double().square().sum() for w in weights))]
 
 
-__all__ = ["ElasticDriver", "ElasticTransport"]
+__all__ = ["ElasticDriver", "ElasticTransport", "ElasticTransportFactory"]

@@ -212,3 +212,14 @@ class ElasticTransport:
 
     def close(self) -> None:
         self.membership.close()
+
+
+class ElasticTransportFactory:
+    """The strategies' ``transport_factory`` in elastic mode: takes ``TorchDistributedTransport``'s keyword
+    arguments (only ``device`` matters) and builds an :class:`ElasticTransport`."""
+
+    def __init__(self, config: ElasticConfig) -> None:
+        self.config = config
+
+    def __call__(self, device: Optional[torch.device] = None, **_: Any) -> ElasticTransport:
+        return ElasticTransport(self.config, device)

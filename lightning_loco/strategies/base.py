@@ -83,8 +83,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             ``TorchDistributedTransport`` (default: that class). For network models and tests.
         lighthouse: ``HOST:PORT`` of a Lighthouse (``lightning-loco lighthouse``) for elastic replicas:
             this Trainer is then one replica, its own job, and replicas that die or join do not stop the
-            others (NoLoCo and GASLoC; needs ``pip install lightning-loco[elastic]``; see
-            ``docs/elastic.md``). None (default): the static launch, one world of every replica.
+            others (needs ``pip install lightning-loco[elastic]``; see ``docs/elastic.md``). None
+            (default): the static launch, one world of every replica.
         replica_id: elastic only: this replica's name, unique among the live replicas (default HOST-PID).
         outer_step_timeout: elastic only: seconds an exchange waits for a partner before this replica
             finishes the round alone (default 120).
@@ -161,6 +161,16 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.final_outer_step = final_outer_step
         self._outer_state_device = device
         self.transport_factory = transport_factory or TorchDistributedTransport
+        self._driver_class: type[OuterStepDriver] = OuterStepDriver
+        if self.elastic is not None:  # the elastic transport and driver, through the same seam
+            from lightning_loco.elastic.driver import ElasticDriver, ElasticTransportFactory
+
+            if transport_factory is not None:
+                raise ValueError(
+                    "transport_factory and lighthouse=... are exclusive: elastic replicas bring their own transport "
+                    "(over the live members). Pass one of them."
+                )
+            self.transport_factory, self._driver_class = ElasticTransportFactory(self.elastic), ElasticDriver
         self.driver: Optional[OuterStepDriver] = None  # during fit
         self._groups: Optional[ProcessGroups] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
@@ -217,24 +227,16 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         trainer = self.lightning_module.trainer
         self._trained_module = weakref.ref(self.lightning_module)
         assert self._groups is not None
-        if self.elastic is not None:
-            from lightning_loco.elastic.driver import ElasticDriver, ElasticTransport
-
-            self.driver = ElasticDriver(
-                self.algorithm, ElasticTransport(self.elastic, self._comm_device()), self.sync_every,
-                label=f"Replica {self.elastic.replica_id!r}", final_outer_step=self.final_outer_step,
-            )
-        else:
-            transport = self.transport_factory(
-                device=self._comm_device(), process_group=self._groups.overlap_group() if self.overlap_steps else None,
-                ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
-                slice_group=self._groups.slice,
-            )
-            self.driver = OuterStepDriver(
-                self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
-                agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
-                label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
-            )
+        transport = self.transport_factory(
+            device=self._comm_device(), process_group=self._groups.overlap_group() if self.overlap_steps else None,
+            ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
+            slice_group=self._groups.slice,
+        )
+        self.driver = self._driver_class(
+            self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
+            agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
+            label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
+        )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
             self.driver.add(FlatParameters(params_of(optimizer), self.outer_state_device))
