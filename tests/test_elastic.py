@@ -93,6 +93,30 @@ def test_without_torchft_the_error_names_the_extra() -> None:
     assert "ERR" in proc.stdout and "lightning-loco[elastic]" in proc.stdout
 
 
+@pytest.mark.parametrize("algorithm", ["noloco", "gasloc"])
+def test_a_round_finished_alone_is_the_outer_step_of_a_group_of_one(algorithm: str) -> None:
+    """What a replica does when its partner fails: ``wait()`` gives ``group_size × own payload``, which the
+    algorithm turns into the outer step of a group of one (its own weights and pseudo-gradient)."""
+    import torch
+
+    from lightning_loco.algorithms import GASLoC, NoLoCo
+    from lightning_loco.elastic.transport import ElasticPending
+
+    make = {"noloco": NoLoCo, "gasloc": GASLoC}[algorithm]
+    g = torch.Generator().manual_seed(0)
+    start, trained = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    shapes = [torch.Size([10])]
+    for group_size in (2, 3):
+        alone, solo = make(), make()
+        state_alone, state_solo = alone.init_state(start, shapes), solo.init_state(start, shapes)
+        payload = alone.payload(state_alone, trained)
+        pending = ElasticPending(None, [], payload, lambda: payload, group_size, 0, (1,), alone=True)
+        got = alone.apply(state_alone, pending.wait(), group_size)
+        want = solo.apply(state_solo, solo.payload(state_solo, trained).clone(), 1)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(state_alone.anchor, state_solo.anchor)
+
+
 @pytest.mark.slow
 def test_lighthouse_command_prints_its_address_and_serves(capsys: pytest.CaptureFixture) -> None:
     from torchft.coordination import LighthouseClient
