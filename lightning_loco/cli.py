@@ -11,6 +11,9 @@ before anything is built).
 
 ``lightning-loco export CHECKPOINT OUTPUT [--state-dict-only] [--trust-checkpoint]`` writes the
 consensus model of a checkpoint as one plain file (see ``lightning_loco.checkpoints.export_consensus``).
+
+``lightning-loco lighthouse --min-replicas N [--bind HOST:PORT]`` runs torchft's Lighthouse for elastic
+replicas and prints its address (see ``lightning_loco.elastic.lighthouse``; needs the ``elastic`` extra).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ PROG = "lightning-loco"
 DESCRIPTION = (
     "Lightning's command line (LightningCLI) with lightning_loco's strategies: fit, validate, test and "
     f"predict, and one more subcommand, export: '{PROG} export CHECKPOINT OUTPUT' writes the consensus "
-    f"model of a checkpoint as one plain file ('{PROG} export --help')."
+    f"model of a checkpoint as one plain file ('{PROG} export --help'); and lighthouse: '{PROG} lighthouse "
+    f"--min-replicas N' runs the membership server of elastic replicas ('{PROG} lighthouse --help')."
 )
 # The config keys whose classes' own argument errors are reported as they are (see LocoCLI).
 _CHECKED = ((Strategy, "trainer.strategy"), (Callback, "trainer.callbacks"))
@@ -140,6 +144,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "export":
         export(args[1:])
+        return
+    if args and args[0] == "lighthouse":
+        from lightning_loco.elastic import lighthouse
+
+        lighthouse.main(args[1:])
         return
     LocoCLI(
         subclass_mode_model=True,

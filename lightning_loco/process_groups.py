@@ -9,6 +9,14 @@
 torch.distributed requires every rank to create every group, in the same order. A group is never
 destroyed while a thread still waits on it (the watcher of an abandoned round): it is then left to
 the process exit.
+
+NCCL creates a group's communicator at the group's first operation unless it is bound to a device,
+and when that first operation is a batched point-to-point call, every rank of the group must take
+part in it. A NoLoCo pair or a GASLoC round with odd N (one replica sits out) breaks that rule. So on
+NCCL every new group runs one warm-up all-reduce of a single element among all its ranks when it is
+created, once, before any exchange: the communicator then exists whatever comes first. (The world
+group needs none: Lightning binds it to the device, and the strategies broadcast the initial weights
+on it before training.)
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class ProcessGroups:
 
     def __init__(self, ranks_per_replica: int, backend: str, timeout: Optional[timedelta]) -> None:
         self.ranks_per_replica, self.backend, self.timeout = ranks_per_replica, backend, timeout
+        self.warm_up_groups = backend == "nccl"  # see the module docstring
         self.replica: Optional[Any] = None
         self.slice: Optional[Any] = None
         self.overlap: Optional[Any] = None
@@ -53,12 +62,23 @@ class ProcessGroups:
             group = dist.new_group(list(range(j, world, k)), backend=self.backend, timeout=self.timeout)
             if j == rank % k:
                 self.slice = group
+        self._warm_up(self.replica)  # after every rank created every group: each rank its own two
+        self._warm_up(self.slice)
 
     def overlap_group(self) -> Optional[Any]:
         """The group of background exchanges (created once, on every rank)."""
         if self.overlap is None and dist.get_world_size() > 1:
             self.overlap = dist.new_group(backend=self.backend, timeout=self.timeout)
+            self._warm_up(self.overlap)
         return self.overlap
+
+    def _warm_up(self, group: Any) -> None:
+        """One single-element all-reduce among all ranks of ``group`` (NCCL: creates its communicator
+        before any point-to-point call can be its first operation). Every rank of the group calls it."""
+        if not self.warm_up_groups or group is None:
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def replica_max(self, value: float, device: "torch.device") -> int:
         """The largest ``value`` among the ranks of this replica (one small all-reduce on its group)."""

@@ -317,6 +317,11 @@ def test_strategies_refuse_bad_wire_arguments_when_built(cls, kwargs, match):
         cls(**kwargs)
 
 
+def test_elastic_replicas_refuse_lossy_wire_formats():
+    with pytest.raises(ValueError, match="elastic replicas .* send float32 only"):
+        NoLoCoStrategy(lighthouse="127.0.0.1:29510", wire_dtype="bfloat16")
+
+
 def test_strategies_build_the_wire_format():
     assert DiLoCoStrategy(compression="int8").wire.error_feedback  # a pseudo-gradient: on by default
     noloco = NoLoCoStrategy(wire_dtype="float16")

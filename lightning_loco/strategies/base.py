@@ -29,6 +29,7 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.outer_optimizer import check_picklable
 from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterSlot, OuterStepDriver, OuterStepReport
+from lightning_loco.elastic.config import elastic_config
 from lightning_loco.flat import FlatParameters
 from lightning_loco.overlap import check_overlap
 from lightning_loco.process_groups import ProcessGroups
@@ -96,6 +97,20 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             keeps it off the accelerator.
         transport_factory: builds the transport of the outer steps, with the keyword arguments of
             ``TorchDistributedTransport`` (default: that class). For network models and tests.
+        lighthouse: ``HOST:PORT`` of a Lighthouse (``lightning-loco lighthouse``) for elastic replicas:
+            this Trainer is then one replica, its own job, and replicas that die or join do not stop the
+            others (needs ``pip install lightning-loco[elastic]``; see ``docs/elastic.md``). None
+            (default): the static launch, one world of every replica.
+        replica_id: elastic only: this replica's name, unique among the live replicas (default HOST-PID).
+        outer_step_timeout: elastic only: seconds an exchange waits for a partner before this replica
+            finishes the round alone (default 120).
+        join_timeout: elastic only: seconds a replica waits to be admitted to a membership and for the
+            state it heals from (default 600).
+        membership_every: elastic only: K, outer steps between membership refreshes, each requested in
+            the background one refresh ahead (default 1).
+        heal: elastic only: a replica that joins a running group takes the weights and outer state of a
+            live one (True, default) or keeps its own, taking only the outer-step count (False: resumed
+            from its own checkpoint).
         accelerator: as in ``DDPStrategy``.
         parallel_devices: as in ``DDPStrategy``.
         cluster_environment: as in ``DDPStrategy``.
@@ -127,6 +142,12 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         error_feedback: Optional[bool] = None,
         outer_state_device: Optional[str] = None,
         transport_factory: Optional[TransportFactory] = None,
+        lighthouse: Optional[str] = None,
+        replica_id: Optional[str] = None,
+        outer_step_timeout: float = 120.0,
+        join_timeout: float = 600.0,
+        membership_every: int = 1,
+        heal: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -145,6 +166,11 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
                            pseudo_gradient=algorithm.payload_is_pseudo_gradient)
         device = parse_device(outer_state_device)
         check_picklable(getattr(algorithm, "outer_optimizer", None), start_method)
+        self.elastic = elastic_config(
+            lighthouse, replica_id, outer_step_timeout, join_timeout, membership_every, heal,
+            algorithm_name=algorithm.name, overlap_steps=overlap_steps, ranks_per_replica=ranks_per_replica,
+            topology=getattr(algorithm, "topology", None),
+        )
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -160,6 +186,21 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.wire = wire
         self._outer_state_device = device
         self.transport_factory = transport_factory or TorchDistributedTransport
+        self._driver_class: type[OuterStepDriver] = OuterStepDriver
+        if self.elastic is not None:  # the elastic transport and driver, through the same seam
+            from lightning_loco.elastic.driver import ElasticDriver, ElasticTransportFactory
+
+            if transport_factory is not None:
+                raise ValueError(
+                    "transport_factory and lighthouse=... are exclusive: elastic replicas bring their own transport "
+                    "(over the live members). Pass one of them."
+                )
+            if wire.lossy:
+                raise ValueError(
+                    f"wire_dtype={wire_dtype!r}, compression={compression!r}: elastic replicas (lighthouse=...) send "
+                    "float32 only for now. Leave wire_dtype='float32' and compression=None with a lighthouse."
+                )
+            self.transport_factory, self._driver_class = ElasticTransportFactory(self.elastic), ElasticDriver
         self.driver: Optional[OuterStepDriver] = None  # during fit
         self._groups: Optional[ProcessGroups] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
@@ -221,7 +262,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
             slice_group=self._groups.slice,
         )
-        self.driver = OuterStepDriver(
+        self.driver = self._driver_class(
             self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
@@ -237,6 +278,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             except ValueError as err:
                 raise checkpoints.CheckpointError(str(err)) from err
             self._resumed_outer = None
+        if self.elastic is not None:
+            self.driver.join()  # the first membership: waits for the Lighthouse, heals if the others are ahead
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
 
@@ -258,7 +301,13 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
         trainer = self.lightning_module.trainer
         per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
-        self.driver.after_inner_step(index, last=fit_ends_after_this_step(trainer, per_batch))
+        last = fit_ends_after_this_step(trainer, per_batch)
+        if self.elastic is not None and trainer.max_steps >= 0:
+            # A healed replica took the others' step count: max_steps counts the run's steps, not this process's.
+            last = self.driver.slots[index].inner_steps + 1 >= trainer.max_steps
+        self.driver.after_inner_step(index, last=last)
+        if self.elastic is not None and last and trainer.max_steps >= 0:
+            trainer.should_stop = True
         return output
 
     @override
@@ -293,6 +342,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if self.driver is not None:  # only left in flight after an interrupted fit: on_train_end lands rounds
             lingering = self.driver.abandon_all(self.abandon_timeout_s)
             self._final_outer_steps = self.outer_steps
+            if self.elastic is not None:
+                self.driver.transport.close()  # type: ignore[attr-defined]  (stops the heartbeats: we left)
         # The outer state (float32 anchors, momenta, outer optimizer state, buffers in flight: 2-3 model
         # copies, on the accelerator by default) goes now; outer_step_reports and the module's weights stay.
         self.driver, self._resumed_outer = None, None

@@ -85,6 +85,15 @@ class ReplicaSetup:
     def _configure_launcher(self) -> None:
         # Called while the Trainer is built, once devices and nodes are known: check N before any process starts.
         world, k = self.num_nodes * self.num_processes, self.ranks_per_replica
+        if self.elastic is not None:  # type: ignore[attr-defined]
+            if world != 1:
+                raise ValueError(
+                    f"lighthouse=... makes this Trainer one replica of one process, but it has {world} processes "
+                    f"({self.num_nodes} node(s) × {self.num_processes} device(s)). Use devices=1 and num_nodes=1, and "
+                    "start one Trainer per replica."
+                )
+            super()._configure_launcher()
+            return
         if world % k:
             raise ValueError(
                 f"ranks_per_replica={k} does not divide the {world} processes ({self.num_nodes} node(s) × "

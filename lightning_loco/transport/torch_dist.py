@@ -12,6 +12,12 @@ training goes on, and ``PendingSum.wait()`` returns the sum.
 A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
 
+CUDA payloads on gloo (several processes sharing a GPU, or gloo chosen on GPUs) cross to the host
+through pinned buffers of a :class:`~lightning_loco.transport.staging.StagingPool`, reused from one
+outer step to the next, with ``non_blocking`` copies. On NCCL, an overlapped exchange is followed by
+a CUDA event on a stream of the transport's own: ``done()`` queries the event, ``wait()`` makes the
+training stream wait for it; no thread and no host synchronisation.
+
 With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the bytes on the wire are the codec's:
 
 * group sums send each rank's encoded slice; every member decodes every payload, its own included,
@@ -20,6 +26,8 @@ With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the bytes on the wire are 
   of the decoded chunks in ascending replica order, and an all-gather of each encoded reduced chunk,
   all point to point: 2(N−1)/N × the codec's size per replica, and bitwise the same result on every
   replica. The all-to-all runs in the background; the all-gather runs when the sum is waited for.
+  Encoded buffers are small and are not staged: a CUDA payload on gloo is encoded on its device and
+  copied to the host.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from torch import Tensor
 
 from lightning_loco.codecs import Codec, all_reduce_bytes, decode_sum
 from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
+from lightning_loco.transport.staging import StagingPool
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "sum_in_group_order"]
 
@@ -48,8 +57,10 @@ class PendingSum:
 
     ``watch()`` starts a thread that waits for the operations and notes when they completed: gloo's
     point-to-point works report completion only once waited for, so without it ``done()`` could not
-    tell a finished transfer from a running one. (NCCL's works report it themselves; their ``wait``
-    is a stream dependency that belongs on the training thread, so they are never watched.)
+    tell a finished transfer from a running one. NCCL's works are never watched by a thread: on a
+    CUDA transport the works are waited for on the transport's side stream at once, which only
+    makes that stream wait, and a CUDA event recorded there after them tells completion
+    (``done()`` queries it, ``wait()`` makes the current stream wait for it).
     """
 
     def __init__(
@@ -68,6 +79,12 @@ class PendingSum:
         self._result: Optional[Tensor] = None
         self._watcher: Optional[threading.Thread] = None
         self._error: Optional[RuntimeError] = None
+        self._event: Any | None = None  # CUDA transports: recorded on the side stream after the works
+        if works and transport.device.type == "cuda":
+            try:
+                self._event = transport.completion_event(works)
+            except RuntimeError as err:  # TORCH_NCCL_BLOCKING_WAIT=1: the works were waited for here
+                raise transport.peer_error(peers, err) from err
 
     @property
     def watcher(self) -> Optional[threading.Thread]:
@@ -104,6 +121,11 @@ class PendingSum:
         if self._watcher is not None:
             self._watcher.join(timeout)
             finished = not self._watcher.is_alive() and self._error is None
+        elif self._event is not None:  # poll: making the training stream wait could hang it
+            deadline = time.perf_counter() + timeout
+            while not self._event.query() and time.perf_counter() < deadline:
+                time.sleep(0.01)
+            finished = bool(self._event.query())
         else:
             for work in self.works:
                 try:
@@ -118,6 +140,8 @@ class PendingSum:
             return True
         if self._watcher is not None:
             return not self._watcher.is_alive()
+        if self._event is not None:
+            return bool(self._event.query())
         return all(w.is_completed() for w in self.works)
 
     def completed_after(self) -> Optional[float]:
@@ -137,6 +161,8 @@ class PendingSum:
                 self._watcher.join()
                 if self._error is not None:
                     raise self._error
+            elif self._event is not None:
+                torch.cuda.current_stream(self.transport.device).wait_event(self._event)
             else:
                 for work in self.works:
                     work.wait()
@@ -197,6 +223,31 @@ class TorchDistributedTransport:
         self.num_replicas = world // k
         self.replica_ranks = [i * k + self.local_rank for i in range(self.num_replicas)]  # my counterparts
         self.stats = TransportStats()
+        self.staging = StagingPool()  # host buffers for CUDA payloads crossing gloo (pinned with CUDA)
+        self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
+
+    # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
+    # on gloo), since a machine without CUDA has no other way to run it.
+    stage_cpu_payloads = False
+
+    def _staged(self, payload: Tensor) -> bool:
+        """Whether ``payload`` crosses to the host through staging buffers: it lives on an accelerator
+        and this transport moves host tensors (gloo)."""
+        return self.device.type == "cpu" and (payload.device.type != "cpu" or self.stage_cpu_payloads)
+
+    def completion_event(self, works: list[Any]) -> Any:
+        """A CUDA event that completes after ``works`` (NCCL operations): the works are waited for on
+        a side stream of this transport's own, which makes only that stream wait (unless
+        ``TORCH_NCCL_BLOCKING_WAIT=1``, which makes ``wait`` block the host), and the event is
+        recorded there."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._side_stream):
+            for work in works:
+                work.wait()
+            event.record(self._side_stream)
+        return event
 
     def peer_error(self, peers: Sequence[int], err: BaseException) -> PeerError:
         return peer_error(self.replica, peers, [self.replica_ranks[j] for j in peers], err)
@@ -245,8 +296,13 @@ class TorchDistributedTransport:
             return self._pending([], payload.clone, 0, ())
         if codec is not None and codec.lossy:
             return self._start_coded_group_sum(payload, group, others, codec)
-        send = self._slice(payload.to(self.device)).contiguous()
-        received = {j: torch.empty_like(send) for j in others}
+        staged = self._staged(payload)
+        if staged:  # pinned host buffers, reused across outer steps; given back in finish()
+            send = self.staging.to_host(self._slice(payload))
+            received = {j: self.staging.take(send.numel(), send.dtype) for j in others}
+        else:
+            send = self._slice(payload.to(self.device)).contiguous()
+            received = {j: torch.empty_like(send) for j in others}
         ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
         ops += [dist.P2POp(dist.isend, send, self.replica_ranks[j], self.process_group) for j in others]
         try:
@@ -256,7 +312,16 @@ class TorchDistributedTransport:
 
         def finish() -> Tensor:
             received[self.replica] = send
-            return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
+            if not staged:
+                return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
+            order = sorted(group)  # the sum of sum_in_group_order, into a staging buffer
+            total = self.staging.take(send.numel(), send.dtype)
+            total.copy_(received[order[0]])
+            for j in order[1:]:
+                total.add_(received[j])
+            result = self.staging.to_device(self._gather_slices(total, payload), payload.device)
+            self.staging.give_back(total, *received.values())
+            return result
 
         nbytes = send.numel() * send.element_size() * len(others)
         return self._pending(works, finish, nbytes, tuple(others))
@@ -266,7 +331,8 @@ class TorchDistributedTransport:
         sets the wire format (see the module docstring)."""
         if codec is not None and codec.lossy and self.num_replicas > 1:
             return self._start_coded_all_reduce(payload, codec)
-        buf = payload.to(self.device)
+        staged = self._staged(payload)
+        buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self._slice(buf)
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
         n = self.num_replicas
@@ -279,7 +345,9 @@ class TorchDistributedTransport:
         def finish() -> Tensor:
             whole = self._gather_slices(part, buf)
             if whole.data_ptr() != payload.data_ptr():
-                payload.copy_(whole)
+                payload.copy_(whole.view_as(payload), non_blocking=staged and self.staging.pinned)
+            if staged:
+                self.staging.give_back(buf)
             return payload
 
         # A ring all-reduce sends and receives 2(N−1)/N copies per replica; gloo and NCCL pick their
@@ -299,9 +367,9 @@ class TorchDistributedTransport:
             raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
 
     def _start_coded_group_sum(self, payload: Tensor, group: Sequence[int], others: list[int], codec: Codec) -> PendingSum:
-        part = self._slice(payload.to(self.device))
+        part = self._slice(payload)
         n = part.numel()
-        send = codec.encode(part.contiguous())
+        send = codec.encode(part.contiguous()).to(self.device)  # encoded where the payload is
         received = {j: torch.empty(codec.nbytes(n), dtype=torch.uint8, device=self.device) for j in others}
         works = self._exchange(dict.fromkeys(others, send), received)
 
@@ -313,13 +381,12 @@ class TorchDistributedTransport:
         return self._pending(works, finish, codec.nbytes(n) * len(others), tuple(others))
 
     def _start_coded_all_reduce(self, payload: Tensor, codec: Codec) -> PendingSum:
-        buf = payload.to(self.device)
-        part = self._slice(buf)
+        part = self._slice(payload)
         num, me = self.num_replicas, self.replica
         peers = tuple(j for j in range(num) if j != me)
         chunks = torch.tensor_split(part, num)
         sizes = [c.numel() for c in chunks]
-        encoded = [codec.encode(c.contiguous()) for c in chunks]
+        encoded = [codec.encode(c.contiguous()).to(self.device) for c in chunks]  # encoded where the payload is
         mine = {j: torch.empty(codec.nbytes(sizes[me]), dtype=torch.uint8, device=self.device) for j in peers}
         works = self._exchange({j: encoded[j] for j in peers}, mine)  # the all-to-all (reduce-scatter half)
 
@@ -330,7 +397,7 @@ class TorchDistributedTransport:
                 work.wait()
             gathered[me] = reduced
             total = torch.cat([codec.decode(gathered[j], sizes[j]) for j in range(num)])
-            whole = self._gather_slices(total, buf)
+            whole = self._gather_slices(total, payload)
             payload.copy_(whole)
             return payload
 

@@ -1,0 +1,149 @@
+"""One elastic replica: a tiny regression model trained with NoLoCo (or GASLoC, DiLoCo) over a Lighthouse.
+
+    python examples/elastic/replica.py --lighthouse HOST:PORT --replica-id r0 --out runs/elastic
+
+Each replica is its own process and its own Lightning Trainer (devices=1). It writes
+``OUT/ID.json`` when ``fit`` ends: its loss at every step, its rounds (outer step, group by replica id,
+alone or not), the memberships it took up, the state it healed from, and timings. ``OUT/ID.progress``
+holds the step it is at, for whoever wants to kill it at a given point (``demo.py``, the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+
+IN_FEATURES = 8
+
+
+def shard(replica_id: str, size: int = 512) -> TensorDataset:
+    """This replica's data: y = x·w + noise with one w for every replica, x drawn from the replica's id."""
+    g = torch.Generator().manual_seed(zlib.crc32(replica_id.encode()))
+    x = torch.randn(size, IN_FEATURES, generator=g)
+    w = torch.linspace(-2.0, 2.0, IN_FEATURES).unsqueeze(1)
+    return TensorDataset(x, x @ w + 0.05 * torch.randn(size, 1, generator=g))
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, replica_id: str, step_sleep: float, progress: Path) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # every replica starts from the same weights
+        self.net = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.replica_id, self.step_sleep, self.progress = replica_id, step_sleep, progress
+        self.losses: list[tuple[float, int, float]] = []  # (time, outer-step count, loss)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        strategy = self.trainer.strategy
+        self.losses.append((time.time(), strategy.outer_steps, loss.item()))
+        if self.step_sleep:
+            time.sleep(self.step_sleep)  # stands for a bigger model's step
+        self.progress.write_text(str(len(self.losses)))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(shard(self.replica_id), batch_size=16, shuffle=True)
+
+
+class DieInExchange(L.Callback):
+    """Kills this process (SIGKILL) right after it posts the exchange of its ``at``-th round with others
+    (counted from 1: a replica that joined late counts from its first round)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.posted = at, 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        transport = trainer.strategy.driver.transport
+        if getattr(transport, "_wrapped", False):
+            return
+        post, post_all = transport.start_group_sum, transport.start_all_reduce_sum
+
+        def die_if_due(pending: Any) -> Any:
+            if transport.num_replicas > 1:
+                self.posted += 1
+                if self.posted == self.at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return pending
+
+        transport.start_group_sum = lambda payload, group: die_if_due(post(payload, group))
+        transport.start_all_reduce_sum = lambda payload: die_if_due(post_all(payload))
+        transport._wrapped = True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--replica-id", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--algorithm", choices=["noloco", "gasloc", "diloco"], default="noloco")
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--sync-every", type=int, default=2)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--outer-step-timeout", type=float, default=30.0)
+    parser.add_argument("--join-timeout", type=float, default=60.0)
+    parser.add_argument("--membership-every", type=int, default=1)
+    parser.add_argument("--die-in-exchange-at", type=int, default=None,
+                        help="kill this process right after it posts its N-th exchange with others")
+    parser.add_argument("--no-heal", action="store_true", help="take only the step count when joining")
+    parser.add_argument("--ckpt-path", default=None, help="resume from this replica's own checkpoint")
+    parser.add_argument("--save-ckpt", default=None, help="save a checkpoint here when fit ends")
+    parser.add_argument("--launched-at", type=float, default=None,
+                        help="when the launcher started this process (time.time()); default: after the imports")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|LOCAL_RANK).*")
+    started = args.launched_at or time.time()
+    elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
+                   join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal)
+    classes = {"noloco": NoLoCoStrategy, "gasloc": GASLoCStrategy, "diloco": DiLoCoStrategy}
+    strategy = classes[args.algorithm](sync_every=args.sync_every, **elastic)
+    model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress")
+    callbacks = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.max_steps, max_epochs=-1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    driver_holder: dict[str, Any] = {}
+
+    class Keep(L.Callback):  # the driver (outer state, reports) goes at teardown: save and keep it before
+        def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:
+            driver_holder["driver"] = trainer.strategy.driver
+            if args.save_ckpt:
+                trainer.save_checkpoint(args.save_ckpt)
+
+    trainer.callbacks.append(Keep())
+    trainer.fit(model, ckpt_path=args.ckpt_path)
+    driver = driver_holder["driver"]
+    membership = driver.transport.membership
+    record = {
+        "replica_id": args.replica_id, "started": started, "ended": time.time(), "losses": model.losses,
+        "rounds": driver.rounds, "memberships": membership.history, "healed_from": driver.healed_from,
+        "exported": driver.exported,
+        "failures": driver.transport.failures, "quorum_waits": membership.waits,
+        "round_seconds": [r.seconds for r in driver.reports], "comm_seconds": [r.comm_seconds for r in driver.reports],
+        "outer_steps": driver.slots[0].outer_steps,
+        "final_weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+    (args.out / f"{args.replica_id}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""Elastic replicas: each replica is its own job, and replicas that die or join do not stop the others.
+
+torchft (``pip install lightning-loco[elastic]``) is the engine: its Lighthouse agrees on the live
+replicas (heartbeats and quorums), and its reconfigurable gloo process group carries the exchanges of
+each membership. Built here around it:
+
+* :mod:`~lightning_loco.elastic.config`: the strategies' elastic arguments, checked when the strategy
+  is built (no torchft needed to import it);
+* :mod:`~lightning_loco.elastic.lighthouse`: a Lighthouse server (``lightning-loco lighthouse``);
+* :mod:`~lightning_loco.elastic.membership`: the agreed membership of each stretch of outer steps,
+  refreshed in the background, and the state a joining replica heals from;
+* :mod:`~lightning_loco.elastic.transport`: a ``Transport`` over the members of the current membership,
+  where a partner that fails leaves this replica to finish the round alone;
+* :mod:`~lightning_loco.elastic.driver`: the outer-step driver that switches memberships between rounds.
+
+Only ``config`` is imported by the strategies; the rest imports torchft.
+"""
+
+from lightning_loco.elastic.config import ElasticConfig, require_torchft
+
+__all__ = ["ElasticConfig", "require_torchft"]

@@ -1,0 +1,225 @@
+"""A ``Transport`` over the members of the current membership (:mod:`~lightning_loco.elastic.membership`).
+
+Replica indices are ranks in the current membership's sorted list of replica ids, so the algorithms'
+schedules draw each round's groups over the live members. Exchanges are point-to-point sends and receives
+on the membership's torchft process group, tagged with the outer step.
+
+A partner that fails (it died, its link broke, or it sent nothing within ``outer_step_timeout``) does not
+stop this replica: the round is finished alone. ``wait()`` then returns the sum as if every member of
+the group had sent this replica's payload (``group_size × own``), which the algorithms turn into the
+outer step of a group of one: this replica's own weights and pseudo-gradient only.
+
+gloo connects every member of a group to every other, and a connection that breaks fails every
+operation in flight on the group of that member; but a member may not hear of a peer's death until it
+talks to it. So a replica that sees a failure aborts the membership's group, closing its connections:
+any member waiting on it fails at once instead of at its timeout, and does the same. The rest of the
+membership's rounds are taken alone, and the next membership comes with a new process group; the
+Lighthouse drops a dead replica from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_loco.elastic.config import ElasticConfig
+from lightning_loco.elastic.membership import Membership
+from lightning_loco.transport.base import TransportStats, sum_in_group_order
+
+
+class ElasticPending:
+    """An exchange on the membership's process group; a failure makes it a round taken alone."""
+
+    def __init__(self, transport: "ElasticTransport", works: list[tuple[int, list[Any]]], payload: Tensor,
+                 finish: Callable[[], Tensor],
+                 group_size: int, nbytes: int, peers: tuple[int, ...], alone: bool = False) -> None:
+        self.transport, self.works, self.payload, self.finish = transport, works, payload, finish
+        self.group_size, self.nbytes, self.peers = group_size, nbytes, peers
+        self.started = time.perf_counter()
+        self.wait_seconds = 0.0
+        self.seconds = 0.0
+        self.alone = alone  # finished without its partners (set when a partner failed)
+        self.error: Optional[BaseException] = None
+        self._result: Optional[Tensor] = None
+
+    @property
+    def watcher(self) -> Optional[threading.Thread]:
+        return None
+
+    def watch(self) -> "ElasticPending":
+        return self
+
+    def done(self) -> bool:
+        return self._result is not None or all(w.is_completed() for _, works in self.works for w in works)
+
+    def completed_after(self) -> Optional[float]:
+        return time.perf_counter() - self.started if self.done() else None
+
+    def _alone(self) -> Tensor:
+        return self.payload.clone() if self.group_size == 1 else self.payload * self.group_size
+
+    def wait(self) -> Tensor:
+        if self._result is not None:
+            return self._result
+        blocked = time.perf_counter()
+        if self.alone:
+            result = self._alone()
+        else:
+            failed: list[int] = []
+            for peer, works in self.works:
+                try:
+                    for work in works:
+                        work.wait()
+                except RuntimeError as err:  # this partner failed; the others' transfers still complete
+                    self.error = err
+                    failed.append(peer)
+            if failed:
+                self.alone = True
+                self.transport.partner_failed(self.peers if -1 in failed else failed, self.error)
+                result = self._alone()
+            else:
+                result = self.finish()
+        now = time.perf_counter()
+        self.wait_seconds, self.seconds = now - blocked, now - self.started
+        if not self.alone and self.peers:
+            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
+        self.works, self._result = [], result
+        return result
+
+    def abandon(self, timeout: float) -> bool:
+        finished = self.done()
+        self.works = []
+        return finished
+
+
+class ElasticTransport:
+    """``Transport`` of one elastic replica (one process). ``replica`` and ``num_replicas`` describe the
+    current membership; :class:`~lightning_loco.elastic.driver.ElasticDriver` switches memberships."""
+
+    def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None) -> None:
+        self.config = config
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.membership = Membership(config)
+        self.stats = TransportStats()
+        self.outer_step = 0  # the round being posted: the exchanges' tag
+        self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed
+
+    @property
+    def replica(self) -> int:
+        view = self.membership.view
+        return view.rank if view is not None else 0
+
+    @property
+    def num_replicas(self) -> int:
+        view = self.membership.view
+        return len(view.members) if view is not None else 1
+
+    def member_ids(self, ranks: Sequence[int]) -> tuple[str, ...]:
+        view = self.membership.view
+        return tuple(view.members[j] for j in ranks) if view is not None else (self.config.replica_id,)
+
+    def partner_failed(self, peers: Sequence[int], err: Optional[BaseException]) -> None:
+        ids = self.member_ids(peers)
+        self.failures.append({"outer_step": self.outer_step, "peers": list(ids), "error": str(err)[:200],
+                              "time": time.time()})
+        self.membership.failed()
+        warnings.warn(
+            f"Replica {self.config.replica_id!r}: outer step {self.outer_step} could not complete with {list(ids)} "
+            f"({str(err).splitlines()[0][:160]}); this replica finished the round alone, and the next membership "
+            "leaves out a replica that died.",
+            stacklevel=3,
+        )
+
+    def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
+        pending = ElasticPending(self, [], total, lambda: total, 1, 0, peers)
+        pending._result = total
+        return pending
+
+    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
+        return self.start_group_sum(payload, group).wait()
+
+    def all_reduce_sum(self, payload: Tensor) -> Tensor:
+        return self.start_all_reduce_sum(payload).wait()
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> ElasticPending:
+        if self.replica not in group:
+            raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
+        others = tuple(j for j in group if j != self.replica)
+        view = self.membership.view
+        if not others:
+            return ElasticPending(self, [], payload, payload.clone, 1, 0, ())
+        pg = view.pg if view is not None and view.ok else None
+        if pg is None:  # no process group, or one a failure broke: every round alone until the next membership
+            return ElasticPending(self, [], payload, payload.clone, len(group), 0, others, alone=True)
+        send = payload.detach().to(self.device).contiguous()
+        received = {j: torch.empty_like(send) for j in others}
+        tag = self.outer_step % (1 << 30)
+        pending = ElasticPending(self, [], payload, lambda: payload, len(group),
+                                 send.numel() * send.element_size() * len(others), others)
+        try:
+            recvs = {j: pg.recv([received[j]], j, tag) for j in others}
+            works = [(j, [recvs[j], pg.send([send], j, tag)]) for j in others]
+        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+            pending.alone, pending.error = True, err
+            self.partner_failed(others, err)
+            return pending
+
+        def finish() -> Tensor:
+            received[self.replica] = send
+            return sum_in_group_order(received, group).to(payload.device)
+
+        pending.works, pending.finish = works, finish
+        return pending
+
+    def start_all_reduce_sum(self, payload: Tensor) -> ElasticPending:
+        """One all-reduce over the current membership (DiLoCo); the sum lands in ``payload``. If it fails the
+        pending is ``alone`` and the driver drops the round (see
+        :class:`~lightning_loco.elastic.driver.ElasticDriver`)."""
+        n = self.num_replicas
+        others = tuple(j for j in range(n) if j != self.replica)
+        if not others:
+            return ElasticPending(self, [], payload, lambda: payload, 1, 0, ())
+        view = self.membership.view
+        pg = view.pg if view is not None and view.ok else None
+        if pg is None:
+            return ElasticPending(self, [], payload, lambda: payload, n, 0, others, alone=True)
+        buf = payload.detach().to(self.device)
+        pending = ElasticPending(self, [], payload, lambda: payload, n,
+                                 2 * (n - 1) * buf.numel() * buf.element_size() // n, others)
+        try:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            work = pg.allreduce([buf], options)
+        except RuntimeError as err:
+            pending.alone, pending.error = True, err
+            self.partner_failed(others, err)
+            return pending
+
+        def finish() -> Tensor:
+            if buf.data_ptr() != payload.data_ptr():
+                payload.copy_(buf)
+            return payload
+
+        pending.works, pending.finish = [(-1, [work])], finish
+        return pending
+
+    def close(self) -> None:
+        self.membership.close()
+
+
+class ElasticTransportFactory:
+    """The strategies' ``transport_factory`` in elastic mode: takes ``TorchDistributedTransport``'s keyword
+    arguments (only ``device`` matters) and builds an :class:`ElasticTransport`."""
+
+    def __init__(self, config: ElasticConfig) -> None:
+        self.config = config
+
+    def __call__(self, device: Optional[torch.device] = None, **_: Any) -> ElasticTransport:
+        return ElasticTransport(self.config, device)
