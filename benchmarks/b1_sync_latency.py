@@ -175,20 +175,33 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
         dist.destroy_process_group()
 
 
-def tcp_connections() -> dict[str, dict[str, float]]:
-    """This network namespace's established TCP connections (``ss -tin``): see :func:`parse_ss`.
-    Empty where ``ss`` is missing."""
+def ss_text() -> str:
+    """``ss -tinH`` for this network namespace's established TCP connections ("" without ``ss``)."""
     try:
-        text = subprocess.run(["ss", "-tinH", "state", "established"], check=False, capture_output=True, text=True).stdout
+        return subprocess.run(["ss", "-tinH", "state", "established"], check=False, capture_output=True, text=True).stdout
     except OSError:
-        return {}
-    return parse_ss(text)
+        return ""
+
+
+def tcp_connections() -> dict[str, dict[str, float]]:
+    """This network namespace's established TCP connections: see :func:`parse_ss`."""
+    return parse_ss(ss_text())
 
 
 def parse_ss(text: str) -> dict[str, dict[str, float]]:
     """Per peer address (IPv4, without the port), the sender's congestion window ``cwnd`` (packets),
     slow-start threshold ``ssthresh`` and ``bytes_sent`` of the connection to it that has sent the
     most (the data connection, not the store's), from the output of ``ss -tinH``."""
+    best: dict[str, dict[str, float]] = {}
+    for peer, info in ss_connections(text):
+        if info.get("bytes_sent", 0.0) >= best.get(peer, {}).get("bytes_sent", -1.0):
+            best[peer] = info
+    return best
+
+
+def ss_connections(text: str) -> list[tuple[str, dict[str, float]]]:
+    """Every connection in the output of ``ss -tinH``: its peer address and what :func:`parse_ss` reads
+    (``bytes_sent`` is absent while nothing was sent)."""
     conns: list[tuple[str, dict[str, float]]] = []
     for line in text.splitlines():
         if line[:1].isspace():
@@ -199,11 +212,7 @@ def parse_ss(text: str) -> dict[str, dict[str, float]]:
                         conns[-1][1][key] = float(found.group(1))
         elif line.split():
             conns.append((line.split()[-1].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:"), {}))
-    best: dict[str, dict[str, float]] = {}
-    for peer, info in conns:
-        if info.get("bytes_sent", 0.0) >= best.get(peer, {}).get("bytes_sent", -1.0):
-            best[peer] = info
-    return best
+    return conns
 
 
 def idle_worker(params: int, rounds: int, out: str, gaps: list[float]) -> None:
@@ -225,7 +234,8 @@ def idle_worker(params: int, rounds: int, out: str, gaps: list[float]) -> None:
     try:
         transport = TorchDistributedTransport(torch.device("cpu"))
         buf = torch.ones(params)
-        first: dict[str, Any] = {"after_init": tcp_connections().get(peer_address)}  # gloo connected at creation?
+        # did gloo connect when the process group was created? (one of these is the rendezvous store's)
+        first: dict[str, Any] = {"after_init": [c for peer, c in ss_connections(ss_text()) if peer == peer_address]}
         for label in ("cold", "warm"):  # the connection's first model, then at once a second one
             dist.barrier()
             start = time.perf_counter()
@@ -529,16 +539,20 @@ def main() -> None:
                            ("slow_start_after_idle", "slow start after idle", "d"), ("s", "median s", ".3f"),
                            ("s_min", "min", ".3f"), ("s_max", "max", ".3f"), ("cwnd", "cwnd before", "g"),
                            ("ratio", "on/off", ".2f"), ("ratio_min", "min", ".2f"), ("ratio_max", "max", ".2f")]))
-        flat = [{**f, "params_m": f["params"] / 1e6, "ratio": f["cold_s"] / f["warm_s"],
-                 "init_cwnd": (f["per_rank"][0]["after_init"] or {}).get("cwnd"),
-                 "init_sent": (f["per_rank"][0]["after_init"] or {}).get("bytes_sent", 0.0),
-                 "cold_cwnd": (f["per_rank"][0]["after_cold"] or {}).get("cwnd")} for f in first_rows]
+        flat = []
+        for f in first_rows:
+            init = f["per_rank"][0]["after_init"]
+            unused = [c for c in init if not c.get("bytes_sent")]
+            flat.append({**f, "params_m": f["params"] / 1e6, "ratio": f["cold_s"] / f["warm_s"], "init": len(init),
+                         "unused": len(unused), "unused_cwnd": unused[0].get("cwnd") if unused else None,
+                         "cold_cwnd": (f["per_rank"][0]["after_cold"] or {}).get("cwnd")})
         print("\nB1 idle: a connection's first pair exchange (cold) and the next one at once (warm), slowest of 2; "
-              "rank 0's connection to rank 1 after the process group was created, and after the cold exchange")
+              "rank 0's connections to rank 1 once the process group exists (before any exchange), and the data "
+              "connection's window after the cold exchange")
         print(table(flat, [("tcp", "TCP", "s"), ("params_m", "M params", "g"), ("cold_s", "cold s", ".3f"),
                            ("warm_s", "warm s", ".3f"), ("ratio", "cold/warm", ".2f"),
-                           ("init_cwnd", "cwnd after init", "g"), ("init_sent", "bytes sent by then", "g"),
-                           ("cold_cwnd", "cwnd after cold", "g")]))
+                           ("init", "connections after init", "d"), ("unused", "of which never sent", "d"),
+                           ("unused_cwnd", "their cwnd", "g"), ("cold_cwnd", "cwnd after cold", "g")]))
     labels = sorted({r["mode"] for r in rows})
     path = write_json(f"{args.out}.json", {"benchmark": "B1 sync latency", "modes": labels, "rounds": rounds,
                                            "warm_pairs": not args.cold, "idle_s": idle,
