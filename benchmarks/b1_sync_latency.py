@@ -1,15 +1,37 @@
 """B1, sync latency: the wall time of one outer step, NoLoCo against GASLoC and DiLoCo, and DDP's
 per-step gradient all-reduce, by number of replicas, model size and network.
 
-    python -m benchmarks.b1_sync_latency                # full: ~30 min; emulated needs root
-    python -m benchmarks.b1_sync_latency --quick        # ~10 s: N = 2, 0.1 M params, a coarser model
+    python -m benchmarks.b1_sync_latency                # full; emulated needs root
+    python -m benchmarks.b1_sync_latency --quick        # ~20 s: N = 2, 0.1 M params, a coarser model
     python -m benchmarks.b1_sync_latency --modes loopback modelled --replicas 2 4 --params 1e6
+    python -m benchmarks.b1_sync_latency --parts idle --congestion cubic bbr   # slow start after idle
 
 Each configuration starts N gloo processes (one per node; see ``benchmarks/netem``) that run the
-strategies' own outer-step code (``algorithm.step`` over the transport) on a flat float32 model, one
-warm-up round and then ``--rounds`` timed rounds, each after a barrier. A round's time is that of the
-slowest replica; the table gives the median over rounds with [min, max]. DDP's step is one
-all-reduce of the whole gradient (DDP itself splits it into 25 MB buckets).
+strategies' own outer-step code (``algorithm.step`` over the transport) on a flat float32 model. A
+round's time is that of the slowest replica; the table gives the median over rounds with [min, max].
+DDP's step is one all-reduce of the whole gradient (DDP itself splits it into 25 MB buckets).
+
+Like with like. gloo connects every pair of ranks when the process group is created, but a
+connection that has never carried data starts TCP slow start from its initial window: on the
+emulated WAN the first 4 MB exchange on a pair took 0.90 s, the next ones 0.44 s. NoLoCo (groups of
+two) and GASLoC (random pairs) draw the same pairs from ``(seed, t)``, so whichever method was timed
+first met every pair cold and the second one met them warm (NoLoCo 0.91 s against GASLoC 0.49 s at
+N = 8; GASLoC 0.97 s against NoLoCo 0.46 s with the order swapped). Linux also changes a connection's
+state after silence: CUBIC and Reno restart slow start after one retransmission timeout of
+silence (``net.ipv4.tcp_slow_start_after_idle``), and BBR, which ignores that setting, probes its
+minimum RTT again after 10 s. Hence, by default:
+
+* before any timed round, every pair of replicas exchanges 4 MB once (``warm_all_pairs``; ``--cold``
+  skips it), so no method meets a connection that never carried a model;
+* rounds are interleaved: round r of every method, in turn, then round r + 1 (round 0 is a warm-up);
+* every outer step follows ``--idle`` seconds of silence (default 11: the H inner steps of real
+  training, and past both of Linux's idle thresholds, so that every method meets the connection
+  state that real outer steps meet, whichever method used the pair last). DDP's all-reduces follow
+  each other without the gap, as in training.
+
+The ``idle`` part measures what that silence costs: two nodes, one pair, and rounds that alternate
+``net.ipv4.tcp_slow_start_after_idle`` = 1 and 0 (set inside the emulated namespaces, deleted with
+them) after a gap of silence, with the sender's congestion window before each exchange from ``ss``.
 
 Then the paper's latency model (NoLoCo Eq. 5: a tree all-reduce ≈ 2·t·log2 N message times, a pair
 exchange 2·t, with log-normal jitter) is fitted to the measured pair exchanges of the slow network,
@@ -26,10 +48,13 @@ import json
 import math
 import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +64,7 @@ from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
 
 ALGORITHMS = ("noloco", "gasloc", "diloco", "ddp")
+WARM_NUMEL = 1 << 20  # float32 per pair for warm_all_pairs: 4 MB is past TCP slow start on the emulated WAN
 
 
 def networks(n: int) -> dict[str, Network]:
@@ -66,12 +92,50 @@ def time_outer_steps(algorithm: Any, delta: Any, transport: Any, rounds: int) ->
     return times
 
 
-def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALGORITHMS) -> None:
+def round_robin(n: int) -> list[list[tuple[int, int]]]:
+    """Every pair of ``range(n)`` exactly once, in rounds of disjoint pairs (the circle method): n − 1
+    rounds for even n, n rounds with one replica sitting out each for odd n."""
+    players = list(range(n)) + ([None] if n % 2 else [])
+    m = len(players)
+    rounds = []
+    for _ in range(m - 1):
+        pairs = [(players[k], players[m - 1 - k]) for k in range(m // 2)]
+        rounds.append([tuple(sorted(p)) for p in pairs if None not in p])
+        players = [players[0], players[-1], *players[1:-1]]
+    return rounds
+
+
+def warm_all_pairs(transport: Any, numel: int) -> None:
+    """One exchange of ``numel`` float32 on every pair of replicas, so that no timed round meets a
+    connection that has never carried a model (see the module docstring: a fresh connection's first
+    transfer runs TCP slow start from its initial window)."""
+    import torch
+
+    buf = torch.ones(numel)
+    for pairs in round_robin(transport.num_replicas):
+        mine = next((p for p in pairs if transport.replica in p), None)
+        if mine is not None:
+            transport.group_sum(buf, mine)
+
+
+def build(name: str) -> Any:
+    """The outer-step algorithm ``name`` with the strategies' defaults. Options of the exchange
+    itself (a wire format or compression, once the algorithms take one) belong here, so that every
+    method is timed with the same ones."""
+    from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+
+    return {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}[name]()
+
+
+def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALGORITHMS, warm_pairs: bool = False,
+           idle: float = 0.0) -> None:
+    """Times every method of ``algorithms`` round by round, interleaved: round r of each method in turn,
+    each after ``idle`` seconds of silence (outer-step methods only: DDP's all-reduces follow each
+    other back to back) and a barrier. Round 0 is a warm-up and is not timed."""
     import torch
     import torch.distributed as dist
 
     from benchmarks.netem import modelled
-    from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
     from lightning_loco.transport import TorchDistributedTransport
 
     torch.set_num_threads(1)
@@ -84,24 +148,114 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
             if network is not None
             else TorchDistributedTransport(torch.device("cpu"))
         )
+        if warm_pairs:
+            warm_all_pairs(transport, min(params, WARM_NUMEL))
         delta = 1e-3 * torch.randn(params, generator=torch.Generator().manual_seed(rank))
-        results: dict[str, list[float]] = {}
+        steps: dict[str, Callable[[int], None]] = {}
         for name in algorithms:
-            algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}.get(name)
-            if algorithm is not None:
-                results[name] = time_outer_steps(algorithm(), delta, transport, rounds)
+            if name == "ddp":  # one all-reduce of a gradient-sized buffer per round
+                steps[name] = lambda r: transport.all_reduce_sum(delta.clone())
                 continue
-            times = []  # DDP: one all-reduce of a gradient-sized buffer per round
-            for r in range(rounds + 1):
+            algorithm = build(name)
+            state = algorithm.init_state(torch.zeros(params), [delta.shape])
+            steps[name] = lambda r, a=algorithm, s=state: a.step(s, s.anchor + delta, r, transport)
+        results: dict[str, list[float]] = {name: [] for name in algorithms}
+        for r in range(rounds + 1):
+            for name, step in steps.items():
+                if idle and r > 0 and name != "ddp":
+                    time.sleep(idle)
                 dist.barrier()
-                grad = delta.clone()
                 start = time.perf_counter()
-                transport.all_reduce_sum(grad)
+                step(r)
                 if r > 0:
-                    times.append(time.perf_counter() - start)
-            results[name] = times
+                    results[name].append(time.perf_counter() - start)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def ss_text() -> str:
+    """``ss -tinH`` for this network namespace's established TCP connections ("" without ``ss``)."""
+    try:
+        return subprocess.run(["ss", "-tinH", "state", "established"], check=False, capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
+def tcp_connections() -> dict[str, dict[str, float]]:
+    """This network namespace's established TCP connections: see :func:`parse_ss`."""
+    return parse_ss(ss_text())
+
+
+def parse_ss(text: str) -> dict[str, dict[str, float]]:
+    """Per peer address (IPv4, without the port), the sender's congestion window ``cwnd`` (packets),
+    slow-start threshold ``ssthresh`` and ``bytes_sent`` of the connection to it that has sent the
+    most (the data connection, not the store's), from the output of ``ss -tinH``."""
+    best: dict[str, dict[str, float]] = {}
+    for peer, info in ss_connections(text):
+        if info.get("bytes_sent", 0.0) >= best.get(peer, {}).get("bytes_sent", -1.0):
+            best[peer] = info
+    return best
+
+
+def ss_connections(text: str) -> list[tuple[str, dict[str, float]]]:
+    """Every connection in the output of ``ss -tinH``: its peer address and what :func:`parse_ss` reads
+    (``bytes_sent`` is absent while nothing was sent)."""
+    conns: list[tuple[str, dict[str, float]]] = []
+    for line in text.splitlines():
+        if line[:1].isspace():
+            if conns:
+                for key in ("cwnd", "ssthresh", "bytes_sent"):
+                    found = re.search(rf"\b{key}:(\d+)", line)
+                    if found:
+                        conns[-1][1][key] = float(found.group(1))
+        elif line.split():
+            conns.append((line.split()[-1].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:"), {}))
+    return conns
+
+
+def idle_worker(params: int, rounds: int, out: str, gaps: list[float]) -> None:
+    """Two replicas, one pair. After one exchange that warms the connection, every round sets
+    ``net.ipv4.tcp_slow_start_after_idle`` in this node's namespace (1 and 0 in turn), stays silent
+    for a gap, and times one pair exchange; it also notes the congestion window towards the peer
+    just before the exchange (after the barrier, whose few bytes already restarted it if it was to
+    restart)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_loco.transport import TorchDistributedTransport
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # the emulator gives node i the address <subnet>.<i + 1>, and MASTER_ADDR is node 0's
+    peer_address = f"{os.environ['MASTER_ADDR'].rsplit('.', 1)[0]}.{2 - rank}"
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    try:
+        transport = TorchDistributedTransport(torch.device("cpu"))
+        buf = torch.ones(params)
+        # did gloo connect when the process group was created? (one of these is the rendezvous store's)
+        first: dict[str, Any] = {"after_init": [c for peer, c in ss_connections(ss_text()) if peer == peer_address]}
+        for label in ("cold", "warm"):  # the connection's first model, then at once a second one
+            dist.barrier()
+            start = time.perf_counter()
+            transport.group_sum(buf, (0, 1))
+            first[f"{label}_s"] = time.perf_counter() - start
+            first[f"after_{label}"] = tcp_connections().get(peer_address)
+        settings = [(gap, ssai) for _ in range(rounds) for gap in gaps for ssai in (1, 0)]
+        rows = []
+        for gap, ssai in settings:
+            subprocess.run(["sysctl", "-q", "-w", f"net.ipv4.tcp_slow_start_after_idle={ssai}"], check=True)
+            dist.barrier()
+            time.sleep(gap)
+            dist.barrier()
+            cwnd = tcp_connections().get(peer_address, {}).get("cwnd")
+            start = time.perf_counter()
+            transport.group_sum(buf, (0, 1))
+            rows.append({"gap_s": gap, "slow_start_after_idle": ssai, "seconds": time.perf_counter() - start,
+                         "cwnd_before": cwnd})
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"first": first, "rounds": rows}, f)
     finally:
         dist.destroy_process_group()
 
@@ -109,21 +263,91 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
 # ---------------------------------------------------------------- driver
 
 
-def measure(mode: str, network: Network, params: int, rounds: int, algorithms: tuple[str, ...] = ALGORITHMS) -> dict:
-    """Times each of ``algorithms`` on ``network``: per round the slowest replica, and per replica its median."""
+def measure(mode: str, network: Network, params: int, rounds: int, algorithms: tuple[str, ...] = ALGORITHMS,
+            warm_pairs: bool = False, idle: float = 0.0, congestion: str | None = None) -> dict:
+    """Times each of ``algorithms`` on ``network``: per round the slowest replica, and per replica its
+    median. ``warm_pairs``, ``idle``: see :func:`worker`; ``congestion``: the TCP congestion control
+    in the emulated namespaces (default: theirs, inherited from the host)."""
+    options = {"params": params, "rounds": rounds, "algorithms": list(algorithms), "warm_pairs": warm_pairs,
+               "idle": idle}
+    sysctls = {"net.ipv4.tcp_congestion_control": congestion} if congestion else None
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers(
             mode, network,
-            lambda i: ["-m", "benchmarks.b1_sync_latency", "--worker", str(params), str(rounds), out, *algorithms],
+            lambda i: ["-m", "benchmarks.b1_sync_latency", "--worker", json.dumps({**options, "out": out})],
+            sysctls=sysctls,
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(len(network.links))]
-    row = {"mode": mode, "network": network.name, "replicas": len(network.links), "params": params, "wall_s": wall}
+    row = {"mode": mode, "network": network.name, "replicas": len(network.links), "params": params, "wall_s": wall,
+           "warm_pairs": warm_pairs, "idle_s": idle, "tcp": (congestion or host_congestion()) if mode == "emulated" else None}
     for name in algorithms:
         slowest = [max(rank[name][k] for rank in ranks) for k in range(rounds)]
         row[name] = spread(slowest)
         row.setdefault("per_replica", {})[name] = [statistics.median(rank[name]) for rank in ranks]
-    row["diloco_over_noloco"] = row["diloco"]["median"] / row["noloco"]["median"]
+    if "noloco" in algorithms and "diloco" in algorithms:
+        row["diloco_over_noloco"] = row["diloco"]["median"] / row["noloco"]["median"]
     return row
+
+
+def measure_idle(
+    network: Network, params: int, rounds: int, gaps: list[float], congestion: str | None
+) -> tuple[list[dict], dict]:
+    """The idle study (emulated, two nodes): per gap and setting of slow start after idle, the
+    slowest replica's pair exchange per round, and the ratio on/off of consecutive rounds; and the
+    connection's first exchange (cold) against the one right after it (warm), with ``ss``'s view of
+    the connection after the process group's creation and after each."""
+    sysctls = {"net.ipv4.tcp_congestion_control": congestion} if congestion else None
+    with tempfile.TemporaryDirectory() as out:
+        launch.run_workers(
+            "emulated", network,
+            lambda i: ["-m", "benchmarks.b1_sync_latency", "--idle-worker",
+                       json.dumps({"params": params, "rounds": rounds, "out": out, "gaps": gaps})],
+            sysctls=sysctls,
+        )
+        saved = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [s["rounds"] for s in saved]
+    cc = congestion or host_congestion()
+    first = {"tcp": cc, "params": params, "cold_s": max(s["first"]["cold_s"] for s in saved),
+             "warm_s": max(s["first"]["warm_s"] for s in saved), "per_rank": [s["first"] for s in saved]}
+    rows = []
+    for gap in gaps:
+        picked = {ssai: [k for k, e in enumerate(ranks[0]) if e["gap_s"] == gap and e["slow_start_after_idle"] == ssai]
+                  for ssai in (1, 0)}
+        slowest = {ssai: [max(rank[k]["seconds"] for rank in ranks) for k in ks] for ssai, ks in picked.items()}
+        ratios = [on / off for on, off in zip(slowest[1], slowest[0])]  # consecutive rounds: on, then off
+        for ssai in (1, 0):
+            cwnds = [rank[k]["cwnd_before"] for rank in ranks for k in picked[ssai] if rank[k]["cwnd_before"] is not None]
+            rows.append({"tcp": cc, "params": params, "gap_s": gap, "slow_start_after_idle": ssai,
+                         "seconds": spread(slowest[ssai]), "cwnd_before": spread(cwnds) if cwnds else None,
+                         "on_over_off": spread(ratios)})
+    return rows, first
+
+
+def host_congestion() -> str:
+    """The host's default TCP congestion control (new network namespaces inherit it)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def check_congestion(names: list[str]) -> None:
+    """Exits with what to do when a congestion control cannot be chosen inside a namespace: there,
+    only the host's ``net.ipv4.tcp_allowed_congestion_control`` (and its default) may be set."""
+    proc = Path("/proc/sys/net/ipv4")
+    try:
+        available = (proc / "tcp_available_congestion_control").read_text().split()
+        allowed = (proc / "tcp_allowed_congestion_control").read_text().split()
+    except OSError:
+        return
+    for name in names:
+        if name not in available:
+            sys.exit(f"--congestion {name}: this kernel has {' '.join(available)}")
+        if name not in allowed and name != host_congestion():
+            sys.exit(f"--congestion {name}: network namespaces may only choose from "
+                     f"net.ipv4.tcp_allowed_congestion_control ({' '.join(allowed)}); add it with "
+                     f"sysctl -w net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed)} {name}' "
+                     f"(and set the list back afterwards)")
 
 
 def latency_model(rows: list[dict], sigma: float = 0.3, trials: int = 100) -> dict:
@@ -173,13 +397,13 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (mode, net, params), style in zip(
-        sorted({(r["mode"], r["network"], r["params"]) for r in rows}), ["o-", "s-", "^-", "v-", "d-", "x-", "+-", "*-"] * 4
-    ):
-        sub = sorted((r for r in rows if (r["mode"], r["network"], r["params"]) == (mode, net, params)),
-                     key=lambda r: r["replicas"])
+    def key(r: dict) -> tuple:
+        return r["mode"], r["network"], r["params"], r.get("tcp") or ""
+
+    for (mode, net, params, tcp), style in zip(sorted({key(r) for r in rows}), ["o-", "s-", "^-", "v-", "d-", "x-", "+-", "*-"] * 4):
+        sub = sorted((r for r in rows if key(r) == (mode, net, params, tcp)), key=lambda r: r["replicas"])
         ns = [r["replicas"] for r in sub]
-        where = mode if mode == "loopback" else f"{mode}, {net}"
+        where = mode if mode == "loopback" else f"{mode}, {net}" + (f", {tcp}" if tcp else "")
         axes[0].plot(ns, [r["diloco"]["median"] / r["noloco"]["median"] for r in sub], style,
                      label=f"{where}, {params / 1e6:g} M params")
     axes[0].set_xscale("log", base=2)
@@ -211,13 +435,28 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)  # params rounds out algorithm...
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # JSON: the worker's options
+    parser.add_argument("--idle-worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
-                        help="N = 2; 0.1 M parameters; 2 rounds; the latency model from 10 trials (full: 100)")
+                        help="N = 2; 0.1 M parameters; 2 rounds; no idle gap; the latency model from 10 trials (full: 100)")
+    parser.add_argument("--parts", nargs="+", choices=("main", "idle"),
+                        help="main: the methods side by side; idle: the cost of slow start after idle (emulated). "
+                             "Default: main, and idle where emulation runs (not with --quick)")
     parser.add_argument("--modes", nargs="+", choices=launch.MODES, help="default: emulated where root, else modelled; and loopback")
     parser.add_argument("--replicas", nargs="+", type=int)
     parser.add_argument("--params", nargs="+", type=float)
     parser.add_argument("--rounds", type=int)
+    parser.add_argument("--methods", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS),
+                        help="the methods and the order of their turns in every round (the table needs noloco and diloco)")
+    parser.add_argument("--idle", type=float, help="emulated mode: seconds of silence before every timed outer step, the "
+                        "H inner steps of real training (default 11; 0 with --quick)")
+    parser.add_argument("--cold", action="store_true",
+                        help="do not warm every pair before timing (how B1 ran before; first-timed methods pay slow start)")
+    parser.add_argument("--congestion", nargs="+",
+                        help="emulated mode: the TCP congestion control(s) in the namespaces (default: the host's)")
+    parser.add_argument("--idle-params", nargs="+", type=float, default=[1e6, 10e6], help="idle part: model sizes")
+    parser.add_argument("--idle-gaps", nargs="+", type=float, default=[5.0], help="idle part: seconds of silence")
+    parser.add_argument("--idle-rounds", type=int, default=6, help="idle part: rounds per gap and setting")
     parser.add_argument("--out", default="b1_sync_latency")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args()
@@ -226,33 +465,61 @@ def main() -> None:
         plot(saved["rows"], saved["latency_model"], RESULTS / f"{args.out}.png")
         return
     if args.worker:
-        worker(int(float(args.worker[0])), int(args.worker[1]), args.worker[2], tuple(args.worker[3:]) or ALGORITHMS)
+        options = json.loads(args.worker)
+        worker(options["params"], options["rounds"], options["out"], tuple(options["algorithms"]),
+               options["warm_pairs"], options["idle"])
+        skip_final_collection()
+        return
+    if args.idle_worker:
+        options = json.loads(args.idle_worker)
+        idle_worker(options["params"], options["rounds"], options["out"], options["gaps"])
         skip_final_collection()
         return
     results = results_dir(args.quick)
     emulated_ok, why = tun.available()
     modes = args.modes or ["loopback", "emulated" if emulated_ok else "modelled"]
+    parts = args.parts or (["main"] + (["idle"] if emulated_ok and not args.quick else []))
     replicas = args.replicas or ([2] if args.quick else [2, 4, 8])
     sizes = [int(p) for p in (args.params or ([1e5] if args.quick else [1e6, 10e6, 50e6]))]
     rounds = args.rounds or (2 if args.quick else 3)
-    if "emulated" in modes and not emulated_ok:
-        sys.exit(f"emulated mode unavailable: {why}; use --modes loopback modelled")
-    rows = []
-    for mode in modes:
-        for n in replicas:
-            for params in sizes:
-                net = networks(n)["loopback" if mode == "loopback" else "wan"]
-                row = measure(mode, net, params, rounds)
-                rows.append(row)
-                print(f"{mode:>9} {net.name:<28} N={n:<3} {params / 1e6:>5g} M  "
-                      + "  ".join(f"{a} {row[a]['median']:.3f}s" for a in ALGORITHMS), flush=True)
+    idle = args.idle if args.idle is not None else (0.0 if args.quick else 11.0)
+    if ("emulated" in modes or "idle" in parts) and not emulated_ok:
+        sys.exit(f"emulated mode unavailable: {why}; use --modes loopback modelled and --parts main")
+    congestion = args.congestion or [None]
+    if args.congestion:
+        check_congestion(args.congestion)
+    if "main" in parts and not {"noloco", "diloco"} <= set(args.methods):
+        parser.error(f"--methods {' '.join(args.methods)}: the table and the latency model need noloco and diloco")
+    rows: list[dict] = []
+    for mode in modes if "main" in parts else []:
+        for cc in congestion if mode == "emulated" else [None]:
+            for n in replicas:
+                for params in sizes:
+                    net = networks(n)["loopback" if mode == "loopback" else "wan"]
+                    # loopback and the modelled network have no slow connection to go idle
+                    row = measure(mode, net, params, rounds, tuple(args.methods), warm_pairs=not args.cold,
+                                  idle=idle if mode == "emulated" else 0.0, congestion=cc)
+                    rows.append(row)
+                    print(f"{mode:>9} {net.name:<28} {row['tcp'] or '':<6} N={n:<3} {params / 1e6:>5g} M  "
+                          + "  ".join(f"{a} {row[a]['median']:.3f}s" for a in args.methods), flush=True)
+    idle_rows: list[dict] = []
+    first_rows: list[dict] = []
+    for cc in congestion if "idle" in parts else []:
+        for params in args.idle_params:
+            measured, first = measure_idle(uniform(2, mbit=100, one_way_ms=50), int(params), args.idle_rounds,
+                                           args.idle_gaps, cc)
+            idle_rows += measured
+            first_rows.append(first)
+            print(f"idle part: {first['tcp']} {params / 1e6:g} M done", flush=True)
     model = latency_model(rows, trials=10 if args.quick else 100)
-    flat = [{**r, **{a: r[a]["median"] for a in ALGORITHMS}, "params_m": r["params"] / 1e6} for r in rows]
-    print(f"\nB1: seconds per outer step (slowest replica, median of {rounds} rounds); {machine()}")
-    print(table(flat, [("mode", "mode", "s"), ("network", "network", "s"), ("replicas", "N", "d"),
-                       ("params_m", "M params", "g"), ("noloco", "NoLoCo", ".3f"), ("gasloc", "GASLoC", ".3f"),
-                       ("diloco", "DiLoCo", ".3f"), ("ddp", "DDP step", ".3f"),
-                       ("diloco_over_noloco", "DiLoCo/NoLoCo", ".2f")]))
+    if rows:
+        flat = [{**r, **{a: r[a]["median"] for a in args.methods}, "params_m": r["params"] / 1e6} for r in rows]
+        print(f"\nB1: seconds per outer step (slowest replica, median of {rounds} rounds; every pair warmed: "
+              f"{not args.cold}; {idle:g} s of silence before each outer step); {machine()}")
+        print(table(flat, [("mode", "mode", "s"), ("network", "network", "s"), ("tcp", "TCP", "s"), ("replicas", "N", "d"),
+                           ("params_m", "M params", "g"), ("noloco", "NoLoCo", ".3f"), ("gasloc", "GASLoC", ".3f"),
+                           ("diloco", "DiLoCo", ".3f"), ("ddp", "DDP step", ".3f"),
+                           ("diloco_over_noloco", "DiLoCo/NoLoCo", ".2f")]))
     if model:
         print(f"\nlatency model: message time t = {model['message_s']:.3f} s (fitted: half the measured pair "
               f"exchange, {model['params'] / 1e6:g} M params), log-normal jitter σ = {model['jitter_sigma']}")
@@ -261,12 +528,40 @@ def main() -> None:
                                            ("tree_over_pair", "tree/pair", ".1f"),
                                            ("ring_allreduce_s", "ring all-reduce s", ".3f"),
                                            ("ring_over_pair", "ring/pair", ".1f")]))
+    if idle_rows:
+        flat = [{**r, "params_m": r["params"] / 1e6, "s": r["seconds"]["median"], "s_min": r["seconds"]["min"],
+                 "s_max": r["seconds"]["max"], "cwnd": (r["cwnd_before"] or {}).get("median"),
+                 "ratio": r["on_over_off"]["median"], "ratio_min": r["on_over_off"]["min"],
+                 "ratio_max": r["on_over_off"]["max"]} for r in idle_rows]
+        print(f"\nB1 idle: one pair exchange after a gap of silence, slowest of 2 replicas, {args.idle_rounds} rounds "
+              f"per setting, settings interleaved round by round; emulated {uniform(2).name}; {machine()}")
+        print(table(flat, [("tcp", "TCP", "s"), ("params_m", "M params", "g"), ("gap_s", "gap s", "g"),
+                           ("slow_start_after_idle", "slow start after idle", "d"), ("s", "median s", ".3f"),
+                           ("s_min", "min", ".3f"), ("s_max", "max", ".3f"), ("cwnd", "cwnd before", "g"),
+                           ("ratio", "on/off", ".2f"), ("ratio_min", "min", ".2f"), ("ratio_max", "max", ".2f")]))
+        flat = []
+        for f in first_rows:
+            init = f["per_rank"][0]["after_init"]
+            unused = [c for c in init if not c.get("bytes_sent")]
+            flat.append({**f, "params_m": f["params"] / 1e6, "ratio": f["cold_s"] / f["warm_s"], "init": len(init),
+                         "unused": len(unused), "unused_cwnd": unused[0].get("cwnd") if unused else None,
+                         "cold_cwnd": (f["per_rank"][0]["after_cold"] or {}).get("cwnd")})
+        print("\nB1 idle: a connection's first pair exchange (cold) and the next one at once (warm), slowest of 2; "
+              "rank 0's connections to rank 1 once the process group exists (before any exchange), and the data "
+              "connection's window after the cold exchange")
+        print(table(flat, [("tcp", "TCP", "s"), ("params_m", "M params", "g"), ("cold_s", "cold s", ".3f"),
+                           ("warm_s", "warm s", ".3f"), ("ratio", "cold/warm", ".2f"),
+                           ("init", "connections after init", "d"), ("unused", "of which never sent", "d"),
+                           ("unused_cwnd", "their cwnd", "g"), ("cold_cwnd", "cwnd after cold", "g")]))
     labels = sorted({r["mode"] for r in rows})
     path = write_json(f"{args.out}.json", {"benchmark": "B1 sync latency", "modes": labels, "rounds": rounds,
+                                           "warm_pairs": not args.cold, "idle_s": idle,
                                            "modelled_note": "rows with mode 'modelled' are modelled, not measured",
-                                           "rows": rows, "latency_model": model}, results)
-    plot(rows, model, results / f"{args.out}.png")
-    print(f"wrote {path} and {results / (args.out + '.png')}")
+                                           "rows": rows, "latency_model": model, "idle_rows": idle_rows,
+                                           "first_exchange": first_rows}, results)
+    if rows:
+        plot(rows, model, results / f"{args.out}.png")
+    print(f"wrote {path}" + (f" and {results / (args.out + '.png')}" if rows else ""))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,59 @@ def test_b1_quick(tmp_path):
     assert (tmp_path / "b1_sync_latency.png").exists()
     assert "modelled" in out  # a modelled row is labelled as such
     assert [p["replicas"] for p in result["latency_model"]["predictions"]][-1] == 1024
+    assert all(r["warm_pairs"] and r["idle_s"] == 0 for r in result["rows"])  # --quick: no silence
+    assert result["idle_rows"] == []  # the idle part needs the emulator
+
+
+def b1():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import b1_sync_latency
+
+    return b1_sync_latency
+
+
+@pytest.mark.parametrize("n", range(2, 10))
+def test_b1_warms_every_pair_once_in_rounds_of_disjoint_pairs(n):
+    rounds = b1().round_robin(n)
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == [(i, j) for i in range(n) for j in range(i + 1, n)]
+    for r in rounds:
+        members = [i for p in r for i in p]
+        assert len(members) == len(set(members))
+    assert len(rounds) == (n - 1 if n % 2 == 0 else n)
+
+
+def test_noloco_and_gasloc_random_pairs_meet_the_same_pairs():
+    # Why B1 warms every pair: with one seed both methods draw the same pairs, so whichever was
+    # timed first met every connection before the other did.
+    from lightning_loco.algorithms import GASLoC, NoLoCo
+
+    for n in (4, 8):
+        for t in range(6):
+            assert NoLoCo().schedule(t, n).groups == GASLoC().schedule(t, n).groups
+
+
+def test_b1_reads_the_data_connection_from_ss():
+    text = (
+        "0      0         10.1.2.1:35429          10.1.2.2:40522\n"
+        "\t bbr wscale:7,7 rto:312 rtt:104/2 mss:8948 cwnd:405 bytes_sent:4000000 bytes_acked:1\n"
+        "0      0      [::ffff:10.1.2.1]:47812   [::ffff:10.1.2.2]:29500\n"
+        "\t cubic wscale:7,7 rto:204 rtt:0.1/0.05 cwnd:10 ssthresh:7 bytes_sent:1714\n"
+        "0      0         10.1.2.1:35429          10.1.2.3:40522\n"
+        "\t cubic rto:304 cwnd:12 ssthresh:167 bytes_sent:20\n"
+    )
+    assert b1().parse_ss(text) == {"10.1.2.2": {"cwnd": 405.0, "bytes_sent": 4000000.0},
+                                   "10.1.2.3": {"cwnd": 12.0, "ssthresh": 167.0, "bytes_sent": 20.0}}
+
+
+def test_sysctls_need_the_emulator():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.netem import launch
+    from benchmarks.netem.links import uniform
+
+    with pytest.raises(ValueError, match="sysctls.*emulated"):
+        launch.run_workers("loopback", uniform(2), lambda i: ["-c", "pass"],
+                           sysctls={"net.ipv4.tcp_slow_start_after_idle": "0"})
 
 
 @pytest.mark.slow
@@ -112,6 +165,26 @@ def test_emulator_carries_traffic_between_namespaces_and_removes_them():
     finally:
         emu.close()
     assert emu.prefix not in namespaces()
+
+
+@pytest.mark.slow
+def test_emulator_sets_sysctls_in_its_namespaces_only():
+    tun = emulator_or_skip()
+    from benchmarks.netem.links import uniform
+
+    key = "net.ipv4.tcp_slow_start_after_idle"
+    host = subprocess.run(["sysctl", "-n", key], check=True, capture_output=True, text=True).stdout.strip()
+    wanted = "0" if host != "0" else "1"
+    try:
+        emu = tun.EmulatedNetwork(uniform(2), sysctls={key: wanted})
+    except RuntimeError as err:
+        pytest.skip(f"namespaces cannot be created here: {err}")
+    with emu:
+        for ns in emu.namespaces:
+            got = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", key], check=True, capture_output=True,
+                                 text=True)
+            assert got.stdout.strip() == wanted
+    assert subprocess.run(["sysctl", "-n", key], check=True, capture_output=True, text=True).stdout.strip() == host
 
 
 @pytest.mark.slow

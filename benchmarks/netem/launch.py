@@ -36,10 +36,17 @@ def run_workers(
     argv: Callable[[int], Sequence[str]],
     timeout: float = 1800,
     env: Optional[dict[str, str]] = None,
+    sysctls: dict[str, str] | None = None,
 ) -> float:
-    """Runs ``argv(i)`` for every node i; returns the wall time. Raises if any worker fails."""
+    """Runs ``argv(i)`` for every node i; returns the wall time. Raises if any worker fails.
+
+    ``sysctls`` (emulated mode only) are set in every node's network namespace, e.g.
+    ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``; the namespaces, and with them the settings, are
+    deleted afterwards, so the host's own settings are never touched."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if sysctls and mode != "emulated":
+        raise ValueError(f"sysctls={sysctls} need mode='emulated' (their own network namespaces), got {mode!r}")
     n = len(network.links)
     base = {
         **(env or {}),
@@ -56,7 +63,7 @@ def run_workers(
         if mode == "emulated":
             from benchmarks.netem.tun import EmulatedNetwork
 
-            emu = stack.enter_context(EmulatedNetwork(network))
+            emu = stack.enter_context(EmulatedNetwork(network, sysctls=sysctls))
             for i in range(n):
                 node_env = {**base, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i),
                             "MASTER_ADDR": emu.address(0)}

@@ -12,6 +12,11 @@ and ``close()`` (also called on exit, on SIGINT/SIGTERM and by the context manag
 namespaces, which removes their devices. Where the kernel has ``netem`` the usual tool would be
 ``tc qdisc ... netem delay 50ms rate 100mbit`` on veth pairs; this kernel has none, hence TUN.
 
+``sysctls`` (e.g. ``{"net.ipv4.tcp_slow_start_after_idle": "0"}``) are set in every namespace
+when it is created; they go with it, and the host's own settings are never touched. New namespaces
+inherit the host's TCP congestion control; another one can be chosen with
+``net.ipv4.tcp_congestion_control`` if the host lists it in ``net.ipv4.tcp_allowed_congestion_control``.
+
 Workers are started with :meth:`EmulatedNetwork.popen`, which runs a command inside node i's
 namespace with ``GLOO_SOCKET_IFNAME`` set to its device.
 """
@@ -57,14 +62,22 @@ def _ip(*args: str, check: bool = True) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
 
 
+def _sysctl(namespace: str, key: str, value: str) -> None:
+    proc = subprocess.run(["ip", "netns", "exec", namespace, "sysctl", "-q", "-w", f"{key}={value}"],
+                          check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sysctl {key}={value} in {namespace}: {proc.stderr.strip()}")
+
+
 class EmulatedNetwork:
     """N nodes in their own namespaces, joined by the emulated links of ``network``."""
 
-    def __init__(self, network: Network, seed: int = 0) -> None:
+    def __init__(self, network: Network, seed: int = 0, sysctls: dict[str, str] | None = None) -> None:
         ok, why = available()
         if not ok:
             raise RuntimeError(f"packet-level emulation unavailable: {why}")
         self.network = network
+        self.sysctls = dict(sysctls or {})
         self.n = len(network.links)
         pid = os.getpid()
         self.prefix = f"loco{pid % 100000}n"
@@ -108,6 +121,8 @@ class EmulatedNetwork:
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", name)
             _ip("-n", ns, "link", "set", name, "mtu", str(MTU), "up")
+            for key, value in self.sysctls.items():  # per namespace: gone with it, nothing to restore
+                _sysctl(ns, key, value)
         self._thread = threading.Thread(target=self._forward, name="netem-forwarder", daemon=True)
         self._thread.start()
 
