@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.netem.links import ENV, Network, from_env, to_env
+from lightning_loco.codecs import Codec
 from lightning_loco.transport import PendingSum, TorchDistributedTransport
 
 __all__ = ["ENV", "HeldPending", "ModelledTransport", "allreduce_s", "from_env", "pair_s", "to_env", "wait_until"]
@@ -84,16 +85,21 @@ class ModelledTransport(TorchDistributedTransport):
     # Nodes are global ranks; with ranks_per_replica > 1 each rank moves its slice only, and the
     # all-gather inside the replica is taken to run on a fast local link (it is not held).
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
-        pending = super().start_group_sum(payload, group)
+    def _wire_bytes(self, payload: Tensor, codec: Optional[Codec]) -> int:
+        """The bytes of this rank's slice as they travel: float32, or the codec's encoded size."""
+        numel = self._slice(payload).numel()
+        return numel * payload.element_size() if codec is None else codec.nbytes(numel)
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> PendingSum:
+        pending = super().start_group_sum(payload, group, codec)
         peers = [self.replica_ranks[j] for j in group if j != self.replica]
         if peers:  # completion (and the recorded communication time) waits for the modelled finish
-            nbytes = self._slice(payload).numel() * payload.element_size()
+            nbytes = self._wire_bytes(payload, codec)
             pending.ready_at = pending.started + pair_s(self.network, dist.get_rank(), peers, nbytes)
         return pending
 
-    def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
-        pending = super().start_all_reduce_sum(payload)
-        nbytes = self._slice(payload).numel() * payload.element_size()
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> PendingSum:
+        pending = super().start_all_reduce_sum(payload, codec)
+        nbytes = self._wire_bytes(payload, codec)
         pending.ready_at = pending.started + allreduce_s(self.network, nbytes, self.replica_ranks)
         return pending
