@@ -230,9 +230,9 @@ def test_b5_quick(tmp_path):
     assert process_row["processes_consensus"] == pytest.approx(process_row["simulator_consensus"], abs=0.02)
     assert "NoLoCo vs DiLoCo" in out and "plain gossip" in out
     assert (tmp_path / "b5_convergence_n2.png").exists()
-    # the codecs part: every wire format of every method against float32, bytes as the codecs' sizes
+    # the codecs part: the wire formats of DiLoCo and NoLoCo against float32, bytes as the codecs' sizes
     codecs = {(r["method"], r["wire"]): r for r in result["codecs"]}
-    for method in ("diloco", "noloco", "gasloc_pairs"):
+    for method in ("diloco", "noloco"):
         assert codecs[(method, "bfloat16")]["bytes_ratio"] == pytest.approx(0.5)
         assert 0.25 < codecs[(method, "int8")]["bytes_ratio"] < 0.26
         assert codecs[(method, "int8")]["error_ratio"] > codecs[(method, "float16")]["error_ratio"] > 0
