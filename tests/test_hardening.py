@@ -117,9 +117,11 @@ def test_sigterm_to_rank_zero_stops_every_rank_and_leaves_whole_checkpoints(tmp_
     os.kill(pids[0], signal.SIGTERM)  # the launcher: Lightning forwards the signal to the other ranks
     output = finish(proc, pids)
     seen = errors(out, 3)  # (Lightning's SIGTERMException is a SystemExit with no code: exit status 0)
-    assert seen[0]["type"] == "SIGTERMException", output[-3000:]
     assert set(seen) == {0, 1, 2}
+    # Every rank stops at its next batch; a rank still inside an exchange when its peer stopped (rank 0
+    # too, if it was waiting on a forwarded rank) stops with a PeerError naming that peer instead.
     assert all(e["type"] in ("SIGTERMException", "PeerError") for e in seen.values()), seen
+    assert any(e["type"] == "SIGTERMException" for e in seen.values()), output[-3000:]
     # every checkpoint there is whole: it loads and all its replica files are there
     from lightning_loco.checkpoints import META_KEY, check_replica_files
 
