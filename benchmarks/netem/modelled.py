@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.netem.links import ENV, Network, from_env, to_env
+from lightning_loco.codecs import Codec
 from lightning_loco.transport import PendingSum, TorchDistributedTransport
 
 __all__ = ["ENV", "HeldPending", "ModelledTransport", "allreduce_s", "from_env", "pair_s", "to_env", "wait_until"]
@@ -29,7 +30,7 @@ def pair_s(network: Network, i: int, peers: Sequence[int], nbytes: int) -> float
     return max((network.transfer_s(i, j, nbytes) for j in peers), default=0.0)
 
 
-def allreduce_s(network: Network, nbytes: int, nodes: Optional[Sequence[int]] = None) -> float:
+def allreduce_s(network: Network, nbytes: int, nodes: Sequence[int] | None = None) -> float:
     """A ring all-reduce over ``nodes`` (default: all)."""
     ring = list(range(len(network.links))) if nodes is None else list(nodes)
     n = len(ring)
@@ -54,7 +55,7 @@ class HeldPending(PendingSum):
     def done(self) -> bool:
         return time.perf_counter() >= self.ready_at and super().done()
 
-    def completed_after(self) -> Optional[float]:
+    def completed_after(self) -> float | None:
         seen = super().completed_after()
         return None if seen is None or not self.done() else max(seen, self.ready_at - self.started)
 
@@ -72,7 +73,7 @@ class HeldPending(PendingSum):
 class ModelledTransport(TorchDistributedTransport):
     """The real transport on loopback, held until the modelled network would have finished."""
 
-    def __init__(self, *args: Any, network: Optional[Network] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, network: Network | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.network = network or from_env()
         if self.network is None:
@@ -84,16 +85,22 @@ class ModelledTransport(TorchDistributedTransport):
     # Nodes are global ranks; with ranks_per_replica > 1 each rank moves its slice only, and the
     # all-gather inside the replica is taken to run on a fast local link (it is not held).
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> PendingSum:
-        pending = super().start_group_sum(payload, group)
+    # A lossy ``codec`` is passed on; the modelled time is that of the codec's bytes.
+
+    def _nbytes(self, payload: Tensor, codec: Codec | None) -> int:
+        part = self._slice(payload)
+        return codec.nbytes(part.numel()) if codec is not None and codec.lossy else part.numel() * payload.element_size()
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Codec | None = None) -> PendingSum:
+        pending = super().start_group_sum(payload, group, codec)
         peers = [self.replica_ranks[j] for j in group if j != self.replica]
         if peers:  # completion (and the recorded communication time) waits for the modelled finish
-            nbytes = self._slice(payload).numel() * payload.element_size()
+            nbytes = self._nbytes(payload, codec)
             pending.ready_at = pending.started + pair_s(self.network, dist.get_rank(), peers, nbytes)
         return pending
 
-    def start_all_reduce_sum(self, payload: Tensor) -> PendingSum:
-        pending = super().start_all_reduce_sum(payload)
-        nbytes = self._slice(payload).numel() * payload.element_size()
+    def start_all_reduce_sum(self, payload: Tensor, codec: Codec | None = None) -> PendingSum:
+        pending = super().start_all_reduce_sum(payload, codec)
+        nbytes = self._nbytes(payload, codec)
         pending.ready_at = pending.started + allreduce_s(self.network, nbytes, self.replica_ranks)
         return pending
