@@ -32,8 +32,9 @@ minimum RTT again after 10 s. Hence, by default:
   each other without the gap, as in training.
 
 Wire formats (``--codecs``, default float32 only). Each (method, codec) is one more turn in every
-round, with its own outer state and, where the strategies keep one (DiLoCo's pseudo-gradient with a
-lossy codec), its own error-feedback residual; the payload travels as :mod:`lightning_loco.codecs`
+round, with its own error-feedback residual where the strategies keep one (DiLoCo's pseudo-gradient
+with a lossy codec); the codecs of one method share its outer state (one outer step each, in turn),
+so that 50 M parameters fit in memory N times; the payload travels as :mod:`lightning_loco.codecs`
 encodes it. The table of wire formats gives float32's time over each codec's, taken round by round
 (the same round r of both), and the payload bytes each replica sent (the transport's count, before
 TCP/IP headers). On loopback the link costs almost nothing, so the same codecs there show what
@@ -181,9 +182,11 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
             if name == "ddp":  # one all-reduce of a gradient-sized buffer per round
                 steps[name] = lambda r: transport.all_reduce_sum(delta.clone())
                 continue
+            state = None  # the codecs of one method take turns on one outer state (memory: 50 M × N replicas)
             for codec in codecs:
                 algorithm, wire = build(name, codec)
-                state = algorithm.init_state(torch.zeros(params), [delta.shape])
+                if state is None:
+                    state = algorithm.init_state(torch.zeros(params), [delta.shape])
                 residual = torch.zeros(algorithm.payload_numel(state)) if wire.error_feedback else None
                 steps[column(name, codec)] = (
                     lambda r, a=algorithm, s=state, w=(wire if wire.lossy else None), e=residual:
