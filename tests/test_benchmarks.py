@@ -54,6 +54,19 @@ def b1():
     return b1_sync_latency
 
 
+def test_b1_builds_each_wire_format_as_the_strategies_do():
+    from lightning_loco.codecs import CastCodec, Int8BlockCodec
+
+    algorithm, wire = b1().build("diloco", "float32")
+    assert algorithm.name == "diloco" and not wire.lossy and not wire.error_feedback  # float32 travels as it is
+    _, wire = b1().build("diloco", "int8")
+    assert isinstance(wire.codec, Int8BlockCodec) and wire.error_feedback  # a pseudo-gradient keeps its residual
+    _, wire = b1().build("noloco", "bfloat16")
+    assert isinstance(wire.codec, CastCodec) and not wire.error_feedback  # weights: none
+    assert wire.codec.nbytes(1000) == 2000
+    assert [b1().column("noloco", c) for c in ("float32", "int8")] == ["noloco", "noloco+int8"]
+
+
 @pytest.mark.parametrize("n", range(2, 10))
 def test_b1_warms_every_pair_once_in_rounds_of_disjoint_pairs(n):
     rounds = b1().round_robin(n)
