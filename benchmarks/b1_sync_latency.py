@@ -5,6 +5,8 @@ per-step gradient all-reduce, by number of replicas, model size and network.
     python -m benchmarks.b1_sync_latency --quick        # ~20 s: N = 2, 0.1 M params, a coarser model
     python -m benchmarks.b1_sync_latency --modes loopback modelled --replicas 2 4 --params 1e6
     python -m benchmarks.b1_sync_latency --parts idle --congestion cubic bbr   # slow start after idle
+    python -m benchmarks.b1_sync_latency --parts main --replicas 4 --params 50e6 --methods noloco diloco \
+        --codecs float32 bfloat16 int8 --out b1_codecs_50m                   # wire formats
 
 Each configuration starts N gloo processes (one per node; see ``benchmarks/netem``) that run the
 strategies' own outer-step code (``algorithm.step`` over the transport) on a flat float32 model. A
@@ -28,6 +30,15 @@ minimum RTT again after 10 s. Hence, by default:
   training, and past both of Linux's idle thresholds, so that every method meets the connection
   state that real outer steps meet, whichever method used the pair last). DDP's all-reduces follow
   each other without the gap, as in training.
+
+Wire formats (``--codecs``, default float32 only). Each (method, codec) is one more turn in every
+round, with its own error-feedback residual where the strategies keep one (DiLoCo's pseudo-gradient
+with a lossy codec); the codecs of one method share its outer state (one outer step each, in turn),
+so that 50 M parameters fit in memory N times; the payload travels as :mod:`lightning_loco.codecs`
+encodes it. The table of wire formats gives float32's time over each codec's, taken round by round
+(the same round r of both), and the payload bytes each replica sent (the transport's count, before
+TCP/IP headers). On loopback the link costs almost nothing, so the same codecs there show what
+encoding and decoding cost.
 
 The ``idle`` part measures what that silence costs: two nodes, one pair, and rounds that alternate
 ``net.ipv4.tcp_slow_start_after_idle`` = 1 and 0 (set inside the emulated namespaces, deleted with
@@ -64,6 +75,9 @@ from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
 
 ALGORITHMS = ("noloco", "gasloc", "diloco", "ddp")
+# --codecs: the wire formats of lightning_loco.codecs, as (wire_dtype, compression)
+CODECS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "float16": ("float16", None),
+          "int8": ("float32", "int8")}
 WARM_NUMEL = 1 << 20  # float32 per pair for warm_all_pairs: 4 MB is past TCP slow start on the emulated WAN
 
 
@@ -118,20 +132,32 @@ def warm_all_pairs(transport: Any, numel: int) -> None:
             transport.group_sum(buf, mine)
 
 
-def build(name: str) -> Any:
-    """The outer-step algorithm ``name`` with the strategies' defaults. Options of the exchange
-    itself (a wire format or compression, once the algorithms take one) belong here, so that every
-    method is timed with the same ones."""
+def build(name: str, codec: str = "float32") -> tuple[Any, Any]:
+    """The outer-step algorithm ``name`` with the strategies' defaults, and its wire format for the
+    ``codec`` of :data:`CODECS` as the strategies build it (error feedback on for a lossy codec when
+    the payload is a pseudo-gradient, as DiLoCo's). Options of the exchange itself belong here, so
+    that every method is timed with the same ones."""
     from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+    from lightning_loco.codecs import wire_format
 
-    return {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}[name]()
+    algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}[name]()
+    dtype, compression = CODECS[codec]
+    return algorithm, wire_format(dtype, compression, pseudo_gradient=algorithm.payload_is_pseudo_gradient)
+
+
+def column(name: str, codec: str) -> str:
+    """The result key of ``name`` with ``codec``: the method's name for float32 (as before codecs),
+    else ``name+codec`` (``noloco+int8``)."""
+    return name if codec == "float32" else f"{name}+{codec}"
 
 
 def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALGORITHMS, warm_pairs: bool = False,
-           idle: float = 0.0) -> None:
-    """Times every method of ``algorithms`` round by round, interleaved: round r of each method in turn,
-    each after ``idle`` seconds of silence (outer-step methods only: DDP's all-reduces follow each
-    other back to back) and a barrier. Round 0 is a warm-up and is not timed."""
+           idle: float = 0.0, codecs: tuple[str, ...] = ("float32",)) -> None:
+    """Times every (method, codec) of ``algorithms`` × ``codecs`` round by round, interleaved: round r
+    of each in turn (all codecs of a method, then the next method), each after ``idle`` seconds of
+    silence (outer-step methods only: DDP's all-reduces follow each other back to back, in float32)
+    and a barrier. Round 0 is a warm-up and is not timed. Also notes the payload bytes this replica
+    sent in each timed round (the transport's count, before TCP/IP headers)."""
     import torch
     import torch.distributed as dist
 
@@ -156,21 +182,31 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
             if name == "ddp":  # one all-reduce of a gradient-sized buffer per round
                 steps[name] = lambda r: transport.all_reduce_sum(delta.clone())
                 continue
-            algorithm = build(name)
-            state = algorithm.init_state(torch.zeros(params), [delta.shape])
-            steps[name] = lambda r, a=algorithm, s=state: a.step(s, s.anchor + delta, r, transport)
-        results: dict[str, list[float]] = {name: [] for name in algorithms}
+            state = None  # the codecs of one method take turns on one outer state (memory: 50 M × N replicas)
+            for codec in codecs:
+                algorithm, wire = build(name, codec)
+                if state is None:
+                    state = algorithm.init_state(torch.zeros(params), [delta.shape])
+                residual = torch.zeros(algorithm.payload_numel(state)) if wire.error_feedback else None
+                steps[column(name, codec)] = (
+                    lambda r, a=algorithm, s=state, w=(wire if wire.lossy else None), e=residual:
+                    a.step(s, s.anchor + delta, r, transport, wire=w, residual=e)
+                )
+        results: dict[str, list[float]] = {key: [] for key in steps}
+        sent: dict[str, list[int]] = {key: [] for key in steps}
         for r in range(rounds + 1):
-            for name, step in steps.items():
-                if idle and r > 0 and name != "ddp":
+            for key, step in steps.items():
+                if idle and r > 0 and key != "ddp":
                     time.sleep(idle)
                 dist.barrier()
+                before = transport.stats.bytes_sent
                 start = time.perf_counter()
                 step(r)
                 if r > 0:
-                    results[name].append(time.perf_counter() - start)
+                    results[key].append(time.perf_counter() - start)
+                    sent[key].append(transport.stats.bytes_sent - before)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
+            json.dump({"seconds": results, "bytes_sent": sent}, f)
     finally:
         dist.destroy_process_group()
 
@@ -264,12 +300,15 @@ def idle_worker(params: int, rounds: int, out: str, gaps: list[float]) -> None:
 
 
 def measure(mode: str, network: Network, params: int, rounds: int, algorithms: tuple[str, ...] = ALGORITHMS,
-            warm_pairs: bool = False, idle: float = 0.0, congestion: str | None = None) -> dict:
-    """Times each of ``algorithms`` on ``network``: per round the slowest replica, and per replica its
-    median. ``warm_pairs``, ``idle``: see :func:`worker`; ``congestion``: the TCP congestion control
-    in the emulated namespaces (default: theirs, inherited from the host)."""
+            warm_pairs: bool = False, idle: float = 0.0, congestion: str | None = None,
+            codecs: tuple[str, ...] = ("float32",)) -> dict:
+    """Times each of ``algorithms`` × ``codecs`` on ``network`` (keys: :func:`column`): per round the
+    slowest replica, and per replica its median. ``warm_pairs``, ``idle``: see :func:`worker`;
+    ``congestion``: the TCP congestion control in the emulated namespaces (default: theirs, inherited
+    from the host). With float32 and another codec, ``speedup`` holds, per (method, codec), float32's
+    time over the codec's, round by round (the same round r of both)."""
     options = {"params": params, "rounds": rounds, "algorithms": list(algorithms), "warm_pairs": warm_pairs,
-               "idle": idle}
+               "idle": idle, "codecs": list(codecs)}
     sysctls = {"net.ipv4.tcp_congestion_control": congestion} if congestion else None
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers(
@@ -278,15 +317,42 @@ def measure(mode: str, network: Network, params: int, rounds: int, algorithms: t
             sysctls=sysctls,
         )
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(len(network.links))]
-    row = {"mode": mode, "network": network.name, "replicas": len(network.links), "params": params, "wall_s": wall,
-           "warm_pairs": warm_pairs, "idle_s": idle, "tcp": (congestion or host_congestion()) if mode == "emulated" else None}
+    row: dict[str, Any] = {
+        "mode": mode, "network": network.name, "replicas": len(network.links), "params": params, "wall_s": wall,
+        "warm_pairs": warm_pairs, "idle_s": idle, "tcp": (congestion or host_congestion()) if mode == "emulated" else None,
+        "codecs": list(codecs), "per_replica": {}, "bytes_sent": {}, "speedup": {},
+    }
+    slowest: dict[str, list[float]] = {}
+    for key in ranks[0]["seconds"]:
+        slowest[key] = [max(rank["seconds"][key][k] for rank in ranks) for k in range(rounds)]
+        row[key] = spread(slowest[key])
+        row["per_replica"][key] = [statistics.median(rank["seconds"][key]) for rank in ranks]
+        row["bytes_sent"][key] = [statistics.mean(rank["bytes_sent"][key]) for rank in ranks]  # per replica and round
     for name in algorithms:
-        slowest = [max(rank[name][k] for rank in ranks) for k in range(rounds)]
-        row[name] = spread(slowest)
-        row.setdefault("per_replica", {})[name] = [statistics.median(rank[name]) for rank in ranks]
+        for codec in codecs if name != "ddp" and "float32" in codecs else []:
+            if codec != "float32":
+                key = column(name, codec)
+                row["speedup"][key] = spread([a / b for a, b in zip(slowest[name], slowest[key])])
     if "noloco" in algorithms and "diloco" in algorithms:
         row["diloco_over_noloco"] = row["diloco"]["median"] / row["noloco"]["median"]
     return row
+
+
+def codec_rows(rows: list[dict]) -> list[dict]:
+    """One flat row per (configuration, method, codec) of ``rows``, for the table of wire formats."""
+    flat = []
+    for r in rows:
+        for key in r["per_replica"]:
+            if key == "ddp":
+                continue
+            name, _, codec = key.partition("+")
+            speedup = r["speedup"].get(key) or {}
+            flat.append({"mode": r["mode"], "replicas": r["replicas"], "params_m": r["params"] / 1e6, "method": name,
+                         "codec": codec or "float32", "s": r[key]["median"], "s_min": r[key]["min"],
+                         "s_max": r[key]["max"], "mb": statistics.mean(r["bytes_sent"][key]) / 1e6,
+                         "speedup": speedup.get("median", 1.0 if not codec else None),
+                         "speedup_min": speedup.get("min"), "speedup_max": speedup.get("max")})
+    return flat
 
 
 def measure_idle(
@@ -450,6 +516,10 @@ def main() -> None:
                         help="the methods and the order of their turns in every round (the table needs noloco and diloco)")
     parser.add_argument("--idle", type=float, help="emulated mode: seconds of silence before every timed outer step, the "
                         "H inner steps of real training (default 11; 0 with --quick)")
+    parser.add_argument("--codecs", nargs="+", choices=tuple(CODECS), default=["float32"],
+                        help="the wire formats of the outer-step methods (not DDP's): each (method, codec) takes its "
+                             "own turn in every round; the table of wire formats gives float32's time over each "
+                             "other codec's (float32 needed for that). Default: float32 only")
     parser.add_argument("--cold", action="store_true",
                         help="do not warm every pair before timing (how B1 ran before; first-timed methods pay slow start)")
     parser.add_argument("--congestion", nargs="+",
@@ -467,7 +537,7 @@ def main() -> None:
     if args.worker:
         options = json.loads(args.worker)
         worker(options["params"], options["rounds"], options["out"], tuple(options["algorithms"]),
-               options["warm_pairs"], options["idle"])
+               options["warm_pairs"], options["idle"], tuple(options.get("codecs", ["float32"])))
         skip_final_collection()
         return
     if args.idle_worker:
@@ -488,8 +558,12 @@ def main() -> None:
     congestion = args.congestion or [None]
     if args.congestion:
         check_congestion(args.congestion)
-    if "main" in parts and not {"noloco", "diloco"} <= set(args.methods):
-        parser.error(f"--methods {' '.join(args.methods)}: the table and the latency model need noloco and diloco")
+    # the methods' table and the latency model compare NoLoCo with DiLoCo; the wire formats' table
+    # compares each method with itself, so with several codecs one method may run alone (memory at 50 M)
+    both = {"noloco", "diloco"} <= set(args.methods)
+    if "main" in parts and not both and len(args.codecs) < 2:
+        parser.error(f"--methods {' '.join(args.methods)}: the table and the latency model need noloco and diloco "
+                     "(or give several --codecs to compare the wire formats of one method)")
     rows: list[dict] = []
     for mode in modes if "main" in parts else []:
         for cc in congestion if mode == "emulated" else [None]:
@@ -498,10 +572,10 @@ def main() -> None:
                     net = networks(n)["loopback" if mode == "loopback" else "wan"]
                     # loopback and the modelled network have no slow connection to go idle
                     row = measure(mode, net, params, rounds, tuple(args.methods), warm_pairs=not args.cold,
-                                  idle=idle if mode == "emulated" else 0.0, congestion=cc)
+                                  idle=idle if mode == "emulated" else 0.0, congestion=cc, codecs=tuple(args.codecs))
                     rows.append(row)
                     print(f"{mode:>9} {net.name:<28} {row['tcp'] or '':<6} N={n:<3} {params / 1e6:>5g} M  "
-                          + "  ".join(f"{a} {row[a]['median']:.3f}s" for a in args.methods), flush=True)
+                          + "  ".join(f"{k} {row[k]['median']:.3f}s" for k in row["per_replica"]), flush=True)
     idle_rows: list[dict] = []
     first_rows: list[dict] = []
     for cc in congestion if "idle" in parts else []:
@@ -511,8 +585,8 @@ def main() -> None:
             idle_rows += measured
             first_rows.append(first)
             print(f"idle part: {first['tcp']} {params / 1e6:g} M done", flush=True)
-    model = latency_model(rows, trials=10 if args.quick else 100)
-    if rows:
+    model = latency_model(rows, trials=10 if args.quick else 100) if both else {}
+    if rows and both:
         flat = [{**r, **{a: r[a]["median"] for a in args.methods}, "params_m": r["params"] / 1e6} for r in rows]
         print(f"\nB1: seconds per outer step (slowest replica, median of {rounds} rounds; every pair warmed: "
               f"{not args.cold}; {idle:g} s of silence before each outer step); {machine()}")
@@ -520,6 +594,14 @@ def main() -> None:
                            ("params_m", "M params", "g"), ("noloco", "NoLoCo", ".3f"), ("gasloc", "GASLoC", ".3f"),
                            ("diloco", "DiLoCo", ".3f"), ("ddp", "DDP step", ".3f"),
                            ("diloco_over_noloco", "DiLoCo/NoLoCo", ".2f")]))
+    if rows and args.codecs != ["float32"]:
+        print(f"\nB1 wire formats: seconds per outer step (slowest replica, median [min, max] of {rounds} rounds), "
+              "payload MB sent per replica per outer step, and float32's time over the codec's, round by round")
+        print(table(codec_rows(rows), [
+            ("mode", "mode", "s"), ("replicas", "N", "d"), ("params_m", "M params", "g"), ("method", "method", "s"),
+            ("codec", "codec", "s"), ("s", "median s", ".3f"), ("s_min", "min", ".3f"), ("s_max", "max", ".3f"),
+            ("mb", "MB sent", ".2f"), ("speedup", "float32/codec", ".2f"), ("speedup_min", "min", ".2f"),
+            ("speedup_max", "max", ".2f")]))
     if model:
         print(f"\nlatency model: message time t = {model['message_s']:.3f} s (fitted: half the measured pair "
               f"exchange, {model['params'] / 1e6:g} M params), log-normal jitter σ = {model['jitter_sigma']}")
@@ -559,9 +641,9 @@ def main() -> None:
                                            "modelled_note": "rows with mode 'modelled' are modelled, not measured",
                                            "rows": rows, "latency_model": model, "idle_rows": idle_rows,
                                            "first_exchange": first_rows}, results)
-    if rows:
+    if rows and both:
         plot(rows, model, results / f"{args.out}.png")
-    print(f"wrote {path}" + (f" and {results / (args.out + '.png')}" if rows else ""))
+    print(f"wrote {path}" + (f" and {results / (args.out + '.png')}" if rows and both else ""))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def bench(tmp_path, module, *args, timeout=400):
 
 @pytest.mark.slow
 def test_b1_quick(tmp_path):
-    out = bench(tmp_path, "b1_sync_latency", "--modes", "loopback", "modelled")
+    out = bench(tmp_path, "b1_sync_latency", "--modes", "loopback", "modelled", "--codecs", "float32", "int8")
     result = json.loads((tmp_path / "b1_sync_latency.json").read_text())
     assert {r["mode"] for r in result["rows"]} == {"loopback", "modelled"}
     assert (tmp_path / "b1_sync_latency.png").exists()
@@ -31,6 +31,20 @@ def test_b1_quick(tmp_path):
     assert [p["replicas"] for p in result["latency_model"]["predictions"]][-1] == 1024
     assert all(r["warm_pairs"] and r["idle_s"] == 0 for r in result["rows"])  # --quick: no silence
     assert result["idle_rows"] == []  # the idle part needs the emulator
+    # one lossy codec beside float32, in every mode: its own turn, its bytes, and its ratio to float32
+    from lightning_loco.codecs import Int8BlockCodec, all_reduce_bytes
+
+    n, params = 2, 100_000
+    for row in result["rows"]:
+        assert row["codecs"] == ["float32", "int8"]
+        assert row["bytes_sent"]["noloco"] == [4 * params] * n  # one pair: the model once, as float32
+        assert row["bytes_sent"]["noloco+int8"] == [Int8BlockCodec().nbytes(params)] * n
+        assert row["bytes_sent"]["diloco+int8"] == [all_reduce_bytes(Int8BlockCodec(), params, n, r) for r in range(n)]
+        for key in ("noloco+int8", "gasloc+int8", "diloco+int8"):
+            assert row[key]["min"] <= row[key]["median"] <= row[key]["max"]
+            assert row["speedup"][key]["min"] <= row["speedup"][key]["median"] <= row["speedup"][key]["max"]
+        assert "ddp+int8" not in row and "ddp+int8" not in row["speedup"]  # DDP's all-reduce stays float32
+    assert "float32/codec" in out  # the table of wire formats
 
 
 def b1():
@@ -38,6 +52,19 @@ def b1():
     from benchmarks import b1_sync_latency
 
     return b1_sync_latency
+
+
+def test_b1_builds_each_wire_format_as_the_strategies_do():
+    from lightning_loco.codecs import CastCodec, Int8BlockCodec
+
+    algorithm, wire = b1().build("diloco", "float32")
+    assert algorithm.name == "diloco" and not wire.lossy and not wire.error_feedback  # float32 travels as it is
+    _, wire = b1().build("diloco", "int8")
+    assert isinstance(wire.codec, Int8BlockCodec) and wire.error_feedback  # a pseudo-gradient keeps its residual
+    _, wire = b1().build("noloco", "bfloat16")
+    assert isinstance(wire.codec, CastCodec) and not wire.error_feedback  # weights: none
+    assert wire.codec.nbytes(1000) == 2000
+    assert [b1().column("noloco", c) for c in ("float32", "int8")] == ["noloco", "noloco+int8"]
 
 
 @pytest.mark.parametrize("n", range(2, 10))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -30,7 +30,7 @@ def pair_s(network: Network, i: int, peers: Sequence[int], nbytes: int) -> float
     return max((network.transfer_s(i, j, nbytes) for j in peers), default=0.0)
 
 
-def allreduce_s(network: Network, nbytes: int, nodes: Optional[Sequence[int]] = None) -> float:
+def allreduce_s(network: Network, nbytes: int, nodes: Sequence[int] | None = None) -> float:
     """A ring all-reduce over ``nodes`` (default: all)."""
     ring = list(range(len(network.links))) if nodes is None else list(nodes)
     n = len(ring)
@@ -55,7 +55,7 @@ class HeldPending(PendingSum):
     def done(self) -> bool:
         return time.perf_counter() >= self.ready_at and super().done()
 
-    def completed_after(self) -> Optional[float]:
+    def completed_after(self) -> float | None:
         seen = super().completed_after()
         return None if seen is None or not self.done() else max(seen, self.ready_at - self.started)
 
@@ -73,7 +73,7 @@ class HeldPending(PendingSum):
 class ModelledTransport(TorchDistributedTransport):
     """The real transport on loopback, held until the modelled network would have finished."""
 
-    def __init__(self, *args: Any, network: Optional[Network] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, network: Network | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.network = network or from_env()
         if self.network is None:
@@ -85,21 +85,22 @@ class ModelledTransport(TorchDistributedTransport):
     # Nodes are global ranks; with ranks_per_replica > 1 each rank moves its slice only, and the
     # all-gather inside the replica is taken to run on a fast local link (it is not held).
 
-    def _wire_bytes(self, payload: Tensor, codec: Optional[Codec]) -> int:
-        """The bytes of this rank's slice as they travel: float32, or the codec's encoded size."""
-        numel = self._slice(payload).numel()
-        return numel * payload.element_size() if codec is None else codec.nbytes(numel)
+    # A lossy ``codec`` is passed on; the modelled time is that of the codec's bytes.
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> PendingSum:
+    def _nbytes(self, payload: Tensor, codec: Codec | None) -> int:
+        part = self._slice(payload)
+        return codec.nbytes(part.numel()) if codec is not None and codec.lossy else part.numel() * payload.element_size()
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Codec | None = None) -> PendingSum:
         pending = super().start_group_sum(payload, group, codec)
         peers = [self.replica_ranks[j] for j in group if j != self.replica]
         if peers:  # completion (and the recorded communication time) waits for the modelled finish
-            nbytes = self._wire_bytes(payload, codec)
+            nbytes = self._nbytes(payload, codec)
             pending.ready_at = pending.started + pair_s(self.network, dist.get_rank(), peers, nbytes)
         return pending
 
-    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> PendingSum:
+    def start_all_reduce_sum(self, payload: Tensor, codec: Codec | None = None) -> PendingSum:
         pending = super().start_all_reduce_sum(payload, codec)
-        nbytes = self._wire_bytes(payload, codec)
+        nbytes = self._nbytes(payload, codec)
         pending.ready_at = pending.started + allreduce_s(self.network, nbytes, self.replica_ranks)
         return pending
