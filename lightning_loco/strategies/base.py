@@ -300,13 +300,15 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if self.driver.round_due(index):
             self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
         trainer = self.lightning_module.trainer
-        per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
-        last = fit_ends_after_this_step(trainer, per_batch)
-        if self.elastic is not None and trainer.max_steps >= 0:
+        elastic_steps = self.elastic is not None and trainer.max_steps >= 0
+        if elastic_steps:
             # A healed replica took the others' step count: max_steps counts the run's steps, not this process's.
             last = self.driver.slots[index].inner_steps + 1 >= trainer.max_steps
+        else:
+            per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
+            last = fit_ends_after_this_step(trainer, per_batch)
         self.driver.after_inner_step(index, last=last)
-        if self.elastic is not None and last and trainer.max_steps >= 0:
+        if elastic_steps and last:
             trainer.should_stop = True
         return output
 
