@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_loco import rounds
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.codecs import WireFormat
 from lightning_loco.flat import FlatParameters
@@ -44,6 +45,8 @@ from lightning_loco.overlap import (
     correction_norm,
     merge_at_landing,
 )
+from lightning_loco.plugins import DriverPlugin, Landing, Outcome
+from lightning_loco.reports import OuterStepReport, peer_distance
 from lightning_loco.transport.base import Transport
 
 FINAL_OUTER_STEPS = ("average", "outer")
@@ -56,37 +59,6 @@ def check_final_outer_step(value: Any) -> None:
             f"final_outer_step must be 'average' (the round that ends training lands without the outer step's "
             f"momentum extrapolation) or 'outer' (the papers' plain outer step), got {value!r}."
         )
-
-
-@dataclass(frozen=True)
-class OuterStepReport:
-    """What happened at one finished round of one optimizer on this replica."""
-
-    optimizer_index: int
-    outer_step: int  # index t of the round
-    inner_step: int  # this optimizer's step count when it finished
-    peers: tuple[int, ...]
-    bytes_sent: int
-    bytes_received: int
-    comm_seconds: float  # time blocked waiting for the exchange
-    seconds: float  # time the round took from training (start and landing)
-    pseudo_gradient_norm: Optional[float] = None  # ‖θ − anchor‖ before the step (when norms are tracked)
-    update_norm: Optional[float] = None  # ‖anchor after − anchor before‖
-    overlap_steps: int = 0  # τ: inner steps between the start of the round and its landing
-    exchange_seconds: Optional[float] = None  # overlapped rounds: posting until the exchange completed
-    correction_norm: Optional[float] = None  # overlapped rounds: ‖change applied to θ at the landing‖
-    peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
-    final: bool = False  # landed as the end of training: live weights without the momentum extrapolation
-    compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of this replica's payload x (lossy wire formats)
-
-
-def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:
-    """‖own payload − the group's mean payload‖: how far this replica stood from the replicas it just
-    met, known after every exchange at no extra cost. ``None`` for a replica that met nobody."""
-    if group_size < 2:
-        return None
-    mean = group_sum.to(own.device) / group_size
-    return torch.linalg.vector_norm(own - mean).item()
 
 
 @dataclass
@@ -135,11 +107,13 @@ class OuterStepDriver:
         agree_overlap: with replicas of several ranks, makes the ranks of a replica agree on τ
             (they all-gather at the landing); given τ, returns the agreed τ.
         label: how warnings name this replica.
-        final_outer_step: "outer" (default: the papers' outer step, always) or "average": a round that
+        final_outer_step: "average" (default, as on the strategies and the simulator): a round that
             lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
-            live weights to ``algorithm.final_weights``, without the momentum extrapolation.
+            live weights to ``algorithm.final_weights``, without the momentum extrapolation; "outer":
+            the papers' outer step, always.
         wire: how payloads travel (:mod:`lightning_loco.codecs`); default float32 as they are. With
             error feedback every slot keeps a residual.
+        plugin: told around rounds (:mod:`lightning_loco.plugins`); default: none.
     """
 
     def __init__(
@@ -151,8 +125,9 @@ class OuterStepDriver:
         overlap_merge: str = "predict_correct",
         agree_overlap: Optional[Callable[[int], int]] = None,
         label: str = "",
-        final_outer_step: str = "outer",
+        final_outer_step: str = "average",
         wire: Optional[WireFormat] = None,
+        plugin: Optional[DriverPlugin] = None,
     ) -> None:
         check_overlap(overlap_steps, overlap_merge, sync_every)
         check_final_outer_step(final_outer_step)
@@ -167,6 +142,8 @@ class OuterStepDriver:
         self.reports: list[OuterStepReport] = []
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
         self.track_norms = False  # norms and peer distance: one anchor copy per round
+        self.plugin = plugin if plugin is not None else DriverPlugin()
+        self.plugin.attach(self)
 
     def add(self, flat: FlatParameters) -> OuterSlot:
         """Adds an optimizer's parameters; its outer state starts at their current values."""
@@ -227,8 +204,9 @@ class OuterStepDriver:
     def _start(self, index: int, slot: OuterSlot, tau: int) -> None:
         """Posts round t. With τ > 0 the live weights become the local prediction (predict_correct)
         and training goes on; the round lands ``tau`` steps later."""
-        started = time.perf_counter()
         algorithm, t = self.algorithm, slot.outer_steps
+        self.plugin.before_round(index, t)
+        started = time.perf_counter()
         self.rounds_started.append((index, t))
         weights = slot.flat.gather()  # the snapshot S
         before = norm = None
@@ -241,8 +219,8 @@ class OuterStepDriver:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
         if self.wire is not None and self.wire.error_feedback and slot.residual is None:
             slot.residual = torch.zeros(algorithm.payload_numel(slot.state), device=slot.state.anchor.device)
-        posted = algorithm.post(
-            slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
+        posted = rounds.post(
+            algorithm, slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
             residual=slot.residual, who=f"{self.label}, optimizer {index}, outer step {t}",
             measure_error=self.track_norms,
         )
@@ -271,6 +249,11 @@ class OuterStepDriver:
         started = time.perf_counter()
         pending = flight.pending
         total = pending.wait()
+        if pending.alone and len(flight.group) > 1 and self._collective(flight.outer_step):
+            # Finished alone, a collective round would move this replica's anchor apart from the others':
+            # it is dropped (outer state unchanged), and the next round's payload covers both stretches.
+            self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, Outcome.DROPPED, final))
+            return
         distance = None
         if flight.own_payload is not None:
             distance = peer_distance(flight.own_payload, total, len(flight.group))
@@ -307,6 +290,20 @@ class OuterStepDriver:
                 final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
             )
         )
+        outcome = Outcome.ALONE if pending.alone else Outcome.EXCHANGED
+        self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, outcome, final))
+
+    def _collective(self, outer_step: int) -> bool:
+        return self.algorithm.schedule(outer_step, self.transport.num_replicas).collective
+
+    def before_training(self) -> None:
+        """Called once before the first inner step, after a resumed state is loaded (the plug-in's turn:
+        an elastic replica takes up its first membership here)."""
+        self.plugin.before_training()
+
+    def close(self) -> None:
+        """Training stopped: the plug-in lets go of what it holds (an elastic replica leaves its membership)."""
+        self.plugin.close()
 
     def land_all(self) -> None:
         """Lands every round in flight now (the end of training): with ``final_outer_step="average"``

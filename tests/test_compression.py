@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from test_driver import ALGORITHMS, assert_same, lockstep, replicas_for, roundtrip, threaded, trace
 
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco.rounds import post as post_round
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.codecs import (
     PayloadError,
@@ -78,7 +79,7 @@ def test_float32_hands_the_payload_itself_to_the_transport(cls):
         algorithm = NoLoCo()
         transport = Recording(network.transport(i))
         state = algorithm.init_state(weights[i], [torch.Size([6])])
-        posted.append((algorithm.post(state, weights[i], 0, transport, wire=wire_format("float32")), transport))
+        posted.append((post_round(algorithm, state, weights[i], 0, transport, wire=wire_format("float32")), transport))
     for (p, transport), w in zip(posted, weights):
         payload, kwargs = transport.calls[0]
         assert payload is w and kwargs == {}  # the same tensor, no codec, no copy: today's call
@@ -198,7 +199,7 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step_of_the_tr
         states = [algorithm.init_state(torch.zeros(64), [torch.Size([64])]) for _ in range(2)]
         sent = torch.zeros(64)
         for t in range(rounds):
-            posted = [algorithm.post(states[i], delta.clone(), t, network.transport(i), keep_own=True,
+            posted = [post_round(algorithm, states[i], delta.clone(), t, network.transport(i), keep_own=True,
                                      wire=wire_format(compression="int8", block_size=8), residual=residuals[i])
                       for i in range(2)]
             sent += codec.roundtrip(posted[0].own)  # what replica 0's peer decoded from it

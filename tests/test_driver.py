@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_loco.rounds import step as blocking_outer_step
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver import OuterStepDriver, OuterStepReport
 from lightning_loco.flat import FlatParameters
@@ -333,7 +334,7 @@ def test_a_synchronous_round_is_bitwise_the_blocking_outer_step(name):
             r.step(0)
             weights.sub_((weights - target).mul_(inner_lr(step)))
             if step % H == 0:
-                new, _ = algorithm.step(state, weights, step // H - 1, transport)
+                new, _ = blocking_outer_step(algorithm, state, weights, step // H - 1, transport)
                 weights = new.clone()
                 report = r.driver.reports[-1]
                 assert (report.outer_step, report.overlap_steps, report.correction_norm) == (step // H - 1, 0, None)
@@ -580,7 +581,8 @@ def test_a_replica_that_sits_a_round_out_has_no_peer_distance():
 @pytest.mark.parametrize("merge", MERGES)
 def test_land_all_lands_a_round_early(merge):
     n, H, tau = 2, 4, 3
-    _, replicas = replicas_for(NoLoCo, n, H, overlap_steps=tau, overlap_merge=merge)
+    _, replicas = replicas_for(NoLoCo, n, H, overlap_steps=tau, overlap_merge=merge,
+                                 final_outer_step="outer")  # the plain outer step, landed early
     lockstep(replicas, H + 1)  # round 0 started at step H, due at H + 3
     algorithm = NoLoCo()
     sim = ReplicaSimulator(NoLoCo(), [replicas[0].initial[0]] * n, replicas[0].flats[0].shapes)
@@ -647,3 +649,15 @@ def test_auto_overlap_caps_tau_and_warns_when_the_link_is_slower_than_the_cap_ca
         assert all(x.comm_seconds > 0 for x in r.driver.reports[1:])  # the landing waited for the rest
     messages = [str(w.message) for w in caught if "overlap_steps='auto' needs about" in str(w.message)]
     assert sorted(m.split(":")[0] for m in messages) == ["Replica 0", "Replica 1"]
+
+
+def test_final_outer_step_has_one_default_everywhere():
+    """A driver-only user gets what the strategies and the simulator do at the end of training."""
+    import inspect
+
+    from lightning_loco.simulator import TrainingSimulator
+    from lightning_loco.strategies.base import OuterStepStrategy
+
+    defaults = {cls.__name__: inspect.signature(cls).parameters["final_outer_step"].default
+                for cls in (OuterStepDriver, OuterStepStrategy, TrainingSimulator)}
+    assert set(defaults.values()) == {"average"}, defaults

@@ -101,12 +101,17 @@ class ElasticPending:
 
 class ElasticTransport:
     """``Transport`` of one elastic replica (one process). ``replica`` and ``num_replicas`` describe the
-    current membership; :class:`~lightning_loco.elastic.driver.ElasticDriver` switches memberships."""
+    current membership; :class:`~lightning_loco.elastic.plugin.ElasticPlugin` switches memberships.
 
-    def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None) -> None:
+    ``membership``: the agreement this transport follows (default: a :class:`Membership` over the
+    Lighthouse of ``config``). Anything with its ``view``, ``due``, ``at_switch``, ``failed`` and
+    ``close`` serves: tests pass an in-process one, whose views carry an in-process process group."""
+
+    def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None,
+                 membership: Optional[Any] = None) -> None:
         self.config = config
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self.membership = Membership(config)
+        self.membership = Membership(config) if membership is None else membership
         self.stats = TransportStats()
         self.outer_step = 0  # the round being posted: the exchanges' tag
         self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed

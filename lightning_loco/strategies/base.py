@@ -28,9 +28,11 @@ from lightning_loco import checkpoints
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.outer_optimizer import check_picklable
 from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
-from lightning_loco.driver import OuterSlot, OuterStepDriver, OuterStepReport
+from lightning_loco.driver import OuterSlot, OuterStepDriver
+from lightning_loco.reports import OuterStepReport
 from lightning_loco.elastic.config import elastic_config
 from lightning_loco.flat import FlatParameters
+from lightning_loco.plugins import DriverPlugin, no_plugin
 from lightning_loco.overlap import check_overlap
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.strategies import _compat
@@ -186,9 +188,10 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.wire = wire
         self._outer_state_device = device
         self.transport_factory = transport_factory or TorchDistributedTransport
-        self._driver_class: type[OuterStepDriver] = OuterStepDriver
-        if self.elastic is not None:  # the elastic transport and driver, through the same seam
-            from lightning_loco.elastic.driver import ElasticDriver, ElasticTransportFactory
+        self._plugin_factory: Callable[[Transport], DriverPlugin] = no_plugin
+        if self.elastic is not None:  # the elastic transport and the driver's plug-in, through the same seams
+            from lightning_loco.elastic.plugin import ElasticPlugin
+            from lightning_loco.elastic.transport import ElasticTransportFactory
 
             if transport_factory is not None:
                 raise ValueError(
@@ -200,7 +203,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
                     f"wire_dtype={wire_dtype!r}, compression={compression!r}: elastic replicas (lighthouse=...) send "
                     "float32 only for now. Leave wire_dtype='float32' and compression=None with a lighthouse."
                 )
-            self.transport_factory, self._driver_class = ElasticTransportFactory(self.elastic), ElasticDriver
+            self.transport_factory, self._plugin_factory = ElasticTransportFactory(self.elastic), ElasticPlugin
         self.driver: Optional[OuterStepDriver] = None  # during fit
         self._groups: Optional[ProcessGroups] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
@@ -262,11 +265,11 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
             slice_group=self._groups.slice,
         )
-        self.driver = self._driver_class(
+        self.driver = OuterStepDriver(
             self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
-            wire=self.wire if self.wire.lossy else None,
+            wire=self.wire if self.wire.lossy else None, plugin=self._plugin_factory(transport),
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
@@ -278,8 +281,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             except ValueError as err:
                 raise checkpoints.CheckpointError(str(err)) from err
             self._resumed_outer = None
-        if self.elastic is not None:
-            self.driver.join()  # the first membership: waits for the Lighthouse, heals if the others are ahead
+        self.driver.before_training()  # elastic: the first membership (waits for the quorum, heals if behind)
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
 
@@ -300,15 +302,15 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if self.driver.round_due(index):
             self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
         trainer = self.lightning_module.trainer
-        elastic_steps = self.elastic is not None and trainer.max_steps >= 0
-        if elastic_steps:
+        driver_steps = self.driver.plugin.ends_by_driver_steps and trainer.max_steps >= 0
+        if driver_steps:
             # A healed replica took the others' step count: max_steps counts the run's steps, not this process's.
             last = self.driver.slots[index].inner_steps + 1 >= trainer.max_steps
         else:
             per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
             last = fit_ends_after_this_step(trainer, per_batch)
         self.driver.after_inner_step(index, last=last)
-        if elastic_steps and last:
+        if driver_steps and last:
             trainer.should_stop = True
         return output
 
@@ -344,8 +346,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if self.driver is not None:  # only left in flight after an interrupted fit: on_train_end lands rounds
             lingering = self.driver.abandon_all(self.abandon_timeout_s)
             self._final_outer_steps = self.outer_steps
-            if self.elastic is not None:
-                self.driver.transport.close()  # type: ignore[attr-defined]  (stops the heartbeats: we left)
+            self.driver.close()  # elastic: leaves the membership (the heartbeats stop)
         # The outer state (float32 anchors, momenta, outer optimizer state, buffers in flight: 2-3 model
         # copies, on the accelerator by default) goes now; outer_step_reports and the module's weights stay.
         self.driver, self._resumed_outer = None, None

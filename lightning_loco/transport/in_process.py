@@ -107,6 +107,9 @@ class InProcessNetwork:
 class InProcessPending:
     """One posted in-process exchange (see :class:`~lightning_loco.transport.base.Pending`)."""
 
+    alone = False  # finished without its partners (only the elastic transport does that)
+
+
     def __init__(
         self, transport: "InProcessTransport", key: tuple[Any, ...], group: tuple[int, ...],
         finish: Callable[[Tensor], Tensor], nbytes: int,

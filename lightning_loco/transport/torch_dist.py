@@ -63,6 +63,9 @@ class PendingSum:
     (``done()`` queries it, ``wait()`` makes the current stream wait for it).
     """
 
+    alone = False  # finished without its partners (only the elastic transport does that)
+
+
     def __init__(
         self,
         transport: "TorchDistributedTransport",
