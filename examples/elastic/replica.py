@@ -135,8 +135,8 @@ def main() -> None:
     membership = driver.transport.membership
     record = {
         "replica_id": args.replica_id, "started": started, "ended": time.time(), "losses": model.losses,
-        "rounds": driver.rounds, "memberships": membership.history, "healed_from": driver.healed_from,
-        "exported": driver.exported,
+        "rounds": driver.plugin.rounds, "memberships": membership.history, "healed_from": driver.plugin.healed_from,
+        "exported": driver.plugin.exported,
         "failures": driver.transport.failures, "quorum_waits": membership.waits,
         "round_seconds": [r.seconds for r in driver.reports], "comm_seconds": [r.comm_seconds for r in driver.reports],
         "outer_steps": driver.slots[0].outer_steps,

@@ -186,7 +186,7 @@ class ElasticTransport:
     def start_all_reduce_sum(self, payload: Tensor) -> ElasticPending:
         """One all-reduce over the current membership (DiLoCo); the sum lands in ``payload``. If it fails the
         pending is ``alone`` and the driver drops the round (see
-        :class:`~lightning_loco.elastic.driver.ElasticDriver`)."""
+        :class:`~lightning_loco.plugins.Outcome`)."""
         n = self.num_replicas
         others = tuple(j for j in range(n) if j != self.replica)
         if not others:

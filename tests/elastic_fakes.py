@@ -1,0 +1,194 @@
+"""In-process stand-ins for what an elastic replica gets from torchft: a membership and its process group.
+
+:class:`FakeMembership` follows a fixed script of memberships (who, from which round, who joins and who
+donates) instead of asking a Lighthouse; its views carry a :class:`FakeGroup`, a process group with the
+``send`` / ``recv`` / ``allreduce`` / ``abort`` calls the elastic transport makes, over a shared
+:class:`Hub` in this process. ``Hub.kill(replica_id)`` stands for a replica that died: exchanges with
+it fail, as gloo's do when a peer's connection breaks. Replicas run in threads of their own.
+
+The real :class:`~lightning_loco.elastic.transport.ElasticTransport` and
+:class:`~lightning_loco.elastic.plugin.ElasticPlugin` run on top unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_loco.elastic.membership import View
+
+
+class Hub:
+    """The wire shared by every fake process group of a run, and the store joiners heal through."""
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        self.cond = threading.Condition()
+        self.timeout = timeout
+        self.mail: dict[tuple[Any, ...], Tensor] = {}
+        self.reduces: dict[tuple[Any, ...], dict[int, Tensor]] = {}
+        self.dead: set[str] = set()
+        self.aborted: set[int] = set()  # quorum ids whose group a member aborted
+        self.heal_states: dict[int, dict[str, Any]] = {}  # quorum id -> the donor's state
+
+    def kill(self, replica_id: str) -> None:
+        with self.cond:
+            self.dead.add(replica_id)
+            self.cond.notify_all()
+
+    def wait_for(self, ready: Callable[[], bool], broken: Callable[[], Optional[str]]) -> None:
+        """Blocks (holding ``cond``) until ``ready()``; raises ``RuntimeError`` when ``broken()`` says why not."""
+        remaining = self.timeout
+        while not ready():
+            why = broken()
+            if why:
+                raise RuntimeError(why)
+            if remaining <= 0:
+                raise RuntimeError("timed out")
+            self.cond.wait(0.05)
+            remaining -= 0.05
+
+
+class FakeWork:
+    def __init__(self, hub: Hub, ready: Callable[[], bool], broken: Callable[[], Optional[str]],
+                 finish: Callable[[], None] = lambda: None) -> None:
+        self.hub, self.ready, self.broken, self.finish = hub, ready, broken, finish
+        self._done = False
+
+    def is_completed(self) -> bool:
+        with self.hub.cond:
+            return self._done or self.ready()
+
+    def wait(self, timeout: Any = None) -> bool:
+        with self.hub.cond:
+            if not self._done:
+                self.hub.wait_for(self.ready, self.broken)
+                self.finish()
+                self._done = True
+        return True
+
+
+class FakeGroup:
+    """One membership's process group over a :class:`Hub`: ranks are indices into ``members``."""
+
+    def __init__(self, hub: Hub, quorum_id: int, members: Sequence[str], me: str) -> None:
+        self.hub, self.quorum_id, self.members, self.me = hub, quorum_id, tuple(members), me
+        self.rank = self.members.index(me)
+        self.reduce_count = 0
+
+    def _broken(self, peers: Sequence[int]) -> Callable[[], Optional[str]]:
+        def why() -> Optional[str]:
+            if self.quorum_id in self.hub.aborted:
+                return "the process group was aborted"
+            gone = [self.members[j] for j in peers if self.members[j] in self.hub.dead]
+            return f"connection to {gone} closed" if gone else None
+        return why
+
+    def send(self, tensors: list[Tensor], dst: int, tag: int) -> FakeWork:
+        with self.hub.cond:
+            self.hub.mail[(self.quorum_id, self.rank, dst, tag)] = tensors[0].detach().clone()
+            self.hub.cond.notify_all()
+        return FakeWork(self.hub, lambda: True, self._broken([dst]))
+
+    def recv(self, tensors: list[Tensor], src: int, tag: int) -> FakeWork:
+        key = (self.quorum_id, src, self.rank, tag)
+
+        def finish() -> None:
+            tensors[0].copy_(self.hub.mail.pop(key))
+
+        return FakeWork(self.hub, lambda: key in self.hub.mail, self._broken([src]), finish)
+
+    def allreduce(self, tensors: list[Tensor], options: Any = None) -> FakeWork:
+        key = (self.quorum_id, self.reduce_count)
+        self.reduce_count += 1
+        n = len(self.members)
+        with self.hub.cond:
+            self.hub.reduces.setdefault(key, {})[self.rank] = tensors[0].detach().clone()
+            self.hub.cond.notify_all()
+
+        def finish() -> None:
+            posted = self.hub.reduces[key]
+            total = posted[0].clone()
+            for j in range(1, n):
+                total.add_(posted[j])
+            tensors[0].copy_(total)
+
+        return FakeWork(self.hub, lambda: len(self.hub.reduces[key]) == n,
+                        self._broken([j for j in range(n) if j != self.rank]), finish)
+
+    def abort(self) -> None:
+        with self.hub.cond:
+            self.hub.aborted.add(self.quorum_id)
+            self.hub.cond.notify_all()
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Script:
+    """One membership of the script: its members from round ``switch``, who joins and who donates."""
+
+    quorum_id: int
+    switch: int
+    members: tuple[str, ...]
+    joiners: tuple[str, ...] = ()
+    donor: Optional[str] = None
+
+
+class FakeMembership:
+    """A membership that follows ``script`` (memberships in order) instead of a Lighthouse."""
+
+    def __init__(self, hub: Hub, replica_id: str, script: Sequence[Script], heal: bool = True) -> None:
+        self.hub, self.replica_id, self.heal = hub, replica_id, heal
+        self.script = [s for s in script if replica_id in s.members]
+        self.view: Optional[View] = None
+        self.sync = False
+        self.history: list[dict[str, Any]] = []
+        self.failures = 0
+        self.closed = False
+
+    def _next(self) -> Optional[Script]:
+        taken = len(self.history)
+        return self.script[taken] if taken < len(self.script) else None
+
+    def due(self, next_round: int) -> bool:
+        plan = self._next()
+        return self.view is None or (plan is not None and next_round >= plan.switch)
+
+    def at_switch(self, next_round: int, export: Callable[[], dict[str, Any]],
+                  load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None) -> int:
+        plan = self._next()
+        if plan is None:
+            return next_round
+        if self.replica_id in plan.joiners:
+            with self.hub.cond:
+                self.hub.wait_for(lambda: plan.quorum_id in self.hub.heal_states, lambda: None)
+                state = self.hub.heal_states[plan.quorum_id]
+            next_round = load(state, self.heal)
+        elif plan.donor == self.replica_id:
+            state = {**export(), "donor": self.replica_id}
+            with self.hub.cond:
+                self.hub.heal_states[plan.quorum_id] = state
+                self.hub.cond.notify_all()
+        group = FakeGroup(self.hub, plan.quorum_id, plan.members, self.replica_id)
+        self.view = View(plan.quorum_id, plan.members, plan.members.index(self.replica_id), plan.switch, group)
+        self.history.append({"quorum_id": plan.quorum_id, "first_round": plan.switch, "members": list(plan.members)})
+        return next_round
+
+    def failed(self) -> None:
+        self.failures += 1
+        if self.view is not None and self.view.ok:
+            self.view.ok = False
+            self.view.pg.abort()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def flat_of(values: Sequence[float]) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.tensor(list(values), dtype=torch.float32))
