@@ -432,3 +432,36 @@ def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse:
     # one of them, or both, may have joined a round or two late and healed: each is held to the fresh model's
     # loss on its own data
     assert falls(r0["losses"], fresh_loss("r0")) and falls(r1["losses"], fresh_loss("r1"))
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_died_fails_the_next_switch_naming_what_happened() -> None:
+    """The request fails at once when the Lighthouse is gone: the error says so, with the time it took,
+    not that join_timeout expired."""
+    from lightning_loco.elastic.config import ElasticConfig
+    from lightning_loco.elastic.membership import Membership
+
+    cli = [sys.executable, "-m", "lightning_loco.cli", "lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0"]
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    membership = None
+    try:
+        address = proc.stdout.readline().split()[1]
+        membership = Membership(ElasticConfig(lighthouse=address, replica_id="solo", join_timeout=600.0))
+        nothing = {"driver": [], "weights": []}
+        assert membership.at_switch(0, lambda: nothing, lambda state, heal: 0) == 0  # a run of one starts
+        assert membership.view is not None and membership.view.members == ("solo",)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(RuntimeError) as failed:
+            # the next membership may have been answered before the kill; the one after cannot be
+            for next_round in (1, 2):
+                membership.at_switch(next_round, lambda: nothing, lambda state, heal: next_round)
+        message = str(failed.value)
+        assert "request failed after" in message and "join_timeout" not in message, message
+    finally:
+        if membership is not None:
+            membership.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

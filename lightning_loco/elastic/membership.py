@@ -126,6 +126,7 @@ class _Request:
     asked: float = field(default_factory=time.perf_counter)
     result: Optional[tuple[Plan, Optional[Any]]] = None
     error: Optional[BaseException] = None
+    ended: Optional[float] = None  # when the request answered or failed
 
 
 def local_host_for(url: str) -> str:
@@ -204,6 +205,7 @@ class Membership:
                 request.result = (plan, pg)
             except BaseException as err:  # handed to the main thread at the switch
                 request.error = err
+            request.ended = time.perf_counter()
 
         request.thread = threading.Thread(target=run, name="lightning_loco-quorum", daemon=True)
         self._request = request
@@ -252,11 +254,18 @@ class Membership:
         waited = time.perf_counter()
         request.thread.join(self.config.join_timeout)
         self.waits.append(time.perf_counter() - waited)
-        if request.thread.is_alive() or request.error is not None or request.result is None:
+        if request.thread.is_alive():
             raise RuntimeError(
                 f"Replica {self.replica_id!r} got no membership from the Lighthouse at {self.config.url} within "
-                f"join_timeout={self.config.join_timeout:g} s: {request.error or 'no answer'}. The Lighthouse stopped, "
-                "or fewer than its --min-replicas replicas are alive."
+                f"join_timeout={self.config.join_timeout:g} s: no answer. Fewer than its --min-replicas replicas are "
+                "alive, or the Lighthouse hangs."
+            )
+        if request.error is not None or request.result is None:
+            took = (request.ended or time.perf_counter()) - request.asked
+            raise RuntimeError(
+                f"Replica {self.replica_id!r} asked the Lighthouse at {self.config.url} for a membership and the "
+                f"request failed after {took:.1f} s: {request.error or 'no result'}. The Lighthouse stopped or cannot "
+                "be reached; restart it, then this replica."
             ) from request.error
         self._request = None
         plan, pg = request.result
