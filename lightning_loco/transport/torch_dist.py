@@ -13,7 +13,7 @@ A replica may span several ranks (``ranks_per_replica``): then each rank moves o
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
 
 CUDA payloads on gloo (several processes sharing a GPU, or gloo chosen on GPUs) cross to the host
-through pinned buffers of a :class:`~lightning_loco.transport.staging.StagingPool`, reused from one
+through pinned buffers of a :class:`~lightning_loco.staging.StagingPool`, reused from one
 outer step to the next, with ``non_blocking`` copies. On NCCL, an overlapped exchange is followed by
 a CUDA event on a stream of the transport's own: ``done()`` queries the event, ``wait()`` makes the
 training stream wait for it; no thread and no host synchronisation.
@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_loco.codecs import Codec, all_reduce_bytes, decode_sum
+from lightning_loco.staging import StagingPool
 from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
-from lightning_loco.transport.staging import StagingPool
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "sum_in_group_order"]
 
