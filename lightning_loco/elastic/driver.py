@@ -101,13 +101,13 @@ class ElasticDriver(OuterStepDriver):
         pending = flight.pending
         if self.collective and len(flight.group) > 1:
             pending.wait()  # a failed all-reduce shows here
-        alone = bool(getattr(pending, "alone", False))
+        alone = pending.alone
         if alone and self.collective and len(flight.group) > 1:
             slot.in_flight = None  # dropped: outer state unchanged, training goes on from the live weights
             self.rounds[-1].update(alone=True, dropped=True)
         else:
             super()._land(index, slot, final)
-            alone = bool(getattr(pending, "alone", False))  # known once waited for
+            alone = pending.alone  # known once waited for
             self.rounds[-1].update(alone=alone, dropped=False)
             self.committed += not alone
         if not final:
