@@ -19,6 +19,9 @@ and sums the decoded buffers in ascending replica order, so all members hold bit
 low precision: the buffer is cut into N chunks, replica c decodes and sums chunk c of every replica in
 float32, encodes that sum once, and everyone decodes the same bytes.
 
+Bytes per replica, as every transport counts them: :func:`ring_all_reduce_bytes` for a float32
+all-reduce (the nominal ring figure), :func:`all_reduce_bytes` for the chunked all-reduce of a codec.
+
 Error feedback (:class:`WireFormat`, ``error_feedback``): for a payload that is a pseudo-gradient Δ
 the sender keeps the residual e of what its codec lost and sends Q(Δ + e) instead of Q(Δ), then sets
 e ← Δ + e − D(Q(Δ + e)). Nothing is lost for good, only delayed.
@@ -275,10 +278,17 @@ def chunked_all_reduce(payloads: Sequence[Tensor], codec: Codec) -> Tensor:
     return torch.cat(out)
 
 
+def ring_all_reduce_bytes(nbytes: int, num_replicas: int) -> int:
+    """Bytes each replica sends (and receives) in a ring all-reduce of a ``nbytes`` buffer over
+    ``num_replicas``: 2(N − 1)/N copies, rounded down. gloo and NCCL pick their own algorithm, so this
+    is the nominal figure every transport counts for a float32 all-reduce, not a measurement."""
+    return 2 * (num_replicas - 1) * nbytes // num_replicas
+
+
 def all_reduce_bytes(codec: Codec, numel: int, num_replicas: int, replica: int) -> int:
     """Bytes replica ``replica`` sends in the chunked all-reduce of ``numel`` values: chunk j of its
     payload to each replica j ≠ it, then its reduced chunk to each of the N − 1 others.
-    About 2(N − 1)/N × ``codec.nbytes(numel)``."""
+    About :func:`ring_all_reduce_bytes` of ``codec.nbytes(numel)``."""
     sizes = [b - a for a, b in _split(0, numel, num_replicas)]
     scatter = sum(codec.nbytes(s) for j, s in enumerate(sizes) if j != replica)
     return scatter + (num_replicas - 1) * codec.nbytes(sizes[replica])

@@ -273,7 +273,7 @@ class OuterStepDriver:
                 merged, change = merge_at_landing(flight.merge, live, final_weights, flight.reference)
             slot.flat.scatter(merged)
             correction = correction_norm(change)
-            exchange = flight.completed_after if flight.completed_after is not None else pending.seconds
+            exchange = flight.exchange_seconds if flight.exchange_seconds is not None else pending.seconds
         update_norm = None
         if flight.anchor_before is not None:
             update_norm = torch.linalg.vector_norm(slot.state.anchor - flight.anchor_before).item()

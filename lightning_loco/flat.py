@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_loco.transport.staging import StagingPool
+from lightning_loco.staging import StagingPool
 
 
 class FlatParameters:

@@ -75,13 +75,13 @@ class InFlight:
     anchor_before: Optional[Tensor] = None  # kept only when norms are tracked
     own_payload: Optional[Tensor] = None  # kept only when norms are tracked (for the peer distance)
     start_seconds: float = 0.0  # time the start took from training (posting, prediction)
-    completed_after: Optional[float] = None  # seconds from posting until first seen complete
+    exchange_seconds: Optional[float] = None  # seconds from posting until the exchange was first seen complete
     compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload sent (lossy wire formats)
 
     def poll(self) -> None:
         """Notes when the exchange is first seen complete (non-blocking)."""
-        if self.completed_after is None:
-            self.completed_after = self.pending.completed_after()
+        if self.exchange_seconds is None:
+            self.exchange_seconds = self.pending.completed_after()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the round: the received sum is awaited first (this only waits

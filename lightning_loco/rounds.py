@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.codecs import WireFormat, check_payload, roundtrip_segments, segments
+from lightning_loco.transport.base import codec_arguments
 
 if TYPE_CHECKING:
     from lightning_loco.transport.base import Pending, Transport
@@ -85,7 +86,7 @@ def post(
     own = None
     if keep_own:
         own = payload.clone() if round_.collective else payload
-    extra = {} if codec is None else {"codec": codec}  # transports without codecs keep working in float32
+    extra = codec_arguments(codec)  # transports without codecs keep working in float32
     if round_.collective:
         pending = transport.start_all_reduce_sum(payload, **extra)
     else:

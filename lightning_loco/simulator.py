@@ -25,6 +25,7 @@ from lightning_loco.codecs import (
     WireFormat,
     chunked_all_reduce,
     decode_sum,
+    ring_all_reduce_bytes,
     roundtrip_segments,
     segments,
     wire_format,
@@ -476,7 +477,7 @@ class TrainingSimulator:
             return [sum(r.bytes_sent for r in d.reports) for d in self.drivers]
         if self.gradient_averaging:
             n, numel = self.num_replicas, sum(p.numel() for p in self.params[0])
-            return [2 * (n - 1) * numel * 4 // n * self.step_count] * n
+            return [ring_all_reduce_bytes(numel * 4, n) * self.step_count] * n
         return [0] * self.num_replicas
 
     def consensus_module(self) -> nn.Module:

@@ -19,7 +19,7 @@ from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
-from lightning_loco.transport.staging import StagingPool
+from lightning_loco.staging import StagingPool
 
 ROOT = Path(__file__).parent.parent
 

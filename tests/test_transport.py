@@ -8,7 +8,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import tiny
-from lightning_loco.transport import TorchDistributedTransport, sum_in_group_order
+from lightning_loco.transport import (
+    InProcessNetwork,
+    Pending,
+    PendingSum,
+    TorchDistributedTransport,
+    Transport,
+    sum_in_group_order,
+)
+from lightning_loco.transport.in_process import InProcessPending, InProcessTransport
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -51,3 +59,30 @@ def test_group_sum_and_all_reduce_across_four_processes(tmp_path):
         assert torch.allclose(res[r]["all"], sum(payloads))
         assert torch.equal(res[r]["payload_after"], payloads[r])  # group_sum does not modify its input
         assert res[r]["alone_is_a_copy"]  # even for a group of one: callers update the sum in place
+
+
+def test_every_transport_builds_on_the_shared_pending_and_transport():
+    from lightning_loco.elastic.transport import ElasticPending, ElasticTransport
+
+    for pending in (PendingSum, InProcessPending, ElasticPending):
+        assert issubclass(pending, Pending)
+    for transport in (TorchDistributedTransport, InProcessTransport, ElasticTransport):
+        assert Transport in transport.__mro__  # (issubclass cannot check a protocol with attributes)
+        assert transport.group_sum is Transport.group_sum and transport.all_reduce_sum is Transport.all_reduce_sum
+
+
+def test_an_ordinary_in_process_exchange_is_not_alone_and_is_counted_once():
+    network = InProcessNetwork(2)
+    transports = [network.transport(i) for i in range(2)]
+    payloads = [torch.full((3,), float(i + 1)) for i in range(2)]
+    pendings = [t.start_group_sum(p, (0, 1)) for t, p in zip(transports, payloads)]
+    assert all(isinstance(p, Pending) and not p.alone for p in pendings)
+    assert pendings[0].completed_after() is not None  # both posted: complete without anyone waiting
+    first = pendings[0].wait()
+    assert torch.equal(first, payloads[0] + payloads[1]) and pendings[0].done() and not pendings[0].alone
+    assert pendings[0].wait() is first  # the sum is kept; waiting again counts nothing more
+    assert (transports[0].stats.bytes_sent, transports[0].stats.calls) == (12, 1)
+    restored = transports[0].resolved(first, (1,))
+    assert restored.done() and restored.wait() is first and not restored.alone
+    assert transports[0].stats.calls == 1  # a restored exchange has nothing to count
+    assert torch.equal(transports[1].group_sum(payloads[1], (1,)), payloads[1])  # the blocking form

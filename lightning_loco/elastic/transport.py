@@ -19,7 +19,6 @@ Lighthouse drops a dead replica from it.
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -29,46 +28,31 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_loco.codecs import ring_all_reduce_bytes
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import Membership
-from lightning_loco.transport.base import TransportStats, sum_in_group_order
+from lightning_loco.transport.base import Pending, Transport, TransportStats, sum_in_group_order
 
 
-class ElasticPending:
-    """An exchange on the membership's process group; a failure makes it a round taken alone."""
+class ElasticPending(Pending):
+    """An exchange on the membership's process group; a failure makes it a round taken alone (``alone``:
+    ``wait()`` gives ``group_size × own payload``, and nothing is counted in the stats)."""
 
     def __init__(self, transport: "ElasticTransport", works: list[tuple[int, list[Any]]], payload: Tensor,
                  finish: Callable[[], Tensor],
                  group_size: int, nbytes: int, peers: tuple[int, ...], alone: bool = False) -> None:
-        self.transport, self.works, self.payload, self.finish = transport, works, payload, finish
-        self.group_size, self.nbytes, self.peers = group_size, nbytes, peers
-        self.started = time.perf_counter()
-        self.wait_seconds = 0.0
-        self.seconds = 0.0
-        self.alone = alone  # finished without its partners (set when a partner failed)
+        super().__init__(transport, nbytes, peers)
+        self.works, self.payload, self.finish, self.group_size = works, payload, finish, group_size
+        self.alone = alone
         self.error: Optional[BaseException] = None
-        self._result: Optional[Tensor] = None
 
-    @property
-    def watcher(self) -> Optional[threading.Thread]:
-        return None
-
-    def watch(self) -> "ElasticPending":
-        return self
-
-    def done(self) -> bool:
-        return self._result is not None or all(w.is_completed() for _, works in self.works for w in works)
-
-    def completed_after(self) -> Optional[float]:
-        return time.perf_counter() - self.started if self.done() else None
+    def _complete(self) -> bool:
+        return all(w.is_completed() for _, works in self.works for w in works)
 
     def _alone(self) -> Tensor:
         return self.payload.clone() if self.group_size == 1 else self.payload * self.group_size
 
-    def wait(self) -> Tensor:
-        if self._result is not None:
-            return self._result
-        blocked = time.perf_counter()
+    def _receive(self) -> Tensor:
         if self.alone:
             result = self._alone()
         else:
@@ -86,11 +70,7 @@ class ElasticPending:
                 result = self._alone()
             else:
                 result = self.finish()
-        now = time.perf_counter()
-        self.wait_seconds, self.seconds = now - blocked, now - self.started
-        if not self.alone and self.peers:
-            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
-        self.works, self._result = [], result
+        self.works = []
         return result
 
     def abandon(self, timeout: float) -> bool:
@@ -99,7 +79,7 @@ class ElasticPending:
         return finished
 
 
-class ElasticTransport:
+class ElasticTransport(Transport):
     """``Transport`` of one elastic replica (one process). ``replica`` and ``num_replicas`` describe the
     current membership; :class:`~lightning_loco.elastic.plugin.ElasticPlugin` switches memberships.
 
@@ -143,15 +123,7 @@ class ElasticTransport:
         )
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
-        pending = ElasticPending(self, [], total, lambda: total, 1, 0, peers)
-        pending._result = total
-        return pending
-
-    def group_sum(self, payload: Tensor, group: Sequence[int]) -> Tensor:
-        return self.start_group_sum(payload, group).wait()
-
-    def all_reduce_sum(self, payload: Tensor) -> Tensor:
-        return self.start_all_reduce_sum(payload).wait()
+        return ElasticPending(self, [], total, lambda: total, 1, 0, peers).completed_with(total)
 
     def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> ElasticPending:
         if self.replica not in group:
@@ -197,7 +169,7 @@ class ElasticTransport:
             return ElasticPending(self, [], payload, lambda: payload, n, 0, others, alone=True)
         buf = payload.detach().to(self.device)
         pending = ElasticPending(self, [], payload, lambda: payload, n,
-                                 2 * (n - 1) * buf.numel() * buf.element_size() // n, others)
+                                 ring_all_reduce_bytes(buf.numel() * buf.element_size(), n), others)
         try:
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.SUM

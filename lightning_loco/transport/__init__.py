@@ -1,4 +1,5 @@
-"""Moving flat buffers between replicas: the interface, torch.distributed, and in-process."""
+"""Moving flat buffers between replicas: the interface and the shared ``Pending`` (``base``),
+torch.distributed (``torch_dist``, its lossy wire formats in ``coded``), and in-process (``in_process``)."""
 
 from lightning_loco.transport.base import PeerError, Pending, Transport, TransportStats, sum_in_group_order
 from lightning_loco.transport.in_process import InProcessNetwork, InProcessTransport

@@ -11,18 +11,29 @@ Both post the operation and return a :class:`Pending` at once; ``Pending.wait()`
 Both take an optional lossy ``codec`` (:mod:`lightning_loco.codecs`): the payload then travels
 encoded and is summed in float32 after decoding; without one (or with float32) it travels as it is.
 The blocking forms are ``group_sum`` and ``all_reduce_sum``. Implementations:
-:mod:`~lightning_loco.transport.torch_dist` (torch.distributed, gloo or NCCL) and
-:mod:`~lightning_loco.transport.in_process` (N replicas in one process, for tests and studies).
+:mod:`~lightning_loco.transport.torch_dist` (torch.distributed, gloo or NCCL; its lossy wire formats in
+:mod:`~lightning_loco.transport.coded`), :mod:`~lightning_loco.transport.in_process` (N replicas in one
+process, for tests and studies) and :mod:`~lightning_loco.elastic.transport` (the members of an elastic
+run).
+
+This module holds the interface and what every implementation shares: :class:`Pending` keeps the
+posting time, the time ``wait()`` blocked, the sum once it is there and the traffic it records in the
+transport's :class:`TransportStats`, so that a backend supplies only how to tell completion and how to
+wait for it; :class:`Transport` gives the blocking forms once. A transport subclasses both (a class that
+only has the methods is a ``Transport`` all the same).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 from torch import Tensor
+from typing_extensions import Self
 
 if TYPE_CHECKING:
     from lightning_loco.codecs import Codec
@@ -65,46 +76,106 @@ class TransportStats:
         self.calls += 1
 
 
-@runtime_checkable
-class Pending(Protocol):
-    """An exchange that has been posted and not yet waited for."""
+class Pending(ABC):
+    """An exchange that has been posted and not yet waited for.
 
-    nbytes: int  # payload bytes this replica sends (and receives)
-    peers: tuple[int, ...]  # the replicas it exchanges with
-    wait_seconds: float  # time spent blocked in wait()
-    seconds: float  # from posting to the end of wait()
+    ``done()`` never blocks; ``wait()`` blocks until the sum is there (raising :class:`PeerError` if it
+    cannot come), records the traffic in the transport's stats once, and returns the sum, at once on
+    later calls. A backend implements :meth:`_complete` (whether its operations finished) and
+    :meth:`_receive` (wait for them and return the sum); it may override :meth:`watch`,
+    :meth:`abandon` and :meth:`_counts`.
+    """
+
+    alone: bool = False
+    """The round was finished without its partners (the elastic transport sets it when a partner
+    failed); the driver reads it."""
+
+    def __init__(self, transport: Any, nbytes: int, peers: tuple[int, ...]) -> None:
+        self.transport = transport  # whose stats the traffic is recorded in
+        self.nbytes = nbytes  # payload bytes this replica sends (and receives)
+        self.peers = peers  # the replicas it exchanges with
+        self.started = time.perf_counter()  # when it was posted
+        self.wait_seconds = 0.0  # time spent blocked in wait()
+        self.seconds = 0.0  # from posting to the end of wait()
+        self.completed_at: Optional[float] = None  # when a watcher saw the operations complete
+        self._result: Optional[Tensor] = None
+        self._watcher: Optional[threading.Thread] = None
+
+    def completed_with(self, result: Tensor) -> Self:
+        """Makes this an exchange that already completed with ``result`` (restored from a checkpoint):
+        nothing to wait for, nothing more to count. Returns self, for each transport's ``resolved``."""
+        self._result = result
+        return self
+
+    @property
+    def watcher(self) -> Optional[threading.Thread]:
+        """A thread still waiting on the exchange's process group, if any (see ``abandon``); ``None``
+        unless the backend watches its operations with one (see ``watch``)."""
+        return self._watcher
+
+    def watch(self) -> Self:
+        """Lets ``done()`` see completion without anyone waiting (for exchanges left to run in the
+        background; some backends need a thread for it, the others see completion anyway). Returns
+        self."""
+        return self
 
     def done(self) -> bool:
         """Whether the sum is there (never blocks)."""
-        ...
+        return self._result is not None or self._complete()
 
     def completed_after(self) -> Optional[float]:
-        """Seconds from posting to completion, once ``done()`` (``None`` before)."""
-        ...
+        """Seconds from posting to completion, once ``done()`` (``None`` before): exact when a watcher
+        noted the moment, else until now."""
+        if not self.done():
+            return None
+        end = self.completed_at if self.completed_at is not None else time.perf_counter()
+        return end - self.started
 
     def wait(self) -> Tensor:
         """Blocks until the sum is there (raising :class:`PeerError` if it cannot come), records the
         traffic in the transport's stats, and returns the sum."""
-        ...
-
-    def watch(self) -> "Pending":
-        """Lets ``done()`` see completion without anyone waiting (for exchanges left to run in the
-        background; some backends need a thread for it). Returns self."""
-        ...
+        if self._result is not None:
+            return self._result
+        blocked = time.perf_counter()
+        result = self._receive()
+        now = time.perf_counter()
+        self.wait_seconds, self.seconds = now - blocked, now - self.started
+        self._result = result
+        if self._counts():
+            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
+        return result
 
     def abandon(self, timeout: float) -> bool:
-        """Gives the exchange up to ``timeout`` seconds, then drops it; returns whether it finished."""
-        ...
+        """Gives the exchange up to ``timeout`` seconds, then drops it (training stops with a round in
+        flight); returns whether it finished. By default it gets no time: whether it is done now."""
+        return self.done()
 
-    @property
-    def watcher(self) -> Optional[threading.Thread]:
-        """A thread still waiting on the exchange's process group, if any (see ``abandon``)."""
-        ...
+    @abstractmethod
+    def _complete(self) -> bool:
+        """Whether the backend's operations have finished (never blocks; the sum is not there yet)."""
+
+    @abstractmethod
+    def _receive(self) -> Tensor:
+        """Blocks until the backend's operations have finished and returns the sum (raising
+        :class:`PeerError` if it cannot come). Called once, by ``wait()``."""
+
+    def _counts(self) -> bool:
+        """Whether the exchange is recorded in the stats once waited for: it talked to someone, and not
+        alone."""
+        return bool(self.peers) and not self.alone
+
+
+def codec_arguments(codec: Optional["Codec"]) -> dict[str, Any]:
+    """``start_*``'s keyword arguments for ``codec``: none without one, so that transports without
+    codecs keep working in float32."""
+    return {} if codec is None else {"codec": codec}
 
 
 @runtime_checkable
 class Transport(Protocol):
-    """Moves flat float32 buffers between the replicas of one run."""
+    """Moves flat float32 buffers between the replicas of one run.
+
+    Implementations subclass it for the blocking forms, ``start_*(...).wait()``."""
 
     replica: int  # this replica's index
     num_replicas: int
@@ -120,12 +191,14 @@ class Transport(Protocol):
         ``codec``: decoded chunks summed in float32, the same result on every replica."""
         ...
 
-    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional["Codec"] = None) -> Tensor:
-        ...
-
-    def all_reduce_sum(self, payload: Tensor, codec: Optional["Codec"] = None) -> Tensor:
-        ...
-
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> Pending:
         """An exchange that already completed (restored from a checkpoint): nothing to wait for."""
         ...
+
+    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional["Codec"] = None) -> Tensor:
+        """Posts the group's exchange and waits for the sum."""
+        return self.start_group_sum(payload, group, **codec_arguments(codec)).wait()
+
+    def all_reduce_sum(self, payload: Tensor, codec: Optional["Codec"] = None) -> Tensor:
+        """Posts the all-reduce and waits for the sum (in ``payload``)."""
+        return self.start_all_reduce_sum(payload, **codec_arguments(codec)).wait()

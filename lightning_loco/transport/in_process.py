@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_loco.codecs import Codec, all_reduce_bytes, chunked_all_reduce
-from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
+from lightning_loco.codecs import Codec, all_reduce_bytes, chunked_all_reduce, ring_all_reduce_bytes
+from lightning_loco.transport.base import Pending, PeerError, Transport, TransportStats, peer_error, sum_in_group_order
 
 
 class InProcessNetwork:
@@ -104,49 +104,28 @@ class InProcessNetwork:
         return [j for j in group if j not in self._posted.get(key, {})]
 
 
-class InProcessPending:
-    """One posted in-process exchange (see :class:`~lightning_loco.transport.base.Pending`)."""
+class InProcessPending(Pending):
+    """One posted in-process exchange: its key on the wire, its group, and ``finish``, which turns the
+    group's result into this replica's sum (see :class:`~lightning_loco.transport.base.Pending`)."""
 
-    alone = False  # finished without its partners (only the elastic transport does that)
 
 
     def __init__(
         self, transport: "InProcessTransport", key: tuple[Any, ...], group: tuple[int, ...],
         finish: Callable[[Tensor], Tensor], nbytes: int,
     ) -> None:
-        self.transport, self.key, self.group, self.finish, self.nbytes = transport, key, group, finish, nbytes
-        self.peers = tuple(j for j in group if j != transport.replica)
-        self.started = time.perf_counter()
-        self.wait_seconds = 0.0
-        self.seconds = 0.0
-        self.waited = False
-        self._result: Optional[Tensor] = None
+        super().__init__(transport, nbytes, tuple(j for j in group if j != transport.replica))
+        self.key, self.group, self.finish = key, group, finish
+        self.timeout: Optional[float] = None  # how long wait() waits for a peer that never posts (None: the network's)
 
-    @property
-    def watcher(self) -> Optional[threading.Thread]:
-        return None
-
-    def watch(self) -> "InProcessPending":
-        return self
-
-    def done(self) -> bool:
-        if self._result is not None:
-            return True
+    def _complete(self) -> bool:
         network = self.transport.network
         with network._cond:
             return network._complete(self.key, self.group)
 
-    def completed_after(self) -> Optional[float]:
-        return time.perf_counter() - self.started if self.done() else None
-
-    def wait(self) -> Tensor:
-        return self._wait(self.transport.network.timeout)
-
-    def _wait(self, timeout: float) -> Tensor:
-        if self._result is not None:
-            return self._result
+    def _receive(self) -> Tensor:
         network, me = self.transport.network, self.transport.replica
-        blocked = time.perf_counter()
+        timeout = network.timeout if self.timeout is None else self.timeout
         with network._cond:
             network.waits.append((me, self.group))
             deadline = time.monotonic() + timeout
@@ -160,22 +139,18 @@ class InProcessPending:
                     raise peer_error(me, missing, missing, f"no answer within {timeout} s")
                 network._cond.wait(min(remaining, 0.005) if network.delay else remaining)
             total = network.combined(self.key, self.group)
-        self._result = self.finish(total)
-        now = time.perf_counter()
-        self.wait_seconds, self.seconds, self.waited = now - blocked, now - self.started, True
-        if self.peers:
-            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
-        return self._result
+        return self.finish(total)
 
     def abandon(self, timeout: float) -> bool:
+        self.timeout = timeout  # up to ``timeout``, not the network's (much longer) timeout
         try:
-            self._wait(timeout)  # up to ``timeout``, not the network's (much longer) timeout
+            self.wait()
             return True
         except PeerError:
             return False
 
 
-class InProcessTransport:
+class InProcessTransport(Transport):
     """Replica ``replica``'s end of an :class:`InProcessNetwork`."""
 
     def __init__(self, network: InProcessNetwork, replica: int) -> None:
@@ -218,7 +193,7 @@ class InProcessTransport:
             nbytes = all_reduce_bytes(codec, payload.numel(), n, self.replica)
         else:
             self.network._post(key, self.replica, payload, members, in_place=True)
-            nbytes = 2 * (n - 1) * payload.numel() * payload.element_size() // n
+            nbytes = ring_all_reduce_bytes(payload.numel() * payload.element_size(), n)
 
         def finish(total: Tensor) -> Tensor:
             payload.copy_(total)
@@ -226,13 +201,5 @@ class InProcessTransport:
 
         return InProcessPending(self, key, members, finish, nbytes)
 
-    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> Tensor:
-        return self.start_group_sum(payload, group, codec).wait()
-
-    def all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> Tensor:
-        return self.start_all_reduce_sum(payload, codec).wait()
-
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> InProcessPending:
-        pending = InProcessPending(self, ("resolved",), (self.replica, *peers), lambda t: t, 0)
-        pending._result = total
-        return pending
+        return InProcessPending(self, ("resolved",), (self.replica, *peers), lambda t: t, 0).completed_with(total)

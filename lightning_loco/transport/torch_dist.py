@@ -7,27 +7,20 @@
 * ``start_all_reduce_sum``: one asynchronous all-reduce.
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
-training goes on, and ``PendingSum.wait()`` returns the sum.
+training goes on, and ``PendingSum.wait()`` returns the sum (timing, stats and the cached sum are
+:class:`~lightning_loco.transport.base.Pending`'s; ``PendingSum`` adds the works and how to wait for them).
 
 A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
 
 CUDA payloads on gloo (several processes sharing a GPU, or gloo chosen on GPUs) cross to the host
-through pinned buffers of a :class:`~lightning_loco.transport.staging.StagingPool`, reused from one
+through pinned buffers of a :class:`~lightning_loco.staging.StagingPool`, reused from one
 outer step to the next, with ``non_blocking`` copies. On NCCL, an overlapped exchange is followed by
 a CUDA event on a stream of the transport's own: ``done()`` queries the event, ``wait()`` makes the
 training stream wait for it; no thread and no host synchronisation.
 
-With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the bytes on the wire are the codec's:
-
-* group sums send each rank's encoded slice; every member decodes every payload, its own included,
-  and sums in float32 in ascending replica order;
-* the all-reduce becomes an all-to-all of encoded chunks (chunk c goes to replica c), a float32 sum
-  of the decoded chunks in ascending replica order, and an all-gather of each encoded reduced chunk,
-  all point to point: 2(N−1)/N × the codec's size per replica, and bitwise the same result on every
-  replica. The all-to-all runs in the background; the all-gather runs when the sum is waited for.
-  Encoded buffers are small and are not staged: a CUDA payload on gloo is encoded on its device and
-  copied to the host.
+With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the exchanges are those of
+:mod:`~lightning_loco.transport.coded`; this module holds the float32 paths.
 """
 
 from __future__ import annotations
@@ -41,29 +34,29 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from typing_extensions import Self
 
-from lightning_loco.codecs import Codec, all_reduce_bytes, decode_sum
-from lightning_loco.transport.base import PeerError, TransportStats, peer_error, sum_in_group_order
-from lightning_loco.transport.staging import StagingPool
+from lightning_loco.codecs import Codec, ring_all_reduce_bytes
+from lightning_loco.staging import StagingPool
+from lightning_loco.transport import coded
+from lightning_loco.transport.base import Pending, PeerError, Transport, TransportStats, peer_error, sum_in_group_order
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "sum_in_group_order"]
 
 
-class PendingSum:
-    """An exchange posted by ``start_group_sum`` or ``start_all_reduce_sum`` and not yet waited for.
+class PendingSum(Pending):
+    """An exchange posted by ``start_group_sum`` or ``start_all_reduce_sum``: its works, and ``finish``,
+    which makes the sum once they completed (with k > 1, an all-gather inside the replica).
 
-    ``done()`` never blocks; ``wait()`` blocks until the sum is there (at most the process group's
-    timeout), records the traffic in the transport's stats, and returns the sum.
-
-    ``watch()`` starts a thread that waits for the operations and notes when they completed: gloo's
-    point-to-point works report completion only once waited for, so without it ``done()`` could not
-    tell a finished transfer from a running one. NCCL's works are never watched by a thread: on a
-    CUDA transport the works are waited for on the transport's side stream at once, which only
-    makes that stream wait, and a CUDA event recorded there after them tells completion
-    (``done()`` queries it, ``wait()`` makes the current stream wait for it).
+    ``wait()`` blocks at most the process group's timeout. ``watch()`` starts a thread that waits for
+    the works and notes when they completed: gloo's point-to-point works report completion only once
+    waited for, so without it ``done()`` could not tell a finished transfer from a running one. NCCL's
+    works are never watched by a thread: on a CUDA transport the works are waited for on the
+    transport's side stream at once, which only makes that stream wait, and a CUDA event recorded
+    there after them tells completion (``done()`` queries it, ``wait()`` makes the current stream wait
+    for it).
     """
 
-    alone = False  # finished without its partners (only the elastic transport does that)
 
 
     def __init__(
@@ -74,13 +67,9 @@ class PendingSum:
         nbytes: int,
         peers: tuple[int, ...],
     ) -> None:
-        self.transport, self.works, self.finish, self.nbytes, self.peers = transport, works, finish, nbytes, peers
-        self.started = time.perf_counter()
-        self.wait_seconds = 0.0  # time spent blocked in wait()
-        self.seconds = 0.0  # from posting to the end of wait()
-        self.completed_at: Optional[float] = None  # when a watcher saw the operations complete
-        self._result: Optional[Tensor] = None
-        self._watcher: Optional[threading.Thread] = None
+        super().__init__(transport, nbytes, peers)
+        self.works, self.finish = works, finish
+        self._posted = bool(works)  # a replica alone in an all-reduce still counts the call
         self._error: Optional[RuntimeError] = None
         self._event: Any | None = None  # CUDA transports: recorded on the side stream after the works
         if works and transport.device.type == "cuda":
@@ -89,12 +78,7 @@ class PendingSum:
             except RuntimeError as err:  # TORCH_NCCL_BLOCKING_WAIT=1: the works were waited for here
                 raise transport.peer_error(peers, err) from err
 
-    @property
-    def watcher(self) -> Optional[threading.Thread]:
-        """The thread waiting for the operations (``None`` unless watched)."""
-        return self._watcher
-
-    def watch(self) -> "PendingSum":
+    def watch(self) -> Self:
         """Starts the watcher thread (CPU transports only; see the class docstring). Returns self."""
         if self.works and self._watcher is None and self.transport.device.type == "cpu":
             self._watcher = threading.Thread(target=self._wait_works, name="lightning_loco-exchange", daemon=True)
@@ -108,14 +92,6 @@ class PendingSum:
         except RuntimeError as err:
             self._error = err
         self.completed_at = time.perf_counter()
-
-    @classmethod
-    def resolved(cls, transport: "TorchDistributedTransport", result: Tensor, peers: tuple[int, ...] = ()) -> "PendingSum":
-        """An exchange that already completed (e.g. restored from a checkpoint): nothing to wait for,
-        nothing more to count."""
-        pending = cls(transport, [], lambda: result, 0, peers)
-        pending._result = result
-        return pending
 
     def abandon(self, timeout: float) -> bool:
         """Gives the posted operations up to ``timeout`` seconds to finish, then drops them, whatever
@@ -138,27 +114,14 @@ class PendingSum:
         self.works, self.finish = [], lambda: torch.empty(0)
         return finished
 
-    def done(self) -> bool:
-        if self._result is not None:
-            return True
+    def _complete(self) -> bool:
         if self._watcher is not None:
             return not self._watcher.is_alive()
         if self._event is not None:
             return bool(self._event.query())
         return all(w.is_completed() for w in self.works)
 
-    def completed_after(self) -> Optional[float]:
-        """Seconds from posting to completion, if known (``done()`` is true): exact when watched."""
-        if not self.done():
-            return None
-        if self.completed_at is not None:
-            return self.completed_at - self.started
-        return time.perf_counter() - self.started
-
-    def wait(self) -> Tensor:
-        if self._result is not None:
-            return self._result
-        blocked = time.perf_counter()
+    def _receive(self) -> Tensor:
         try:
             if self._watcher is not None:
                 self._watcher.join()
@@ -169,18 +132,17 @@ class PendingSum:
             else:
                 for work in self.works:
                     work.wait()
-            self._result = self.finish()  # with k > 1, an all-gather inside the replica
+            result = self.finish()
         except RuntimeError as err:
             raise self.transport.peer_error(self.peers, err) from err
-        now = time.perf_counter()
-        self.wait_seconds, self.seconds = now - blocked, now - self.started
-        if self.peers or self.works:  # a group of one talks to nobody: nothing to count
-            self.transport.stats.record(self.nbytes, self.nbytes, self.seconds)
-        self.works, self.finish = [], lambda: self._result  # type: ignore[assignment,return-value]
-        return self._result
+        self.works, self.finish = [], lambda: result
+        return result
+
+    def _counts(self) -> bool:
+        return bool(self.peers) or self._posted  # a group of one talks to nobody: nothing to count
 
 
-class TorchDistributedTransport:
+class TorchDistributedTransport(Transport):
     """``Transport`` over an initialised ``torch.distributed`` process group.
 
     A replica is ``ranks_per_replica`` = k consecutive global ranks that hold the same weights
@@ -255,20 +217,24 @@ class TorchDistributedTransport:
     def peer_error(self, peers: Sequence[int], err: BaseException) -> PeerError:
         return peer_error(self.replica, peers, [self.replica_ranks[j] for j in peers], err)
 
+    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor]) -> list[Any]:
+        """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j, in one
+        ``batch_isend_irecv``; returns its works."""
+        ops = [dist.P2POp(dist.irecv, buf, self.replica_ranks[j], self.process_group) for j, buf in receives.items()]
+        ops += [dist.P2POp(dist.isend, buf, self.replica_ranks[j], self.process_group) for j, buf in sends.items()]
+        try:
+            return dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+            raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
+
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> PendingSum:
-        return PendingSum.resolved(self, total, peers)
+        return PendingSum(self, [], lambda: total, 0, peers).completed_with(total)
 
     def _pending(
         self, works: list[Any], finish: Callable[[], Tensor], nbytes: int, peers: tuple[int, ...]
     ) -> PendingSum:
         """Wraps posted works (a subclass may return its own kind of ``PendingSum``)."""
         return PendingSum(self, works, finish, nbytes, peers)
-
-    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> Tensor:
-        return self.start_group_sum(payload, group, codec).wait()
-
-    def all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> Tensor:
-        return self.start_all_reduce_sum(payload, codec).wait()
 
     def _slice(self, buf: Tensor) -> Tensor:
         """This rank's slice of a flat buffer (k equal slices, the last ones shorter if need be)."""
@@ -298,7 +264,7 @@ class TorchDistributedTransport:
             # always a new tensor, as for a real group: callers may update it in place
             return self._pending([], payload.clone, 0, ())
         if codec is not None and codec.lossy:
-            return self._start_coded_group_sum(payload, group, others, codec)
+            return coded.start_group_sum(self, payload, group, others, codec)
         staged = self._staged(payload)
         if staged:  # pinned host buffers, reused across outer steps; given back in finish()
             send = self.staging.to_host(self._slice(payload))
@@ -306,12 +272,7 @@ class TorchDistributedTransport:
         else:
             send = self._slice(payload.to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
-        ops = [dist.P2POp(dist.irecv, received[j], self.replica_ranks[j], self.process_group) for j in others]
-        ops += [dist.P2POp(dist.isend, send, self.replica_ranks[j], self.process_group) for j in others]
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
-            raise self.peer_error(others, err) from err
+        works = self._exchange(dict.fromkeys(others, send), received)
 
         def finish() -> Tensor:
             received[self.replica] = send
@@ -333,7 +294,7 @@ class TorchDistributedTransport:
         """Posts the all-reduce and returns at once; the sum lands in ``payload``. A lossy ``codec``
         sets the wire format (see the module docstring)."""
         if codec is not None and codec.lossy and self.num_replicas > 1:
-            return self._start_coded_all_reduce(payload, codec)
+            return coded.start_all_reduce_sum(self, payload, codec)
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self._slice(buf)
@@ -353,55 +314,5 @@ class TorchDistributedTransport:
                 self.staging.give_back(buf)
             return payload
 
-        # A ring all-reduce sends and receives 2(N−1)/N copies per replica; gloo and NCCL pick their
-        # own algorithm, so this is the nominal figure, not a measurement.
-        nbytes = 2 * (n - 1) * part.numel() * part.element_size() // n
+        nbytes = ring_all_reduce_bytes(part.numel() * part.element_size(), n)
         return self._pending([work] if work is not None else [], finish, nbytes, peers)
-
-    # ------------------------------------------------------------------ lossy wire formats
-
-    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor]) -> list[Any]:
-        """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j."""
-        ops = [dist.P2POp(dist.irecv, buf, self.replica_ranks[j], self.process_group) for j, buf in receives.items()]
-        ops += [dist.P2POp(dist.isend, buf, self.replica_ranks[j], self.process_group) for j, buf in sends.items()]
-        try:
-            return dist.batch_isend_irecv(ops) if ops else []
-        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
-            raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
-
-    def _start_coded_group_sum(self, payload: Tensor, group: Sequence[int], others: list[int], codec: Codec) -> PendingSum:
-        part = self._slice(payload)
-        n = part.numel()
-        send = codec.encode(part.contiguous()).to(self.device)  # encoded where the payload is
-        received = {j: torch.empty(codec.nbytes(n), dtype=torch.uint8, device=self.device) for j in others}
-        works = self._exchange(dict.fromkeys(others, send), received)
-
-        def finish() -> Tensor:
-            encoded = {**received, self.replica: send}
-            total = decode_sum(encoded, n, codec, group)
-            return self._gather_slices(total, payload).to(payload.device)
-
-        return self._pending(works, finish, codec.nbytes(n) * len(others), tuple(others))
-
-    def _start_coded_all_reduce(self, payload: Tensor, codec: Codec) -> PendingSum:
-        part = self._slice(payload)
-        num, me = self.num_replicas, self.replica
-        peers = tuple(j for j in range(num) if j != me)
-        chunks = torch.tensor_split(part, num)
-        sizes = [c.numel() for c in chunks]
-        encoded = [codec.encode(c.contiguous()).to(self.device) for c in chunks]  # encoded where the payload is
-        mine = {j: torch.empty(codec.nbytes(sizes[me]), dtype=torch.uint8, device=self.device) for j in peers}
-        works = self._exchange({j: encoded[j] for j in peers}, mine)  # the all-to-all (reduce-scatter half)
-
-        def finish() -> Tensor:
-            reduced = codec.encode(decode_sum({**mine, me: encoded[me]}, sizes[me], codec, range(num)))
-            gathered = {j: torch.empty(codec.nbytes(sizes[j]), dtype=torch.uint8, device=self.device) for j in peers}
-            for work in self._exchange(dict.fromkeys(peers, reduced), gathered):  # the all-gather half
-                work.wait()
-            gathered[me] = reduced
-            total = torch.cat([codec.decode(gathered[j], sizes[j]) for j in range(num)])
-            whole = self._gather_slices(total, payload)
-            payload.copy_(whole)
-            return payload
-
-        return self._pending(works, finish, all_reduce_bytes(codec, part.numel(), num, me), peers)

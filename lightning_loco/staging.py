@@ -14,6 +14,9 @@ write into it) is simply dropped by the pool.
 
 Without CUDA (``torch.cuda.is_available()`` false) nothing is pinned: pinning needs the CUDA driver.
 The pool then hands out plain host buffers, reused all the same, and ``pinned`` is false.
+
+Used by :mod:`~lightning_loco.flat` (CUDA parameters, outer state on the CPU) and by
+:mod:`~lightning_loco.transport.torch_dist` (CUDA payloads that cross gloo).
 """
 
 from __future__ import annotations
