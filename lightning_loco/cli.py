@@ -14,6 +14,10 @@ consensus model of a checkpoint as one plain file (see ``lightning_loco.checkpoi
 
 ``lightning-loco lighthouse --min-replicas N [--bind HOST:PORT]`` runs torchft's Lighthouse for elastic
 replicas and prints its address (see ``lightning_loco.elastic.lighthouse``; needs the ``elastic`` extra).
+
+Like ``python -m``, the command imports from the current folder first, so ``class_path: mine.mymod.MyMLP``
+finds ``./mine/mymod.py``. Argument errors are a few lines (``lightning_loco.cli_errors``);
+``LIGHTNING_LOCO_FULL_ERRORS=1`` shows jsonargparse's full message instead.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any, NoReturn, Optional
 
 import lightning_loco  # noqa: F401  (registers the strategy names)
 from lightning.pytorch import Callback
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy
+from lightning_loco import cli_errors
 from lightning_loco.checkpoints import CheckpointError, export_consensus
 
 PROG = "lightning-loco"
@@ -39,6 +44,11 @@ DESCRIPTION = (
 # The config keys whose classes' own argument errors are reported as they are (see LocoCLI).
 _CHECKED = ((Strategy, "trainer.strategy"), (Callback, "trainer.callbacks"))
 _SPECIAL_CKPT_PATHS = ("best", "last", "hpc")  # resolved by the Trainer, not files
+# Subcommands that main() runs itself, before LightningCLI: listed in the top-level help and usage only.
+_OWN_SUBCOMMANDS = {
+    "export": "Write the consensus model of a checkpoint as one plain file.",
+    "lighthouse": "Run torchft's Lighthouse, the membership server of elastic replicas.",
+}
 
 
 def export(argv: list[str]) -> None:
@@ -64,16 +74,52 @@ def export(argv: list[str]) -> None:
     print(f"wrote {path}")
 
 
+class LocoArgumentParser(LightningArgumentParser):
+    """Lightning's parser, whose errors are a few lines (``cli_errors.short_message``) instead of the
+    usage and jsonargparse's account of every type it tried."""
+
+    def add_subcommands(self, *args: Any, **kwargs: Any) -> Any:
+        self.subcommands_action = super().add_subcommands(*args, **kwargs)
+        return self.subcommands_action
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        # Parsers that do not exit are jsonargparse's way of trying one type after another: leave them be.
+        if not self.exit_on_error or cli_errors.full_errors_wanted():
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        options = [option for action in parser._actions for option in action.option_strings]
+        prog = parser.prog.replace(" [options]", "")
+        cli_errors.fail(prog, cli_errors.short_message(message, options, prog))
+
+
 class LocoCLI(LightningCLI):
-    """``LightningCLI`` that reports bad arguments of a strategy or callback, and a missing
-    checkpoint, first and briefly, before any process is launched."""
+    """``LightningCLI`` that reports bad arguments of a strategy or callback, an unknown strategy name
+    and a missing checkpoint first and briefly, before any process is launched; and that lists
+    ``export`` and ``lighthouse`` with its subcommands."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._rejected: Optional[tuple[type, str, Exception]] = None
+        kwargs.setdefault("parser_class", LocoArgumentParser)
         super().__init__(*args, **kwargs)
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        action = getattr(self.parser, "subcommands_action", None)
+        if add_subcommands and action is not None:
+            for name, description in _OWN_SUBCOMMANDS.items():
+                action.add_subcommand(name, self.parser_class(description=description), help=description)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand in _OWN_SUBCOMMANDS:  # e.g. "lightning-loco --config x.yaml export": main() did not see it
+            cli_errors.fail(PROG, f"'{subcommand}' must be the first argument: '{PROG} {subcommand} --help'.")
 
     def before_instantiate_classes(self) -> None:
         self._check_ckpt_path()
+        self._check_strategy_name()
         for class_type, key in _CHECKED:
             self.parser.add_instantiator(self._instantiator(key), class_type, subclasses=True)
 
@@ -98,7 +144,7 @@ class LocoCLI(LightningCLI):
             class_type, key, err = self._rejected
             if str(err).splitlines()[0] not in _messages(failure):
                 raise  # failed for some other reason
-            name = _public_name(class_type)
+            name = cli_errors.public_name(class_type)
             self._exit(
                 f"{type(err).__name__}: {err}\n"
                 f"(from {key}: {name}; '{PROG} {self.subcommand} --{key}.help {name}' lists its arguments)"
@@ -115,17 +161,17 @@ class LocoCLI(LightningCLI):
         if not os.path.exists(path):
             self._exit(f"--ckpt_path {ckpt_path}: no such file or directory (nothing was started).")
 
+    def _check_strategy_name(self) -> None:
+        """A strategy name that Lightning would reject only once the Trainer is built, with a traceback
+        whose examples do not list ours."""
+        strategy = self.config[self.subcommand].get("trainer.strategy") if self.subcommand else None
+        if isinstance(strategy, str):
+            message = cli_errors.unknown_strategy_name(strategy)
+            if message is not None:
+                self._exit(message)
+
     def _exit(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{PROG} {self.subcommand}: error: {message}\n")
-        sys.exit(2)
-
-
-def _public_name(class_type: type) -> str:
-    """``lightning_loco.NoLoCoStrategy`` rather than its defining module, where the package exports it."""
-    package = sys.modules.get(class_type.__module__.split(".")[0])
-    if getattr(package, class_type.__qualname__, None) is class_type:
-        return f"{package.__name__}.{class_type.__qualname__}"
-    return f"{class_type.__module__}.{class_type.__qualname__}"
+        cli_errors.fail(f"{PROG} {self.subcommand}", message)
 
 
 def _messages(failure: BaseException) -> str:
@@ -142,6 +188,10 @@ def _messages(failure: BaseException) -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     """Runs the command on ``argv`` (default: the command line)."""
     args = sys.argv[1:] if argv is None else argv
+    # Like `python -m`: class paths in configs may name modules of the current folder (mine.mymod.MyMLP).
+    # The console script's own sys.path starts with its bin folder instead.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if args and args[0] == "export":
         export(args[1:])
         return

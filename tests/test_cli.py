@@ -150,6 +150,12 @@ def test_help_names_the_export_subcommand(in_process, capsys):
     assert "lightning-loco export CHECKPOINT OUTPUT" in " ".join(capsys.readouterr().out.split())
 
 
+def test_our_own_subcommands_must_come_first(in_process, capsys, tmp_path):
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    lines = short_error(capsys, ["--config", str(tmp_path / "empty.yaml"), "export"])
+    assert lines == ["lightning-loco: error: 'export' must be the first argument: 'lightning-loco export --help'."]
+
+
 @pytest.fixture
 def in_process(monkeypatch):
     """For running the command in this process: LightningCLI seeds, which sets PL_GLOBAL_SEED, and
@@ -226,3 +232,203 @@ def test_export_loads_only_tensors_and_plain_values_unless_trusted(tmp_path, cap
     main(["export", str(tmp_path / "untrusted.ckpt"), str(tmp_path / "out.ckpt"), "--trust-checkpoint"])
     assert marker.exists()  # the flag does what it says: it ran the file's code
     assert isinstance(GPT.load_from_checkpoint(tmp_path / "out.ckpt"), GPT)
+
+
+# A model of the user's own, in a package of the current folder (not installed, not on PYTHONPATH).
+OWN_MODULE = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+import lightning as L
+
+
+class MyMLP(L.LightningModule):
+    def __init__(self, hidden: int = 8, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class MyData(L.LightningDataModule):
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=self.batch_size)
+"""
+OWN_CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy:
+    class_path: lightning_loco.NoLoCoStrategy
+    init_args:
+      sync_every: 1
+  max_steps: 2
+  logger: false
+  enable_progress_bar: false
+  default_root_dir: out
+model:
+  class_path: mine.mymod.MyMLP
+  init_args:
+    hidden: 6
+data:
+  class_path: mine.mymod.MyData
+"""
+
+
+def write_own_package(folder):
+    (folder / "mine").mkdir()
+    (folder / "mine" / "__init__.py").write_text("")
+    (folder / "mine" / "mymod.py").write_text(OWN_MODULE)
+    (folder / "my.yaml").write_text(OWN_CONFIG)
+
+
+@pytest.fixture
+def own_package(tmp_path, monkeypatch, in_process):
+    """The package ``mine`` in a fresh current folder, for running the command in this process; what
+    the command adds to sys.path and sys.modules is undone afterwards."""
+    write_own_package(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    yield tmp_path
+    for name in [n for n in sys.modules if n == "mine" or n.startswith("mine.")]:
+        del sys.modules[name]
+
+
+def test_class_paths_resolve_in_the_current_folder(own_package, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "my.yaml", "--print_config"])
+    assert exit_.value.code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "class_path: mine.mymod.MyMLP" in printed and "hidden: 6" in printed
+    assert "class_path: mine.mymod.MyData" in printed
+
+
+@pytest.mark.slow
+def test_a_model_of_the_current_folder_trains_and_its_checkpoint_loads(tmp_path):
+    write_own_package(tmp_path)
+    cli("fit", "--config", "my.yaml", cwd=tmp_path)  # the real command, 2 replicas (popen launcher)
+    ckpt = tmp_path / "out" / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert ckpt.exists()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def python(code, cwd):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    # docs/checkpoints.md: the class imported by the path the config named loads it as usual ...
+    out = python(f"from mine.mymod import MyMLP; print(MyMLP.load_from_checkpoint({str(ckpt)!r}).hparams.hidden)",
+                 cwd=tmp_path)
+    assert out.split() == ["6"]
+    # ... and the same file imported under another name is refused by Lightning, but loads by hand
+    out = python(f"""
+import torch
+from mymod import MyMLP
+
+try:
+    MyMLP.load_from_checkpoint({str(ckpt)!r})
+    print("loaded")
+except Exception:
+    print("refused")
+checkpoint = torch.load({str(ckpt)!r}, map_location="cpu", weights_only=True)
+hparams = {{k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}}
+model = MyMLP(**hparams)
+model.load_state_dict(checkpoint["state_dict"])
+assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())
+print(type(model).__module__, model.hparams.hidden)
+""", cwd=tmp_path / "mine")
+    assert out.split() == ["refused", "mymod", "6"]
+
+
+def short_error(capsys, argv):
+    """Runs the command on argv, which must fail as argparse does, and returns its stderr's lines."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    lines = [line for line in lines if not line.endswith("Seed set to 0")]
+    assert len(lines) <= 3, lines
+    assert not any(line.startswith("usage:") for line in lines), lines
+    return lines
+
+
+@pytest.mark.parametrize("config, arguments, expected", [
+    ("gasloc", ["--trainer.strategy.topology=torus"],
+     ["--trainer.strategy.topology", "got 'torus'", "'random_pairs', 'ring', 'exponential', 'complete'"]),
+    ("gasloc", ["--trainer.strategy.init_args.topology=rign"], ["got 'rign'", "Did you mean 'ring'?"]),
+    ("noloco", ["--trainer.strategy.class_path=lightning_loco.GASLoCStrategy", "--trainer.strategy.topology=rign"],
+     ["(lightning_loco.GASLoCStrategy)", "got 'rign'", "Did you mean 'ring'?"]),
+    ("noloco", ["--trainer.strategy=lightning_loco.GASLoCStrategy", "--trainer.strategy.topology=rign"],
+     ["(lightning_loco.GASLoCStrategy)", "got 'rign'", "Did you mean 'ring'?"]),
+    ("noloco", ["--trainer.strategy.sync_evry=20"],
+     ["--trainer.strategy.sync_evry=20", "NoLoCoStrategy takes no argument 'sync_evry'", "Did you mean 'sync_every'?"]),
+    ("noloco", ["--trainer.strategy.init_args.sync_evry=20"], ["takes no argument 'sync_evry'", "'sync_every'?"]),
+    ("noloco", ["--trainer.strategy.compression=int4"],
+     ["--trainer.strategy.compression", "got 'int4'", "expected one of 'int8', null", "Did you mean 'int8'?"]),
+    ("noloco", ["--trainer.strategy.sync_every=often"],
+     ["--trainer.strategy.sync_every", "got 'often'", "expected int"]),
+    ("noloco", ["--trainer.strategy=noloco", "--trainer.strategy.sync_every=20"],
+     ["'noloco' is a registered name",
+      "Name its class instead: --trainer.strategy=lightning_loco.NoLoCoStrategy --trainer.strategy.sync_every=20"]),
+    ("noloco", ["--trainer.strategy.class_path=lightning_loco.NoLoCoStrategyy"],
+     ["has no attribute 'NoLoCoStrategyy'", "Did you mean 'lightning_loco.NoLoCoStrategy'?"]),
+    ("noloco", ["--model.class_path=notinstalled.models.Net"],
+     ["--model: class_path 'notinstalled.models.Net': no module named 'notinstalled'",
+      "run it from the folder that holds 'notinstalled', or add that folder to PYTHONPATH"]),
+    ("noloco", ["--trainer.max_stepz=3"],
+     ["unrecognized argument --trainer.max_stepz=3", "Did you mean --trainer.max_steps?"]),
+    ("noloco", ["--model.n_layr=3"],
+     ["--model.n_layr=3", "GPT takes no argument 'n_layr'", "Did you mean 'n_layer'?"]),
+])
+def test_argument_errors_are_short_and_say_what_is_allowed(in_process, capsys, config, arguments, expected):
+    lines = short_error(capsys, ["fit", "--config", str(CONFIGS / f"{config}.yaml"), *arguments])
+    assert lines[0].startswith("lightning-loco fit: error: "), lines
+    assert "LIGHTNING_LOCO_FULL_ERRORS=1 shows jsonargparse's full message" in lines[-1]
+    text = " ".join(lines)
+    for part in expected:
+        assert part in text, (part, lines)
+
+
+def test_an_unknown_strategy_name_lists_ours_and_lightnings(in_process, capsys):
+    lines = short_error(capsys, ["fit", "--config", str(CONFIGS / "noloco.yaml"), "--trainer.strategy=nooloco"])
+    assert lines[0] == ("lightning-loco fit: error: --trainer.strategy=nooloco: not a strategy name. "
+                        "Did you mean 'noloco'?")
+    assert "noloco, diloco, gasloc" in lines[1] and "ddp" in lines[1] and "fsdp" in lines[1]
+
+
+def test_an_unknown_subcommand_lists_ours(in_process, capsys):
+    lines = short_error(capsys, ["fitt", "--config", str(CONFIGS / "noloco.yaml")])
+    assert "'fitt' is not one of fit, validate, test, predict, export, lighthouse. Did you mean 'fit'?" in lines[0]
+    assert lines[0].startswith("lightning-loco: error: ")
+
+
+def test_the_full_jsonargparse_message_on_request(in_process, capsys, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_LOCO_FULL_ERRORS", "1")
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(CONFIGS / "noloco.yaml"), "--trainer.strategy.sync_evry=20"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "Option 'sync_evry' is not accepted" in err
+    assert "Does not validate against any of the Union subtypes" in err
+
+
+def test_help_lists_every_subcommand(in_process, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "{fit,validate,test,predict,export,lighthouse}" in out
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.split()}
+    assert {"fit", "validate", "test", "predict", "export", "lighthouse"} <= listed
