@@ -37,8 +37,8 @@ from lightning_loco.checkpoints import CheckpointError, export_consensus
 PROG = "lightning-loco"
 DESCRIPTION = (
     "Lightning's command line (LightningCLI) with lightning_loco's strategies: fit, validate, test and "
-    f"predict, and one more subcommand, export: '{PROG} export CHECKPOINT OUTPUT' writes the consensus "
-    f"model of a checkpoint as one plain file ('{PROG} export --help'); and lighthouse: '{PROG} lighthouse "
+    f"predict, and two more subcommands. export: '{PROG} export CHECKPOINT OUTPUT' writes the consensus "
+    f"model of a checkpoint as one plain file ('{PROG} export --help'). lighthouse: '{PROG} lighthouse "
     f"--min-replicas N' runs the membership server of elastic replicas ('{PROG} lighthouse --help')."
 )
 # The config keys whose classes' own argument errors are reported as they are (see LocoCLI).
