@@ -1,8 +1,4 @@
-"""N replicas of a real module trained in one process, with the strategies' own outer step.
-
-It runs the very code the strategies run (the driver with its ``schedule``, ``payload``, ``apply``
-and the same group-order summation as the transport); only the network is replaced.
-"""
+"""N replicas of a real module trained in one process, with the strategies' own outer step."""
 
 from __future__ import annotations
 
@@ -15,99 +11,25 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
+from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
+from lightning_loco.simulator.context import (
+    ReplicaContext,
+    check_precision,
+    logging_discarded,
+    parse_optimizers,
+    training_step_loss,
+    unattached_copy,
+)
+from lightning_loco.simulator.data import Batch, Shard
 from lightning_loco.transport.in_process import InProcessNetwork
 
-
-Batch = Any
 LossFn = Callable[[nn.Module, Batch], Tensor]
 OptimizersFn = Callable[[nn.Module], Any]
-
-
-def training_step_loss(module: nn.Module, batch: Batch) -> Tensor:
-    """The default loss: ``module.training_step(batch, 0)`` (its loss, or the ``"loss"`` entry of the
-    dict it returns)."""
-    out = module.training_step(batch, 0)  # type: ignore[operator]
-    return out["loss"] if isinstance(out, dict) else out
-
-
-def distributed_shards(
-    dataset: Dataset, num_replicas: int, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False
-) -> list[DataLoader]:
-    """Replica ``i``'s batches exactly as Lightning gives them to replica ``i`` of a strategy with
-    ``num_replicas`` replicas: a ``DistributedSampler`` with that rank, the run's seed, and the epoch
-    set at each pass (the simulator calls ``set_epoch``)."""
-    return [
-        DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=DistributedSampler(dataset, num_replicas, i, shuffle=shuffle, seed=seed, drop_last=drop_last),
-        )
-        for i in range(num_replicas)
-    ]
-
-
-class _Shard:
-    """Endless batches of one replica's shard, one epoch after another."""
-
-    def __init__(self, source: Iterable[Batch]) -> None:
-        self.source, self.epoch, self._it = source, 0, None
-
-    def next(self) -> Batch:
-        while True:
-            if self._it is None:
-                sampler = getattr(self.source, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
-                    sampler.set_epoch(self.epoch)
-                self._it = iter(self.source)
-            try:
-                return next(self._it)
-            except StopIteration:
-                self._it = None
-                self.epoch += 1
-
-
-def _parse_optimizers(config: Any) -> tuple[Optimizer, Any]:
-    """(optimizer, step-interval scheduler or None) from what ``configure_optimizers`` may return."""
-    scheduler = None
-    if isinstance(config, (list, tuple)) and len(config) == 2 and isinstance(config[0], (list, tuple)):
-        optimizers, schedulers = config
-        if len(optimizers) != 1 or len(schedulers) > 1:
-            raise ValueError("the simulator trains one optimizer (and at most one scheduler) per replica")
-        config = {"optimizer": optimizers[0], "lr_scheduler": schedulers[0] if schedulers else None}
-    if isinstance(config, (list, tuple)):
-        if len(config) != 1:
-            raise ValueError("the simulator trains one optimizer per replica")
-        config = config[0]
-    if isinstance(config, dict):
-        optimizer, scheduler = config["optimizer"], config.get("lr_scheduler")
-    else:
-        optimizer = config
-    if isinstance(scheduler, dict):
-        if scheduler.get("interval", "epoch") != "step":
-            raise ValueError("the simulator steps learning-rate schedulers per optimizer step: use interval='step'")
-        scheduler = scheduler["scheduler"]
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"expected a torch optimizer from the optimizers function, got {type(optimizer).__name__}")
-    return optimizer, scheduler
-
-
-class _LossModule(nn.Module):
-    """``loss(inner, batch)`` as a module, so that ``functional_call`` can swap the inner weights."""
-
-    def __init__(self, inner: nn.Module, loss: LossFn) -> None:
-        super().__init__()
-        self.inner, self.loss = inner, loss
-
-    def forward(self, batch: Batch) -> Tensor:
-        return self.loss(self.inner, batch)
 
 
 @dataclass
@@ -125,12 +47,14 @@ class Evaluation:
 class TrainingSimulator:
     """N replicas of a real module trained in one process, with the strategies' own outer step.
 
-    Each replica has its own copy of the module, its own inner optimizer and scheduler (built by
-    ``optimizers`` on its copy, as ``configure_optimizers`` is on each rank), its own data shard and
-    its own RNG stream. Every ``sync_every`` inner steps each replica's :class:`OuterStepDriver` runs
-    the round over an :class:`InProcessNetwork`: the same driver, algorithm, schedule, payload, apply
-    and group-order summation as the Lightning strategies, so a simulated run follows a
-    multi-process run of the same seeds and shards step by step (``tests/test_simulator.py``).
+    Each replica has its own copy of the module, with a Lightning Trainer of its own attached (so its
+    ``training_step`` can ``self.log``, see :mod:`lightning_loco.simulator.context`), its own inner
+    optimizer and scheduler (built by ``optimizers`` on its copy, as ``configure_optimizers`` is on
+    each rank), its own data shard and its own RNG stream. Every ``sync_every`` optimizer steps each
+    replica's :class:`OuterStepDriver` runs the round over an :class:`InProcessNetwork`: the same
+    driver, algorithm, schedule, payload, apply and group-order summation as the Lightning strategies,
+    so a simulated run follows a multi-process run of the same seeds and shards step by step
+    (``tests/test_simulator.py``).
 
     Args:
         module: the model; every replica starts from a copy of its current weights (as every rank
@@ -139,12 +63,16 @@ class TrainingSimulator:
             epoch after epoch, with ``sampler.set_epoch`` where the loader has one.
         algorithm: the outer step; ``None`` trains the replicas independently (or as DDP with
             ``gradient_averaging``).
-        sync_every: H, inner steps between outer steps.
+        sync_every: H, optimizer steps between outer steps.
         optimizers: builds a replica's inner optimizer from its module copy; it may return what
             ``configure_optimizers`` returns (an optimizer, or a dict with a step-interval
             ``lr_scheduler``). Default: ``module.configure_optimizers``.
-        loss: ``loss(module, batch) -> Tensor``. Default: ``module.training_step(batch, 0)``.
+        loss: ``loss(module, batch) -> Tensor``. Default: ``module.training_step(batch, batch_idx)``.
         gradient_clip_val: clip each replica's gradient norm (Lightning's ``gradient_clip_val``).
+        accumulate_grad_batches: k, as Lightning's: every optimizer step takes k batches, each loss
+            divided by k (fewer at the end of an epoch); H and ``max_steps`` count optimizer steps.
+        precision: "32-true" or "bf16-mixed" (the forward pass under bfloat16 autocast, float32
+            weights and gradients, as Lightning's plugin).
         gradient_averaging: average the gradients over replicas at every step: DDP at the same global
             batch (needs ``algorithm=None``).
         overlap_steps, overlap_merge, final_outer_step: as on the strategies (the last default,
@@ -152,8 +80,9 @@ class TrainingSimulator:
         max_steps: the run's length, when known: its last step is taken as the end of training (see
             ``final_outer_step``); ``step(last=True)`` does the same for any step.
         batched: ``True`` computes every replica's gradients in one ``torch.func.vmap`` call, ``False``
-            loops over replicas, ``"auto"`` tries the batched path and falls back to the loop (with a
-            warning) where the module does not allow it (e.g. BatchNorm's running statistics).
+            loops over replicas, ``"auto"`` tries the batched path and falls back to the loop, with
+            one warning naming the cause, on any error while setting it up or running its first step
+            (BatchNorm's running statistics, a torchmetrics metric updated in ``training_step``, ...).
             The batched path draws dropout for all replicas from one generator (``randomness=
             "different"``); the loop keeps one RNG stream per replica, as separate processes do.
         track_norms: keep the outer-step norms and peer distances in the drivers' reports (and the
@@ -172,6 +101,8 @@ class TrainingSimulator:
         optimizers: OptimizersFn | None = None,
         loss: LossFn | None = None,
         gradient_clip_val: float | None = None,
+        accumulate_grad_batches: int = 1,
+        precision: str = "32-true",
         gradient_averaging: bool = False,
         overlap_steps: Any = 0,
         overlap_merge: str = "predict_correct",
@@ -194,25 +125,37 @@ class TrainingSimulator:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val}")
+        if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int) \
+                or accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be an integer >= 1, got {accumulate_grad_batches!r}")
+        check_precision(precision)
         pseudo_gradient = algorithm.payload_is_pseudo_gradient if algorithm is not None else False
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback, pseudo_gradient)
         self.wire = wire
         n = len(shards)
         self.num_replicas, self.algorithm, self.sync_every = n, algorithm, sync_every
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
+        self.accumulate_grad_batches, self.precision = accumulate_grad_batches, precision
         self.max_steps = max_steps
         self.loss_fn = loss or training_step_loss
-        self._template = copy.deepcopy(module)  # for the consensus model
-        self.replicas = [copy.deepcopy(module) for _ in range(n)]
+        self._custom_loss = loss is not None
+        self._template = unattached_copy(module)  # for the consensus model; never attached to a Trainer
+        self.replicas = [copy.deepcopy(self._template) for _ in range(n)]
+        self.contexts = [
+            ReplicaContext(replica, precision, accumulate_grad_batches, gradient_clip_val, max_steps)
+            for replica in self.replicas
+        ]
         for replica in self.replicas:
             replica.train()
         make = optimizers or (lambda m: m.configure_optimizers())  # type: ignore[operator]
-        parsed = [_parse_optimizers(make(replica)) for replica in self.replicas]
+        parsed = [parse_optimizers(make(replica)) for replica in self.replicas]
         self.optimizers = [p[0] for p in parsed]
         self.schedulers = [p[1] for p in parsed]
+        for context, (optimizer, scheduler) in zip(self.contexts, parsed):
+            context.set_optimizer(optimizer, scheduler)
         self.params = [[p for g in opt.param_groups for p in g["params"]] for opt in self.optimizers]
         self.flats = [FlatParameters(params, "cpu") for params in self.params]  # each replica's weights as one vector
-        self.shards = [_Shard(s) for s in shards]
+        self.shards = [Shard(s) for s in shards]
         self.rng_states = [torch.get_rng_state() for _ in range(n)]  # every rank seeded alike
         self.step_count = 0
         self.lr_history: list[float] = []  # replica 0's learning rate (first group) at each step
@@ -230,88 +173,84 @@ class TrainingSimulator:
                 driver.add(self.flats[i])
                 self.drivers.append(driver)
             self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="simulated-replica")
-        self._names: list[str] = []
-        self._stacked: dict[str, Tensor] = {}
-        self._grad_fn: Callable[..., Any] | None = None
-        self.batched = False
+        self._batched_mode = batched
+        self._batched: BatchedGradients | None = None
+        self._batched_ran = False  # the batched path has run a step: its errors are errors from now on
         if batched is not False:
             try:
-                self._setup_batched()
-                self.batched = True
+                self._batched = BatchedGradients(self.replicas, self._template, self._loss, self.contexts[0],
+                                                 accumulate_grad_batches)
             except Exception as err:
-                if batched is True:
-                    raise
-                warnings.warn(f"TrainingSimulator: the batched path is not available ({err}); looping over replicas")
+                self._fall_back(err)
 
-    # ------------------------------------------------------------------ the batched path
+    @property
+    def batched(self) -> bool:
+        """Whether steps take the batched (``vmap``) path."""
+        return self._batched is not None
 
-    def _setup_batched(self) -> None:
-        """Stacks every replica's parameters into one [N, ...] tensor per name; each replica's
-        parameters become views into it, so the optimizers and the drivers see them as before."""
-        from torch.func import functional_call, grad, vmap
+    def _fall_back(self, err: Exception) -> None:
+        if self._batched_mode is True:
+            raise err
+        self._batched = None
+        warnings.warn(f"TrainingSimulator: the batched path is not available ({type(err).__name__}: {err}); "
+                      f"looping over replicas")
 
-        first = self.replicas[0]
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in first.modules()):
-            raise ValueError("BatchNorm running statistics are updated in place")
-        self._names = [name for name, _ in first.named_parameters()]
-        template = _LossModule(copy.deepcopy(first), self.loss_fn)
-        for name in self._names:
-            stacked = torch.stack([r.get_parameter(name).detach() for r in self.replicas])
-            self._stacked[name] = stacked
-            for i, r in enumerate(self.replicas):
-                r.get_parameter(name).data = stacked[i]
-        buffers = {f"inner.{k}": v for k, v in first.named_buffers()}
-
-        def loss_of(params: dict[str, Tensor], batch: Batch) -> Tensor:
-            weights = {f"inner.{k}": v for k, v in params.items()}
-            return functional_call(template, {**weights, **buffers}, (batch,))
-
-        self._grad_fn = vmap(grad(loss_of, has_aux=False), randomness="different")
-
-    def _batched_grads(self, batches: list[Batch]) -> bool:
-        try:
-            stacked_batch = tree_map(lambda *xs: torch.stack(xs), *batches)
-        except (RuntimeError, TypeError):
-            return False  # batches of different shapes (a last partial batch): loop this step
-        assert self._grad_fn is not None
-        with warnings.catch_warnings():
-            # PyTorch warns once that some ops (CPU flash attention) have no batching rule and loop
-            # over the replicas instead: correct, only slower (docs/simulator.md says so)
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
-            grads = self._grad_fn({k: self._stacked[k] for k in self._names}, stacked_batch)
-        for i, r in enumerate(self.replicas):
-            for name in self._names:
-                r.get_parameter(name).grad = grads[name][i]
-        return True
+    def _loss(self, module: nn.Module, batch: Batch, batch_idx: int) -> Tensor:
+        if self._custom_loss:
+            return self.loss_fn(module, batch)
+        return training_step_loss(module, batch, batch_idx)
 
     # ------------------------------------------------------------------ training
 
-    def _loop_grads(self, batches: list[Batch]) -> list[float]:
+    def _loop_grads(self, draws: list[list[tuple[Batch, int, int]]]) -> list[float]:
         losses = []
-        for i, (replica, batch) in enumerate(zip(self.replicas, batches)):
+        for i, (replica, drawn) in enumerate(zip(self.replicas, draws)):
             torch.set_rng_state(self.rng_states[i])
             for p in self.params[i]:
                 p.grad = None
-            with torch.enable_grad():
-                loss = self.loss_fn(replica, batch)
-                loss.backward()
-            losses.append(loss.item())
+            total = 0.0
+            for batch, batch_idx, epoch in drawn:
+                with torch.enable_grad():
+                    with self.contexts[i].training_step(batch, epoch):
+                        loss = self._loss(replica, batch, batch_idx)
+                    (loss / self.accumulate_grad_batches).backward()
+                total += loss.item()
+            losses.append(total / len(drawn))
             self.rng_states[i] = torch.get_rng_state()
         return losses
 
+    def _batched_grads(self, draws: list[list[tuple[Batch, int, int]]]) -> list[float] | None:
+        """The batched path's step, ``None`` where the loop takes it (this step, or from now on after
+        the first step failed under ``batched="auto"``)."""
+        assert self._batched is not None
+        try:
+            step: BatchedStep | None = self._batched.compute(draws)
+        except Exception as err:
+            if self._batched_ran:
+                raise
+            self._fall_back(err)  # nothing was set: the loop takes the same batches
+            return None
+        if step is None:
+            return None
+        self._batched_ran = True
+        for j, per_replica in enumerate(step.logged):
+            for i, context in enumerate(self.contexts):
+                batch, _, epoch = draws[i][j]
+                context.replay(batch, epoch, per_replica[i])
+        return step.losses
+
     def step(self, last: bool = False) -> list[float]:
-        """One inner step on every replica (and the outer step where one is due). ``last``: training
-        ends after this step (as the step reaching ``max_steps``), so a round landing now is the final
-        one; training may still go on after it, from the outer step's own weights. Returns the
-        replicas' training losses (from the batched path: ``nan``, the losses are not kept)."""
+        """One optimizer step on every replica (``accumulate_grad_batches`` batches each) and the outer
+        step where one is due. ``last``: training ends after this step (as the step reaching
+        ``max_steps``), so a round landing now is the final one; training may still go on after it,
+        from the outer step's own weights. Returns each replica's mean training loss over its batches."""
         for driver in self.drivers:  # a final landing, and training goes on after all
             driver.restore_outer_weights()
         last = last or (self.max_steps is not None and self.step_count + 1 == self.max_steps)
-        batches = [shard.next() for shard in self.shards]
-        if self.batched and self._batched_grads(batches):
-            losses = [float("nan")] * self.num_replicas
-        else:
-            losses = self._loop_grads(batches)
+        draws = [shard.draw(self.accumulate_grad_batches) for shard in self.shards]
+        losses = self._batched_grads(draws) if self._batched is not None else None
+        if losses is None:
+            losses = self._loop_grads(draws)
         if self.gradient_averaging:
             self._average_gradients()
         self.lr_history.append(float(self.optimizers[0].param_groups[0]["lr"]))
@@ -319,10 +258,14 @@ class TrainingSimulator:
             if self.gradient_clip_val is not None:
                 torch.nn.utils.clip_grad_norm_(self.params[i], self.gradient_clip_val)
             self.optimizers[i].step()
+            self.contexts[i].optimizer_stepped()
         self._after_inner_step(last)
         for scheduler in self.schedulers:
             if scheduler is not None:
                 scheduler.step()
+        for shard, context in zip(self.shards, self.contexts):
+            if shard.at_epoch_end:
+                context.end_epoch()
         self.step_count += 1
         return losses
 
@@ -349,14 +292,17 @@ class TrainingSimulator:
             future.result()
 
     def run(self, steps: int, every: int = 0, callback: Callable[[TrainingSimulator], None] | None = None) -> None:
-        """``steps`` inner steps; ``callback(self)`` after every ``every``-th one (0: never)."""
+        """``steps`` optimizer steps; ``callback(self)`` after every ``every``-th one (0: never)."""
         for _ in range(steps):
             self.step()
             if every and callback is not None and self.step_count % every == 0:
                 callback(self)
 
     def finish(self) -> None:
-        """Lands rounds still in flight (the end of training) and stops the replicas' threads."""
+        """The end of training: ends the replicas' logging epoch (``on_epoch=True`` values), lands
+        rounds still in flight and stops the replicas' threads."""
+        for context in self.contexts:
+            context.end_epoch()
         if not self.drivers:
             return
         for future in [self._pool.submit(driver.land_all) for driver in self.drivers]:
@@ -364,6 +310,13 @@ class TrainingSimulator:
         self._pool.shutdown()
 
     # ------------------------------------------------------------------ measurements
+
+    @property
+    def logged(self) -> list[dict[str, float]]:
+        """Per replica, the last value of everything its ``training_step`` logged with ``self.log`` or
+        ``self.log_dict`` (its Trainer's ``callback_metrics``: ``name``, or ``name_step`` and
+        ``name_epoch`` for values logged on both)."""
+        return [context.logged for context in self.contexts]
 
     def weights(self) -> list[Tensor]:
         """Every replica's flat float32 weights (in its optimizer's parameter order)."""
@@ -403,6 +356,13 @@ class TrainingSimulator:
         FlatParameters([target[own[id(p)]] for p in self.params[0]], "cpu").scatter(flat)
         return module
 
+    def _replica_copy(self, i: int) -> nn.Module:
+        """Replica ``i``'s weights and buffers in a copy of the module: evaluation leaves the replica's
+        own state (its metrics' accumulated values, what it logged) as training left it."""
+        module = copy.deepcopy(self._template)
+        module.load_state_dict(self.replicas[i].state_dict())
+        return module
+
     @torch.no_grad()
     def evaluate(
         self,
@@ -413,20 +373,25 @@ class TrainingSimulator:
     ) -> Evaluation:
         """Mean loss over ``batches`` of each replica and of the consensus (average of all replicas)
         model; of ``weights`` (flat, one per replica, e.g. :meth:`outer_weights`) instead of the live
-        ones when given. ``replicas``: evaluate only these replicas (the consensus still averages all)."""
+        ones when given. ``replicas``: evaluate only these replicas (the consensus still averages all).
+        The models are copies, and what their ``training_step`` logs (the default loss) is discarded:
+        evaluating leaves training's state, logged values and metrics as they were."""
         loss_fn = loss or self.loss_fn
         batches = list(batches)
         chosen = list(range(self.num_replicas)) if replicas is None else list(replicas)
         if weights is None:
-            models = [*(self.replicas[i] for i in chosen), self.consensus_module()]
+            models = [*(self._replica_copy(i) for i in chosen), self.consensus_module()]
         else:
             mean = torch.stack(list(weights)).mean(0)
             models = [*(self._module_with(weights[i]) for i in chosen), self._module_with(mean)]
+        for i, model in zip([*chosen, 0], models):  # a training_step may read self.trainer
+            self.contexts[i].attach(model)
         results = []
-        for model in models:
-            was_training = model.training
-            model.eval()
-            total = sum(float(loss_fn(model, b)) for b in batches)
-            model.train(was_training)
-            results.append(total / max(1, len(batches)))
+        with logging_discarded(models):
+            for model in models:
+                was_training = model.training
+                model.eval()
+                total = sum(float(loss_fn(model, b)) for b in batches)
+                model.train(was_training)
+                results.append(total / max(1, len(batches)))
         return Evaluation(replica_losses=results[:-1], consensus_loss=results[-1])
