@@ -2,8 +2,9 @@
 
     python -m benchmarks.gasloc_consensus [--quick]
 
-Runs :class:`lightning_loco.simulator.ReplicaSimulator` (the strategies' own schedule and mixing
-code) with no inner progress (g = 0): replicas start from independent random vectors and only mix.
+Runs the strategies' own :class:`~lightning_loco.driver.OuterStepDriver` for every replica over the
+in-process transport, one thread per replica, with no inner progress (g = 0): replicas start from
+independent random vectors and only mix, one round per step.
 A row reports the rounds until the RMS distance of the replicas from their mean falls below 1e-3 of
 its start, "div" when it grows past 1e3 of its start (unstable), or ">max" when neither happens
 within the round budget. Writes ``benchmarks/results/gasloc_consensus.json``.
@@ -14,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from lightning_loco.algorithms import GASLoC
-from lightning_loco.simulator import ReplicaSimulator
+from lightning_loco.driver import OuterStepDriver
+from lightning_loco.flat import FlatParameters
+from lightning_loco.transport import InProcessNetwork
 
 
 def spread(weights: list[torch.Tensor]) -> float:
@@ -29,16 +33,22 @@ def spread(weights: list[torch.Tensor]) -> float:
 
 def rounds_to_consensus(topology: str, n: int, alpha: float, gamma: float, max_rounds: int, dim: int = 8) -> str:
     g = torch.Generator().manual_seed(0)
-    live = [torch.randn(dim, generator=g) for _ in range(n)]
-    sim = ReplicaSimulator(GASLoC(outer_momentum=gamma, gossip_step=alpha, topology=topology), live)
-    start = spread(live)
-    for r in range(1, max_rounds + 1):
-        live = sim.step(live)
-        s = spread(live)
-        if s < 1e-3 * start:
-            return str(r)
-        if not s < 1e3 * start:
-            return "div"
+    flats = [FlatParameters([torch.randn(dim, generator=g)], "cpu") for _ in range(n)]
+    algorithm = GASLoC(outer_momentum=gamma, gossip_step=alpha, topology=topology)
+    network = InProcessNetwork(n, timeout=600.0)
+    drivers = [OuterStepDriver(algorithm, network.transport(i), sync_every=1) for i in range(n)]
+    for driver, flat in zip(drivers, flats):
+        driver.add(flat)
+    start = spread([flat.gather() for flat in flats])
+    with ThreadPoolExecutor(max_workers=n) as pool:  # a round blocks each replica until its peers post
+        for r in range(1, max_rounds + 1):
+            for future in [pool.submit(driver.after_inner_step, 0) for driver in drivers]:
+                future.result()
+            s = spread([flat.gather() for flat in flats])
+            if s < 1e-3 * start:
+                return str(r)
+            if not s < 1e3 * start:
+                return "div"
     return ">max"
 
 

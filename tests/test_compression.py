@@ -32,7 +32,7 @@ from lightning_loco.codecs import (
 )
 from lightning_loco.driver import OuterStepReport
 from lightning_loco.monitoring import OuterStepMonitor
-from lightning_loco.simulator import ReplicaSimulator
+from oracle import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
 
 WIRES = {

@@ -28,7 +28,7 @@ from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver import OuterStepDriver, OuterStepReport
 from lightning_loco.flat import FlatParameters
 from lightning_loco.overlap import MERGES, auto_cap
-from lightning_loco.simulator import ReplicaSimulator
+from oracle import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork, PeerError
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import lightning as L
 from lightning_loco import GASLoCStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC
 from lightning_loco.schedules import exponential_matching, random_matching, ring_matching
-from lightning_loco.simulator import ReplicaSimulator
+from oracle import ReplicaSimulator
 
 
 def schedules(n):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.simulator import ReplicaSimulator
+from oracle import ReplicaSimulator
 
 
 def inner_phase(anchors, scale=0.1, seed=0):

@@ -13,7 +13,7 @@ import torch
 import lightning_loco
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.overlap import AutoOverlap, auto_cap, check_overlap, merge_at_landing
-from lightning_loco.simulator import ReplicaSimulator
+from oracle import ReplicaSimulator
 
 
 def warmed_up(algorithm, n=4, rounds=2, size=6, seed=0):
