@@ -349,7 +349,9 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         from lightning_loco.monitoring import OuterStepMonitor
 
         callbacks.append(OuterStepMonitor(**config["monitor"]))
-        logger = L.pytorch.loggers.CSVLogger(out_dir, name="csv", version=0)
+        logger = [L.pytorch.loggers.CSVLogger(out_dir, name="csv", version=0)]
+        if config.get("tensorboard"):  # configured as our example configs do: no placeholder hp_metric
+            logger.append(L.pytorch.loggers.TensorBoardLogger(out_dir, name="tb", version=0, default_hp_metric=False))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
