@@ -10,93 +10,135 @@ state; Lightning alone would write rank 0's and drop the rest. Our strategies wr
 * ``<dir>/.replicas/<name>.ckpt-<save id>/replica-<k>.pt`` — one file per replica: its own weights,
   inner optimizer and LR-scheduler states, and outer state with the step counters. Tensors and plain
   values only, so they load with ``torch.load(weights_only=True)``.
+* ``<dir>/.replicas/<name>.ckpt-<save id>/save.json`` — written once every replica file of the save
+  exists, before the main file: it marks the save complete and records its global step, so that
+  ``ckpt_path="last"`` can tell a ``last.ckpt`` whose newer save was interrupted (see
+  :func:`newer_complete_checkpoint`).
 
 A save is atomic from the reader's point of view: replica files go into a folder with a fresh name,
 and the main file is written last (Lightning's checkpoint IO replaces it in one step). A save killed
 half-way leaves either the previous checkpoint, intact, or no checkpoint at that path, plus an
-orphan replica folder that the next save at that path removes. All ranks must see one shared
-filesystem (Lightning assumes the same for ``ckpt_path``).
+orphan replica folder that the next save at that path removes.
+
+Every file goes through the fsspec filesystem that Lightning's checkpoint IO uses for the main file
+(``fsspec.core.url_to_fs``, as ``lightning.fabric.utilities.cloud_io.get_filesystem``): local
+paths, ``file://``, ``s3://``, ``gs://``, ``memory://``... All ranks must see the same storage
+(Lightning assumes the same for ``ckpt_path``).
 """
 
 from __future__ import annotations
 
 import datetime
-import glob
+import json
 import os
 import pathlib
 import pickle
+import posixpath
 import re
-import shutil
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
+from fsspec import AbstractFileSystem
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 FORMAT_VERSION = 1
 META_KEY = "lightning_loco"
 SIDECAR_ROOT = ".replicas"
+MANIFEST = "save.json"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint of ours that cannot be used as it is. The message names the file and what to do."""
 
 
-def local_path(filepath: Any) -> str:
-    path = os.fspath(filepath)
-    if "://" in path and not path.startswith("file://"):
-        raise CheckpointError(
-            f"Per-replica checkpoints need a filesystem path shared by all ranks; got {path!r}. "
-            "Save to a local or network-mounted path."
-        )
-    return path.removeprefix("file://")
+def storage(path: Any) -> tuple[AbstractFileSystem, str]:
+    """The fsspec filesystem of a path or URL (the one Lightning's checkpoint IO writes the main file
+    with) and the path within it: absolute and ``/``-separated, without the protocol."""
+    return url_to_fs(str(os.fspath(path)))
 
 
-def sidecar_name(filepath: str, save_id: str) -> str:
+def _location(fs: AbstractFileSystem, inner: str) -> str:
+    """A path within ``fs`` as a path or URL that :func:`storage` maps back to it (local paths stay plain)."""
+    return inner if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(inner)
+
+
+def sidecar_name(filepath: Any, save_id: str) -> str:
     """The replica folder of a save, relative to the main file's folder."""
-    return os.path.join(SIDECAR_ROOT, f"{os.path.basename(filepath)}-{save_id}")
+    return posixpath.join(SIDECAR_ROOT, f"{posixpath.basename(storage(filepath)[1])}-{save_id}")
 
 
 def replica_file(sidecar_dir: str, replica: int) -> str:
-    return os.path.join(sidecar_dir, f"replica-{replica:05d}.pt")
+    return posixpath.join(sidecar_dir, f"replica-{replica:05d}.pt")
 
 
-def resolve_sidecar(filepath: str, meta: Mapping[str, Any]) -> str:
+def resolve_sidecar(filepath: Any, meta: Mapping[str, Any]) -> str:
     """The replica folder a main file points to (links such as ``save_last="link"`` are followed)."""
-    return os.path.join(os.path.dirname(os.path.realpath(filepath)), meta["replicas"])
+    fs, inner = storage(filepath)
+    if isinstance(fs, LocalFileSystem):
+        inner = os.path.realpath(inner)
+    return _location(fs, posixpath.join(posixpath.dirname(inner), meta["replicas"]))
+
+
+def _write_atomically(fs: AbstractFileSystem, path: str, write: Callable[[Any], None]) -> None:
+    """Writes a file under a temporary name, then renames it into place: readers never see half a file."""
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    partial = path + ".partial"
+    with fs.open(partial, "wb") as f:
+        write(f)
+    fs.mv(partial, path)
 
 
 def write_replica(sidecar_dir: str, replica: int, payload: dict[str, Any]) -> str:
     """Writes one replica's file under a temporary name, then renames it into place."""
-    os.makedirs(sidecar_dir, exist_ok=True)
-    final = replica_file(sidecar_dir, replica)
-    partial = final + ".partial"
-    torch.save(payload, partial)
-    os.replace(partial, final)
-    return final
+    fs, folder = storage(sidecar_dir)
+    final = replica_file(folder, replica)
+    _write_atomically(fs, final, lambda f: torch.save(payload, f))
+    return _location(fs, final)
 
 
-def remove_sidecars(filepath: str, keep: Optional[str] = None) -> None:
+def remove_sidecars(filepath: Any, keep: Optional[str] = None) -> None:
     """Removes the replica folders of ``filepath`` (all saves at that path) except ``keep``."""
-    root = os.path.join(os.path.dirname(filepath), SIDECAR_ROOT)
-    prefix = os.path.join(root, glob.escape(os.path.basename(filepath)) + "-")
-    for folder in glob.glob(prefix + "*"):
-        if keep is None or os.path.abspath(folder) != os.path.abspath(keep):
-            shutil.rmtree(folder, ignore_errors=True)
-    if os.path.isdir(root) and not os.listdir(root):
-        os.rmdir(root)
+    fs, inner = storage(filepath)
+    root = posixpath.join(posixpath.dirname(inner), SIDECAR_ROOT)
+    prefix = posixpath.basename(inner) + "-"
+    kept = posixpath.normpath(storage(keep)[1]) if keep is not None else None
+    for folder in _folders(fs, root):
+        if posixpath.basename(folder).startswith(prefix) and folder != kept:
+            try:
+                fs.rm(folder, recursive=True)
+            except OSError:
+                pass  # removed by someone else, or not ours to remove
+    try:
+        if fs.isdir(root) and not fs.ls(root, detail=False):
+            fs.rmdir(root)
+    except OSError:
+        pass
 
 
-def read_replica(filepath: str, meta: Mapping[str, Any], replica: int) -> dict[str, Any]:
+def _folders(fs: AbstractFileSystem, root: str) -> list[str]:
+    """The folders directly inside ``root`` (none when it does not exist)."""
+    try:
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [posixpath.normpath(e["name"]) for e in entries if e["type"] == "directory"]
+
+
+def read_replica(filepath: Any, meta: Mapping[str, Any], replica: int) -> dict[str, Any]:
     """Loads replica ``replica``'s file of the checkpoint ``filepath``, with errors that say what to do."""
     path = replica_file(resolve_sidecar(filepath, meta), replica)
+    fs, inner = storage(path)
     advice = (
         "The checkpoint is incomplete: restore that file, resume from another checkpoint, or start a new "
-        f"run from the consensus model (`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path)."
+        f"run from the consensus model (`MyModule.load_from_checkpoint({str(filepath)!r})`, then fit without ckpt_path)."
     )
-    if not os.path.isfile(path):
+    if not fs.isfile(inner):
         raise CheckpointError(f"Replica file missing: {path} (replica {replica} of checkpoint {filepath}). {advice}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        with fs.open(inner, "rb") as f:
+            payload = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file
         raise CheckpointError(f"Replica file unreadable: {path} ({type(err).__name__}: {err}). {advice}") from err
     if payload.get("save_id") != meta.get("save_id") or payload.get("replica") != replica:
@@ -107,15 +149,19 @@ def read_replica(filepath: str, meta: Mapping[str, Any], replica: int) -> dict[s
     return payload
 
 
-def check_replica_files(filepath: str, meta: Mapping[str, Any]) -> None:
+def _missing_replica_files(fs: AbstractFileSystem, sidecar: str, num_replicas: int) -> list[str]:
+    return [replica_file(sidecar, k) for k in range(num_replicas) if not fs.isfile(replica_file(sidecar, k))]
+
+
+def check_replica_files(filepath: Any, meta: Mapping[str, Any]) -> None:
     """Raises if any replica file of the checkpoint is missing (cheap; every rank can check all)."""
-    sidecar = resolve_sidecar(filepath, meta)
-    missing = [replica_file(sidecar, k) for k in range(meta["num_replicas"]) if not os.path.isfile(replica_file(sidecar, k))]
+    fs, sidecar = storage(resolve_sidecar(filepath, meta))
+    missing = [_location(fs, p) for p in _missing_replica_files(fs, sidecar, meta["num_replicas"])]
     if missing:
         raise CheckpointError(
             f"Checkpoint {filepath} is incomplete: {len(missing)} replica file(s) missing, e.g. {missing[0]}. "
             "Restore them, resume from another checkpoint, or start a new run from the consensus model "
-            f"(`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path)."
+            f"(`MyModule.load_from_checkpoint({str(filepath)!r})`, then fit without ckpt_path)."
         )
 
 
@@ -132,14 +178,16 @@ def _safe_checkpoint_types() -> list[Any]:
             datetime.timedelta]
 
 
-def _load_for_export(path: str, trust_checkpoint: bool = False) -> dict[str, Any]:
+def _load_for_export(path: Any, trust_checkpoint: bool = False) -> dict[str, Any]:
     """Loads a checkpoint file with ``weights_only=True`` (plus ``_safe_checkpoint_types``), or with
     full unpickling when ``trust_checkpoint`` is set."""
-    if trust_checkpoint:
-        return torch.load(path, map_location="cpu", weights_only=False)
+    fs, inner = storage(path)
     try:
-        with torch.serialization.safe_globals(_safe_checkpoint_types()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with fs.open(inner, "rb") as f:
+            if trust_checkpoint:
+                return torch.load(f, map_location="cpu", weights_only=False)
+            with torch.serialization.safe_globals(_safe_checkpoint_types()):
+                return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err)) or re.search(
             r"WeightsUnpickler error:\s*(.+)", str(err)
@@ -170,29 +218,27 @@ def export_consensus(
     Neither output needs replica files; both load with ``torch.load(weights_only=True)`` as long as
     the module's saved hyper-parameters are plain values.
     """
-    source = local_path(checkpoint_path)
-    checkpoint = _load_for_export(source, trust_checkpoint)
+    checkpoint = _load_for_export(checkpoint_path, trust_checkpoint)
     if state_dict_only:
         out: dict[str, Any] = checkpoint["state_dict"]
     else:
         keep = ("state_dict", "hyper_parameters", "hparams_name", "pytorch-lightning_version", "epoch", "global_step")
         out = {k: checkpoint[k] for k in keep if k in checkpoint}
-    target = local_path(output_path)
-    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-    torch.save(out, target + ".partial")
-    os.replace(target + ".partial", target)
-    return target
+    fs, inner = storage(output_path)
+    _write_atomically(fs, inner, lambda f: torch.save(out, f))
+    return str(os.fspath(output_path)).removeprefix("file://")
 
 
 # ---------------------------------------------------------------- what the strategies save and load
 
 
-def sidecar_dir(filepath: str, save_id: str) -> str:
-    """The absolute replica folder of a save."""
-    return os.path.join(os.path.dirname(os.path.abspath(filepath)), sidecar_name(filepath, save_id))
+def sidecar_dir(filepath: Any, save_id: str) -> str:
+    """The replica folder of a save: an absolute path, or a URL on remote storage."""
+    fs, inner = storage(filepath)
+    return _location(fs, posixpath.join(posixpath.dirname(inner), sidecar_name(filepath, save_id)))
 
 
-def main_meta(filepath: str, save_id: str, algorithm: str, num_replicas: int) -> dict[str, Any]:
+def main_meta(filepath: Any, save_id: str, algorithm: str, num_replicas: int) -> dict[str, Any]:
     """The ``"lightning_loco"`` entry of a main file: it points to the replica folder."""
     return {
         "format": FORMAT_VERSION, "algorithm": algorithm, "num_replicas": num_replicas, "save_id": save_id,
@@ -254,3 +300,66 @@ def read_own_replica(
     if message is not None:
         raise CheckpointError(message) from error
     return payload
+
+
+# ---------------------------------------------------------------- complete saves, and "last"
+
+
+def write_manifest(sidecar_dir: str, filepath: Any, checkpoint: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    """Marks a save complete: call it once every replica file of the save exists, before the main
+    file is written. It records which main file the save belongs to and its global step."""
+    fs, folder = storage(sidecar_dir)
+    record = {
+        "format": FORMAT_VERSION, "complete": True, "checkpoint": posixpath.basename(storage(filepath)[1]),
+        "save_id": meta["save_id"], "num_replicas": meta["num_replicas"], "algorithm": meta["algorithm"],
+        "global_step": int(checkpoint.get("global_step", -1)), "epoch": int(checkpoint.get("epoch", -1)),
+    }
+    _write_atomically(fs, posixpath.join(folder, MANIFEST), lambda f: f.write(json.dumps(record).encode()))
+
+
+def _read_manifest(fs: AbstractFileSystem, folder: str) -> Optional[dict[str, Any]]:
+    """The manifest of a replica folder, or ``None`` when the save did not complete (or predates manifests)."""
+    try:
+        with fs.open(posixpath.join(folder, MANIFEST), "rb") as f:
+            record = json.loads(f.read().decode())
+        if record.get("complete") is True and isinstance(record.get("global_step"), int):
+            return record
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def newer_complete_checkpoint(filepath: Any, global_step: int) -> Optional[tuple[str, int]]:
+    """A complete checkpoint that is further along than ``filepath``, a "last" checkpoint at
+    ``global_step``, or ``None``.
+
+    ``ModelCheckpoint`` writes ``last.ckpt`` after the step's other checkpoints; when that write is
+    interrupted (a signal, a crash) the previous ``last.ckpt`` stays, and Lightning's
+    ``ckpt_path="last"`` resumes from it although a newer checkpoint is complete. This looks in the
+    folder of ``filepath`` for saves whose manifest says complete, whose replica files all exist, whose
+    main file is there and was written no earlier than ``filepath`` (older files are left over from an
+    earlier run, or from the run's other branch), at a larger global step. Returns the path or URL
+    of the main file with the largest step (the newest among equals) and that step.
+    """
+    fs, inner = storage(filepath)
+    folder = posixpath.dirname(inner)
+    try:
+        since = fs.modified(inner)
+    except (NotImplementedError, OSError):
+        return None  # storage without modification times: Lightning cannot rank "last" files there either
+    found = []
+    for sidecar in _folders(fs, posixpath.join(folder, SIDECAR_ROOT)):
+        record = _read_manifest(fs, sidecar)
+        if record is None or record["global_step"] <= global_step or record["checkpoint"] == posixpath.basename(inner):
+            continue
+        main = posixpath.join(folder, record["checkpoint"])
+        try:
+            written = fs.modified(main)
+        except (NotImplementedError, OSError):
+            continue  # its main file was never written (or was removed)
+        if written >= since and not _missing_replica_files(fs, sidecar, record["num_replicas"]):
+            found.append((record["global_step"], written, main))
+    if not found:
+        return None
+    step, _, main = max(found)
+    return _location(fs, main), step

@@ -6,10 +6,13 @@ steps):
 * ``outer/step``, the index t of the outer step (0, 1, 2, ...), ``outer/seconds`` (the whole outer
   step), ``outer/comm_seconds`` (its communication), ``outer/bytes_sent``,
   ``outer/bytes_received``, ``outer/pseudo_gradient_norm`` (‖θ − anchor‖ before the step),
-  ``outer/update_norm`` (how far the anchor moved) and ``outer/peer`` (the first peer of the logged
-  replica, −1 when it met nobody). Loggers write on rank 0, so these describe rank 0's replica;
-  bytes and times are alike on every replica. The bytes are those on the wire: with a lossy wire
-  format (``wire_dtype``, ``compression``) the encoded size.
+  ``outer/update_norm`` (how far the anchor moved). Loggers write on rank 0, so these describe rank
+  0's replica; bytes and times are alike on every replica. The bytes are those on the wire: with a
+  lossy wire format (``wire_dtype``, ``compression``) the encoded size.
+* the replicas each outer step met, as text, not as a number a chart would average: with a
+  ``TensorBoardLogger``, ``outer/peer`` in TensorBoard's Text tab ("outer step 3: replica 0 met
+  replica 2"), and on every rank the same line for its own replica in the ``lightning_loco``
+  Python log (level INFO).
 * with a lossy wire format, ``outer/compression_error_norm``: ‖D(Q(x)) − x‖, what the codec lost of
   the payload x this replica sent at that outer step (x includes the error-feedback residual where
   there is one). Computed locally from the payload: no message.
@@ -39,6 +42,7 @@ The progress bar shows ``outer_steps``, the number of outer steps completed so f
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -47,9 +51,12 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric
 
 import lightning as L
+from lightning.fabric.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_loco.strategies.base import OuterStepReport, OuterStepStrategy
+
+log = logging.getLogger("lightning_loco")
 
 
 def _batch_size(batch: Any) -> int:
@@ -160,6 +167,7 @@ class OuterStepMonitor(L.Callback):
                 spread = {}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+            self._log_peers(trainer, report, strategy.replica_index, len(strategy.outer_slots))
         if spread:
             for logger in trainer.loggers:
                 logger.log_metrics(spread, step=trainer.global_step)
@@ -178,7 +186,6 @@ class OuterStepMonitor(L.Callback):
             "comm_seconds": report.comm_seconds,
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
-            "peer": report.peers[0] if report.peers else -1,
             "pseudo_gradient_norm": report.pseudo_gradient_norm,
             "update_norm": report.update_norm,
             "peer_distance": report.peer_distance,
@@ -188,6 +195,27 @@ class OuterStepMonitor(L.Callback):
             values.update(overlap_steps=report.overlap_steps, exchange_seconds=report.exchange_seconds,
                           correction_norm=report.correction_norm)
         return {f"outer/{k}{suffix}": float(v) for k, v in values.items() if v is not None}
+
+    @staticmethod
+    def _peer_text(report: OuterStepReport, replica: int) -> str:
+        """Whom the replica met at this outer step, in words (a replica index is a name, not a quantity)."""
+        if not report.peers:
+            met = "nobody"
+        else:
+            met = ("replica " if len(report.peers) == 1 else "replicas ") + ", ".join(str(p) for p in report.peers)
+        return f"outer step {report.outer_step}: replica {replica} met {met}"
+
+    def _log_peers(self, trainer: L.Trainer, report: OuterStepReport, replica: int, num_optimizers: int) -> None:
+        """The peers as text: a line in the Python log of every rank, and TensorBoard's Text tab on rank 0.
+        Local: no message."""
+        text = self._peer_text(report, replica)
+        suffix = f"_opt{report.optimizer_index}" if num_optimizers > 1 else ""
+        log.info("%s%s (global step %d)", text, f" (optimizer {report.optimizer_index})" if suffix else "",
+                 trainer.global_step)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_text(f"outer/peer{suffix}", text, global_step=trainer.global_step)
 
     # ------------------------------------------------------------------ validation
 

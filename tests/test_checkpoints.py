@@ -8,6 +8,7 @@ stream exactly (a resumable DataLoader lifts that; it is Lightning's rule, not o
 
 import glob
 import os
+import shutil
 
 import pytest
 import torch
@@ -17,8 +18,14 @@ from lightning_loco.checkpoints import (
     CheckpointError,
     check_replica_files,
     export_consensus,
+    main_meta,
+    newer_complete_checkpoint,
     read_replica,
     remove_sidecars,
+    replica_file,
+    sidecar_dir,
+    storage,
+    write_manifest,
     write_replica,
 )
 
@@ -213,3 +220,136 @@ def test_exact_resume_from_a_checkpoint_taken_while_a_round_is_in_flight(tmp_pat
             assert torch.equal(a, b), (r, K + step)
         assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
         assert_same_tree(straight[r]["optimizer_states"], resumed[r]["optimizer_states"], "optimizer")
+
+
+def test_last_after_an_interrupted_save_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    # ModelCheckpoint writes step=12.ckpt, then last.ckpt. Here the run stopped while last.ckpt was being
+    # written at step 12: step=12.ckpt is complete, last.ckpt is still the one written at step 6, and the
+    # interrupted save left a replica folder without its manifest.
+    ckpts = tmp_path / "ckpts"
+    checkpoint = {"dirpath": str(ckpts), "filename": "{step}", "every_n_train_steps": K, "save_top_k": -1,
+                  "save_last": True}
+    common = {"strategy": "noloco", "strategy_kwargs": {"sync_every": H}, "devices": 2, "max_steps": 3 * K}
+    straight = tiny.launch(tmp_path / "straight", checkpoint=checkpoint, **common)
+
+    def folder(name):
+        (path,) = glob.glob(str(ckpts / ".replicas" / f"{name}-*"))
+        return path
+
+    shutil.rmtree(folder(f"step={3 * K}.ckpt"))  # the run never got to step 18
+    os.remove(ckpts / f"step={3 * K}.ckpt")
+    interrupted = folder("last.ckpt")  # last.ckpt's save at step 12: one replica file written, no manifest
+    shutil.rmtree(interrupted)
+    os.makedirs(interrupted)
+    shutil.copy(os.path.join(folder(f"step={2 * K}.ckpt"), "replica-00000.pt"), interrupted)
+    # last.ckpt as ModelCheckpoint wrote it at step 6: the step-6 save under the name last.ckpt
+    old = folder(f"step={K}.ckpt")
+    shutil.copytree(old, ckpts / ".replicas" / ("last.ckpt-" + old.rsplit("-", 1)[1]))
+    main = torch.load(ckpts / f"step={K}.ckpt", weights_only=False)
+    main["lightning_loco"]["replicas"] = ".replicas/last.ckpt-" + old.rsplit("-", 1)[1]
+    torch.save(main, ckpts / "last.ckpt")
+    written = os.stat(ckpts / f"step={K}.ckpt").st_mtime_ns
+    os.utime(ckpts / "last.ckpt", ns=(written, written))
+
+    resumed = tiny.launch(tmp_path / "resumed", checkpoint=checkpoint, ckpt_path="last", **common)
+    for r in range(2):
+        assert len(resumed[r]["weights"]) == K  # from step 12, not from step 6
+        for step, (a, b) in enumerate(zip(straight[r]["weights"][2 * K:], resumed[r]["weights"])):
+            assert torch.equal(a, b), (r, 2 * K + step)
+        assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
+    assert "holds global step 6" in resumed[0]["stderr"] and f"step={2 * K}.ckpt" in resumed[0]["stderr"]
+
+
+def _main_file(path, save_id, num_replicas, step):
+    """A main file of ours at ``path`` (a path or URL) with complete replica files and manifest."""
+    fs, inner = storage(path)
+    meta = main_meta(path, save_id, "noloco", num_replicas)
+    folder = sidecar_dir(path, save_id)
+    for k in range(num_replicas):
+        write_replica(folder, k, {"save_id": save_id, "replica": k, "state_dict": {"w": torch.full((2,), float(k))}})
+    checkpoint = {"global_step": step, "epoch": 0, "state_dict": {"w": torch.full((2,), 0.5)}, "lightning_loco": meta}
+    write_manifest(folder, path, checkpoint, meta)
+    with fs.open(inner, "wb") as f:
+        torch.save(checkpoint, f)
+    return folder
+
+
+def test_newer_complete_checkpoint_skips_incomplete_saves_and_older_files(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    _main_file(ckpts / "step=4.ckpt", "aaa", 2, 4)  # older than last.ckpt: from an earlier run
+    _main_file(ckpts / "last.ckpt", "bbb", 2, 2)
+    for name in ("step=4.ckpt", "last.ckpt"):  # written at whole seconds, one apart
+        os.utime(ckpts / name, (1000 if name == "step=4.ckpt" else 1001,) * 2)
+    assert newer_complete_checkpoint(ckpts / "last.ckpt", 2) is None
+    folder = _main_file(ckpts / "step=6.ckpt", "ccc", 2, 6)
+    os.remove(replica_file(folder, 1))  # a replica file missing: not complete
+    assert newer_complete_checkpoint(ckpts / "last.ckpt", 2) is None
+    folder = _main_file(ckpts / "step=8.ckpt", "ddd", 2, 8)
+    os.remove(os.path.join(folder, "save.json"))  # no manifest: the save did not complete
+    assert newer_complete_checkpoint(ckpts / "last.ckpt", 2) is None
+    _main_file(ckpts / "step=10.ckpt", "eee", 2, 10)
+    os.remove(ckpts / "step=10.ckpt")  # the main file was never written
+    assert newer_complete_checkpoint(ckpts / "last.ckpt", 2) is None
+    _main_file(ckpts / "step=12.ckpt", "fff", 2, 12)
+    assert newer_complete_checkpoint(ckpts / "last.ckpt", 2) == (str(ckpts / "step=12.ckpt"), 12)
+    assert newer_complete_checkpoint(ckpts / "last.ckpt", 12) is None  # last.ckpt is as far along
+
+
+def test_replica_files_on_remote_storage(tmp_path):
+    # fsspec's in-memory filesystem: nothing of it exists on disk, so any plain file operation would fail
+    root = f"memory://{tmp_path.name}/ckpts"
+    folder = _main_file(f"{root}/run.ckpt", "abc", 2, 5)
+    assert folder == f"memory:///{tmp_path.name}/ckpts/.replicas/run.ckpt-abc"
+    assert not os.path.exists("memory:") and not os.path.exists(f"/{tmp_path.name}")
+    meta = {"save_id": "abc", "num_replicas": 2, "replicas": ".replicas/run.ckpt-abc"}
+    check_replica_files(f"{root}/run.ckpt", meta)
+    assert torch.equal(read_replica(f"{root}/run.ckpt", meta, 1)["state_dict"]["w"], torch.ones(2))
+    assert newer_complete_checkpoint(f"{root}/last.ckpt", 2) is None  # no such file
+    _main_file(f"{root}/last.ckpt", "old", 2, 2)
+    _main_file(f"{root}/step=7.ckpt", "new", 2, 7)
+    assert newer_complete_checkpoint(f"{root}/last.ckpt", 2) == (f"memory:///{tmp_path.name}/ckpts/step=7.ckpt", 7)
+    # export to remote storage
+    out = export_consensus(f"{root}/run.ckpt", f"{root}/export/plain.ckpt")
+    fs, inner = storage(out)
+    with fs.open(inner, "rb") as f:
+        assert torch.equal(torch.load(f, weights_only=True)["state_dict"]["w"], torch.full((2,), 0.5))
+    # a missing replica file is named by its URL; removing the checkpoint's replica folders works there too
+    fs.rm(storage(replica_file(folder, 0))[1])
+    with pytest.raises(CheckpointError, match=r"memory:///.*run\.ckpt-abc/replica-00000\.pt"):
+        check_replica_files(f"{root}/run.ckpt", meta)
+    remove_sidecars(f"{root}/run.ckpt")
+    assert not fs.exists(storage(folder)[1])
+    assert fs.exists(storage(sidecar_dir(f"{root}/last.ckpt", "old"))[1])  # other checkpoints' folders stay
+    fs.rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_exact_resume_through_a_file_url(tmp_path):
+    # saved with trainer.save_checkpoint after step 6, as ModelCheckpoint does (whose dirpath itself takes
+    # no file:// URL: Lightning makes it a relative path)
+    url = f"file://{tmp_path}/ckpts/step={K}.ckpt"
+    common = {"strategy": "gasloc", "strategy_kwargs": {"sync_every": H}, "devices": 2, "max_steps": 2 * K}
+    straight = tiny.launch(tmp_path / "straight", save_at_step=[K, url], **common)
+    assert len(glob.glob(str(tmp_path / "ckpts" / ".replicas" / f"step={K}.ckpt-*" / "replica-*.pt"))) == 2
+    resumed = tiny.launch(tmp_path / "resumed", ckpt_path=url, **common)
+    for r in range(2):
+        assert len(resumed[r]["weights"]) == K
+        for step, (a, b) in enumerate(zip(straight[r]["weights"][K:], resumed[r]["weights"])):
+            assert torch.equal(a, b), (r, K + step)
+        assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
+        assert_same_tree(straight[r]["optimizer_states"], resumed[r]["optimizer_states"], "optimizer")
+
+
+def test_exact_resume_from_in_memory_storage(tmp_path):
+    # memory:// lives in one process: one replica, and the resumed run in the same process (tiny's then_resume).
+    # 48 samples in batches of 4 make an epoch of 12 steps; the checkpoint falls at its end.
+    ckpts = f"memory://{tmp_path.name}/ckpts"
+    checkpoint = {"dirpath": ckpts, "filename": "{step}", "every_n_train_steps": 12, "save_top_k": -1}
+    (straight,) = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H}, devices=1,
+                              max_steps=24, checkpoint=checkpoint, then_resume=f"{ckpts}/step=12.ckpt")
+    resumed = torch.load(tmp_path / "out" / "resumed" / "rank0.pt")
+    assert len(resumed["weights"]) == 12
+    for step, (a, b) in enumerate(zip(straight["weights"][12:], resumed["weights"])):
+        assert torch.equal(a, b), 12 + step
+    assert_same_tree(straight["outer_states"], resumed["outer_states"], "outer")
+    assert_same_tree(straight["optimizer_states"], resumed["optimizer_states"], "optimizer")
+    assert not (tmp_path / "ckpts").exists() and not os.path.exists("memory:")

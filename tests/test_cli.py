@@ -55,13 +55,15 @@ def test_each_example_config_trains(tmp_path, name):
     assert len(events) == 1  # written by rank 0 only
     tags = scalars(logdir)
     assert [s for s, _ in tags["val/loss_replicas"]] == [1, 3]
+    assert "hp_metric" not in tags  # the configs turn off TensorBoard's placeholder hp_metric = -1
     if name == "ddp":
         assert not any(t.startswith("outer/") for t in tags)
         return
     # outer-step metrics at the outer steps' own global steps, nothing in between
     for tag in ("outer/step", "outer/seconds", "outer/comm_seconds", "outer/bytes_sent", "outer/bytes_received",
-                "outer/pseudo_gradient_norm", "outer/update_norm", "outer/peer", "outer/peer_distance"):
+                "outer/pseudo_gradient_norm", "outer/update_norm", "outer/peer_distance"):
         assert [s for s, _ in tags[tag]] == [2, 4], tag
+    assert "outer/peer" not in tags  # a replica index: TensorBoard text, not a scalar to smooth
     assert "outer/replica_spread" not in tags  # a global collective: the configs leave it off
     assert [v for _, v in tags["outer/step"]] == [0, 1]  # the index t; the progress bar counts
     assert "outer_steps=2.000" in proc.stdout + proc.stderr

@@ -4,14 +4,31 @@ replica's recorded weights, and the consensus swap during validation."""
 import csv
 import dataclasses
 import glob
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import tiny
 from lightning_loco.monitoring import OuterStepMonitor
 from lightning_loco.strategies.base import OuterStepReport
 from lightning_loco.schedules import random_groups
+
+
+def tensorboard(logdir):
+    """Scalars and text entries of a TensorBoard run folder, read as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0, "scalars": 0})  # 0: keep every entry
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags["scalars"]}
+    texts = {tag.removesuffix("/text_summary"): [(e.step, make_ndarray(e.tensor_proto).item().decode())
+                                                 for e in acc.Tensors(tag)]
+             for tag in tags["tensors"] if tag.endswith("/text_summary")}
+    return scalars, texts
 
 
 def logged(tmp_path):
@@ -31,6 +48,7 @@ def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
     recs = tiny.launch(
         tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "average_at_end": False}, devices=n,
         max_steps=steps, val_check_interval=4, monitor={"spread_every": 1, "consensus_validation": True},
+        tensorboard=True,
         # saves at the end of each validation, where a consensus left in the model would leak into it;
         # the monitored value must reach callback_metrics
         checkpoint={"dirpath": str(tmp_path / "ckpts"), "filename": "{step}", "save_top_k": -1,
@@ -44,7 +62,15 @@ def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
     assert [s for s, _ in metrics["outer/step"]] == [2, 4, 6, 8]
     assert [v for _, v in metrics["outer/step"]] == [0, 1, 2, 3]
     assert all(v == 4 * numel for _, v in metrics["outer/bytes_sent"])
-    assert [v for _, v in metrics["outer/peer"]] == [random_groups(n, 2, 0, t).peers_of(0)[0] for t in range(4)]
+    # the peer is a name, not a quantity: text in TensorBoard (where a chart would smooth it), no scalar anywhere
+    scalars, texts = tensorboard(tmp_path / "out" / "tb" / "version_0")
+    assert "outer/peer" not in metrics and "outer/peer" not in scalars
+    assert texts["outer/peer"] == [
+        (2 * (t + 1), f"outer step {t}: replica 0 met replica {random_groups(n, 2, 0, t).peers_of(0)[0]}")
+        for t in range(4)
+    ]
+    assert [s for s, _ in scalars["outer/step"]] == [2, 4, 6, 8]  # the quantities stay scalars
+    assert "hp_metric" not in scalars  # no placeholder -1 card where the logger is configured as ours are
     # the spread is the RMS distance of the replicas from their mean, right after the outer step
     for t, (step, value) in enumerate(metrics["outer/replica_spread"]):
         weights = torch.stack([rec["weights"][step - 1] for rec in recs]).double()
@@ -94,3 +120,23 @@ def test_peer_distance_is_logged_when_the_strategy_provides_it():
     assert OuterStepMonitor._metrics(report, num_optimizers=2)["outer/peer_distance_opt1"] == 0.25
     report = dataclasses.replace(report, peer_distance=None)
     assert not any("peer_distance" in k for k in OuterStepMonitor._metrics(report, num_optimizers=1))
+
+
+def test_peer_text_names_the_replicas_met():
+    report = OuterStepReport(optimizer_index=0, outer_step=3, inner_step=8, peers=(2,), bytes_sent=4, bytes_received=4,
+                             comm_seconds=0.1, seconds=0.2)
+    assert OuterStepMonitor._peer_text(report, 0) == "outer step 3: replica 0 met replica 2"
+    assert OuterStepMonitor._peer_text(dataclasses.replace(report, peers=(1, 3)), 2) == \
+        "outer step 3: replica 2 met replicas 1, 3"
+    assert OuterStepMonitor._peer_text(dataclasses.replace(report, peers=()), 1) == "outer step 3: replica 1 met nobody"
+    assert not any("peer" in k and "distance" not in k for k in OuterStepMonitor._metrics(report, num_optimizers=1))
+
+
+def test_example_configs_log_no_placeholder_hp_metric():
+    """TensorBoardLogger logs hp_metric = -1 as the first card unless told not to."""
+    configs = sorted((Path(__file__).parent.parent / "examples" / "shakespeare").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        logger = yaml.safe_load(path.read_text())["trainer"]["logger"]
+        assert logger["class_path"].endswith("TensorBoardLogger"), path.name
+        assert logger["init_args"]["default_hp_metric"] is False, path.name

@@ -247,6 +247,8 @@ class Recorder(L.Callback):
         if self.record.get("step_sleep_s"):
             time.sleep(self.record["step_sleep_s"])
         self.record.setdefault("batch_seconds", []).append(time.perf_counter() - self._batch_start)
+        if trainer.global_step == self.record.get("save_at_step", [None])[0]:  # as ModelCheckpoint saves
+            trainer.save_checkpoint(self.record["save_at_step"][1])
         self.record["weights"].append(flat(pl_module))
         self.record["calls"].append(self.call_log.take())
         replicas = getattr(trainer.strategy, "outer_slots", [])
@@ -312,7 +314,7 @@ def observe(strategy: Any, record: dict[str, Any], config: dict[str, Any]) -> No
 # to one process): Lightning's popen launcher runs this script in every process. Other runs fork the
 # ranks from one process, which saves every rank but the first its Python and torch start-up.
 PER_PROCESS = ("fit_twice", "then_validate", "validate_ckpt_path", "interrupted_save_to",
-               "hide_replica_files_on_rank", "ready_at_step", "expect_errors")
+               "hide_replica_files_on_rank", "ready_at_step", "expect_errors", "then_resume")
 
 
 def start_method_of(config: dict[str, Any]) -> str:
@@ -337,7 +339,8 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         strategy = cls(timeout=timeout, start_method=start_method, **config.get("strategy_kwargs", {}))
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
-    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release", "save_to", "interrupted_save_to"):
+    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release", "save_to", "interrupted_save_to",
+                "save_at_step"):
         if key in config:
             recorder.record[key] = config[key]
     if not isinstance(strategy, str):
@@ -349,7 +352,9 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         from lightning_loco.monitoring import OuterStepMonitor
 
         callbacks.append(OuterStepMonitor(**config["monitor"]))
-        logger = L.pytorch.loggers.CSVLogger(out_dir, name="csv", version=0)
+        logger = [L.pytorch.loggers.CSVLogger(out_dir, name="csv", version=0)]
+        if config.get("tensorboard"):  # configured as our example configs do: no placeholder hp_metric
+            logger.append(L.pytorch.loggers.TensorBoardLogger(out_dir, name="tb", version=0, default_hp_metric=False))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -397,6 +402,11 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     if config.get("then_validate"):
         trainer.validate(model, verbose=False)
         torch.save(flat(model), os.path.join(out_dir, f"after_validate{trainer.global_rank}.pt"))
+    if config.get("then_resume"):
+        # a new Trainer and model in this same process resume from the checkpoint (storage that lives
+        # in one process, such as fsspec's memory://); their records go to OUT_DIR/resumed
+        again = {k: v for k, v in config.items() if k not in ("then_resume", "checkpoint")}
+        main(os.path.join(out_dir, "resumed"), {**again, "ckpt_path": config["then_resume"], "start_method": "popen"})
 
 
 if __name__ == "__main__":

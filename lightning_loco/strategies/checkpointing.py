@@ -6,10 +6,14 @@ connects them to Lightning's ``Strategy`` hooks (Lightning calls each of them on
 
 from __future__ import annotations
 
+import posixpath
+import re
 import uuid
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_loco import checkpoints, consensus
@@ -27,27 +31,27 @@ class ReplicaCheckpoints:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
         Collective: Lightning calls it on every rank."""
-        path = checkpoints.local_path(filepath)
         save_id = self.broadcast(uuid.uuid4().hex[:12])
         averaged = consensus.state_dict(checkpoint["state_dict"], self._comm_device())
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
         replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
                                               self.algorithm.name, outer)
-        sidecar_dir = checkpoints.sidecar_dir(path, save_id)
+        sidecar_dir = checkpoints.sidecar_dir(filepath, save_id)
         if self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
             checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
         self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
         if self.is_global_zero:
-            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas)
+            meta = checkpoints.main_meta(filepath, save_id, self.algorithm.name, self.num_replicas)
+            checkpoints.write_manifest(sidecar_dir, filepath, checkpoint, meta)  # the save is complete
             main = {**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta}
-            self.checkpoint_io.save_checkpoint(main, path, storage_options=storage_options)
-            checkpoints.remove_sidecars(path, keep=sidecar_dir)
+            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+            checkpoints.remove_sidecars(filepath, keep=sidecar_dir)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
-            checkpoints.remove_sidecars(checkpoints.local_path(filepath))
+            checkpoints.remove_sidecars(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -57,9 +61,11 @@ class ReplicaCheckpoints:
         flight); ``validate``/``test``/``predict`` with a checkpoint load each replica's weights only.
         """
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._is_last_checkpoint(checkpoint_path):
+            checkpoint_path, checkpoint = self._newest_instead_of_last(checkpoint_path, checkpoint, weights_only)
         payload = checkpoints.read_own_replica(
-            checkpoint, checkpoints.local_path(checkpoint_path), self.replica_index, self.num_replicas,
-            self.algorithm.name, agree=consensus.first_error,
+            checkpoint, checkpoint_path, self.replica_index, self.num_replicas, self.algorithm.name,
+            agree=consensus.first_error,
         )
         self._resumed_outer = None
         if payload is None:
@@ -73,3 +79,32 @@ class ReplicaCheckpoints:
         else:
             self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's
         return checkpoint
+
+    def _is_last_checkpoint(self, checkpoint_path: Any) -> bool:
+        """Whether the file is named as a ``ModelCheckpoint`` of this trainer names its "last" checkpoint
+        (``last.ckpt``, ``last-v1.ckpt``, ...): what ``ckpt_path="last"`` resolves to."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return False
+        name = posixpath.basename(checkpoints.storage(checkpoint_path)[1])
+        return any(
+            re.fullmatch(rf"{re.escape(cb.CHECKPOINT_NAME_LAST)}(-v\d+)?{re.escape(cb.FILE_EXTENSION)}", name)
+            for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.CHECKPOINT_NAME_LAST
+        )
+
+    def _newest_instead_of_last(
+        self, checkpoint_path: Any, checkpoint: dict[str, Any], weights_only: Optional[bool]
+    ) -> tuple[Any, dict[str, Any]]:
+        """A "last" checkpoint behind a newer complete one (its own save was interrupted) gives way to
+        that one. Rank 0 looks and every rank follows (one broadcast, only when loading a "last" file)."""
+        step = checkpoint.get("global_step", -1)
+        newer = checkpoints.newer_complete_checkpoint(checkpoint_path, step) if self.is_global_zero else None
+        newer = self.broadcast(newer)
+        if newer is None:
+            return checkpoint_path, checkpoint
+        path, newer_step = newer
+        rank_zero_warn(
+            f"{checkpoint_path} holds global step {step}, but {path}, written after it, is a complete checkpoint "
+            f"at step {newer_step}: the save of {checkpoint_path} was interrupted. Loading {path} instead."
+        )
+        return path, super().load_checkpoint(path, weights_only=weights_only)
