@@ -37,6 +37,14 @@ class GASLoCStrategy(OuterStepStrategy):
             ``outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.001}}``
             (the parameters are left out). With ``start_method`` "spawn" or "forkserver" it must pickle:
             a module-level function or a ``functools.partial``, not a lambda or a local function.
+            Only with ``momentum_on="mixed"``.
+        momentum_on: where the outer momentum γ acts. ``"mixed"`` (the default): on the mixed iterates,
+            θ ← x + γ·(x − x_prev), our reconstruction above (exactly DiLoCo on the complete topology).
+            ``"sent"``: heavy-ball momentum on the sent iterates, θ ← x + γ·(z − z_prev), the update as a
+            public summary of the paper writes it (the "GASLoC" page of the ``zij`` canon); it keeps each
+            replica's previous z as one more model copy of local state, sends the same z, and refuses
+            ``outer_optimizer``. The mean over replicas follows Nesterov DiLoCo in both forms; with
+            γ = 0 they are bitwise the same. See ``docs/algorithms.md`` (GASLoC, two forms).
         **kwargs: the arguments every strategy shares (overlap, replicas of several ranks, the end of
             ``fit``, DDP's launching arguments): see ``OuterStepStrategy``.
     """
@@ -53,6 +61,7 @@ class GASLoCStrategy(OuterStepStrategy):
         topology: Literal["random_pairs", "ring", "exponential", "complete"] = "random_pairs",
         seed: int = 0,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        momentum_on: Literal["mixed", "sent"] = "mixed",
         **kwargs: Any,
     ) -> None:
         algorithm = GASLoC(
@@ -62,10 +71,11 @@ class GASLoCStrategy(OuterStepStrategy):
             topology=topology,
             seed=seed,
             outer_optimizer=outer_optimizer,
+            momentum_on=momentum_on,
         )
         # With a custom outer optimizer γ is not used: only α can leave the simulated range then.
         momentum = algorithm.outer_momentum if outer_optimizer is None else None
-        note = stability_note(topology, algorithm.gossip_step, momentum)
+        note = stability_note(topology, algorithm.gossip_step, momentum, momentum_on)
         if note is not None:
             rank_zero_warn(note)
         super().__init__(algorithm, sync_every, **kwargs)
