@@ -4,7 +4,7 @@ replica's start to its first round, and what the membership costs on the healthy
     python -m benchmarks.elastic_goodput            # ~8 min on 2 cores: 3 variants × 3 repeats, interleaved
     python -m benchmarks.elastic_goodput --quick    # ~1.5 min: 1 repeat, shorter runs, a kill every 6 s
 
-Each run is an in-process Lighthouse (``min_replicas=2``, heartbeat timeout 2 s) and four replica processes
+Each run is a Lighthouse process (``min_replicas=2``, heartbeat timeout 2 s) and four replica processes
 of ``examples/elastic/replica.py`` (NoLoCo, a tiny regression model, H = 4, 20 ms of sleep per step standing
 for a bigger model's compute, ``max_steps`` = 600, or 240 with ``--quick``). Variants:
 

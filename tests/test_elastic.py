@@ -1,5 +1,5 @@
 """Elastic replicas (torchft membership): argument checks, the plan every member derives alike, and real
-runs of separate replica processes over an in-process Lighthouse on a free port, with replicas killed
+runs of separate replica processes over a Lighthouse process on a free port, with replicas killed
 (SIGKILL) in the inner phase and in the middle of an exchange, and a replica restarted.
 
 The multi-process runs are ``examples/elastic/replica.py`` subprocesses (each its own Trainer), each in its
