@@ -36,25 +36,25 @@ from pathlib import Path
 
 from benchmarks.common import grouped_bars, machine, results_dir, skip_final_collection
 
-CONFIGS = {
-    "plain": ("auto", 1),
-    "noloco-1": ("noloco", 1),
-    "noloco-2": ("noloco", 2),
-    "gasloc-2": ("gasloc", 2),
-    "diloco-2": ("diloco", 2),
-    "noloco-2-cpu-state": ("noloco-cpu", 2),
+CONFIGS = {  # (strategy's name, devices, its arguments besides sync_every)
+    "plain": ("auto", 1, {}),
+    "noloco-1": ("noloco", 1, {}),
+    "noloco-2": ("noloco", 2, {}),
+    "gasloc-2": ("gasloc", 2, {}),
+    "diloco-2": ("diloco", 2, {}),
+    "noloco-2-cpu-state": ("noloco", 2, {"outer_state_device": "cpu"}),
 }
 QUICK_CONFIGS = ("plain", "noloco-2", "noloco-2-cpu-state")
 WARMUP = 20
 
 
-def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: str) -> None:
+def run_one(strategy_name: str, devices: int, kwargs: dict, steps: int, sync_every: int, out: str) -> None:
     import torch
 
     import lightning as L
-    import lightning_loco
     from lightning_loco.examples.gpt import GPT
     from lightning_loco.examples.text import ByteTextDataModule
+    from lightning_loco.testing.launch import strategy_class
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -72,16 +72,10 @@ def run_one(strategy_name: str, devices: int, steps: int, sync_every: int, out: 
             self.times.append(time.perf_counter() - self.start)
             self.outer.append(getattr(trainer.strategy, "outer_steps", 0) != self.outer_before)
 
-    strategy = {
-        "auto": "auto",
-        "noloco": lambda: lightning_loco.NoLoCoStrategy(sync_every=sync_every),
-        "noloco-cpu": lambda: lightning_loco.NoLoCoStrategy(sync_every=sync_every, outer_state_device="cpu"),
-        "gasloc": lambda: lightning_loco.GASLoCStrategy(sync_every=sync_every),
-        "diloco": lambda: lightning_loco.DiLoCoStrategy(sync_every=sync_every),
-    }[strategy_name]
+    strategy = "auto" if strategy_name == "auto" else strategy_class(strategy_name)(sync_every=sync_every, **kwargs)
     timer = StepTimer()
     trainer = L.Trainer(
-        strategy=strategy if isinstance(strategy, str) else strategy(),
+        strategy=strategy,
         accelerator="cpu",
         devices=devices,
         max_steps=steps,
@@ -134,8 +128,8 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.sync_every = args.sync_every or (10 if args.quick else 50)
     if args.run:
-        name, devices = CONFIGS[args.run]
-        run_one(name, devices, args.steps, args.sync_every, args.run_out)
+        name, devices, kwargs = CONFIGS[args.run]
+        run_one(name, devices, kwargs, args.steps, args.sync_every, args.run_out)
         skip_final_collection()  # both ranks: Lightning starts the second with the same command line
         return
 

@@ -25,18 +25,16 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.codecs import wire_format
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
 
 LO_TX = "/sys/class/net/lo/statistics/tx_bytes"
@@ -53,12 +51,6 @@ CODECS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "float16
           "int8": ("float32", "int8")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _lo_tx() -> int:
     with open(LO_TX) as f:
         return int(f.read())
@@ -66,8 +58,8 @@ def _lo_tx() -> int:
 
 def _worker(rank: int, world: int, port: int, name: str, params: int, rounds: int, out: str, codec: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    init_gloo(rank, world, port=port, timeout_s=120)
     try:
         algorithm = ALGORITHMS[name]()
         transport = TorchDistributedTransport(torch.device("cpu"))
@@ -103,9 +95,8 @@ def _worker(rank: int, world: int, port: int, name: str, params: int, rounds: in
 def measure(name: str, world: int, params: int, rounds: int, tmp: Path, codec: str = "float32") -> dict:
     out = tmp / f"{name}-{world}-{codec}"
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _worker, args=(world, _free_port(), name, params, rounds, str(out), codec), nprocs=world, start_method="spawn"
-    )
+    start_ranks(_worker, world, args=(world, free_port(), name, params, rounds, str(out), codec), start_method="spawn",
+                timeout_s=900)
     res = [torch.load(out / f"{r}.pt") for r in range(world)]
     model_bytes = 4 * params
     wire = res[0]["lo_tx_delta"] / world / rounds  # rank 0 read the counter before and after

@@ -4,7 +4,7 @@ replica's start to its first round, and what the membership costs on the healthy
     python -m benchmarks.elastic_goodput            # ~8 min on 2 cores: 3 variants × 3 repeats, interleaved
     python -m benchmarks.elastic_goodput --quick    # ~1.5 min: 1 repeat, shorter runs, a kill every 6 s
 
-Each run is an in-process Lighthouse (``min_replicas=2``, heartbeat timeout 2 s) and four replica processes
+Each run is a Lighthouse process (``min_replicas=2``, heartbeat timeout 2 s) and four replica processes
 of ``examples/elastic/replica.py`` (NoLoCo, a tiny regression model, H = 4, 20 ms of sleep per step standing
 for a bigger model's compute, ``max_steps`` = 600, or 240 with ``--quick``). Variants:
 
@@ -29,11 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,72 +41,52 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
 IDS = ("r0", "r1", "r2", "r3")
 
 
-def launch(out: Path, lighthouse: str, replica_id: str, n: int, max_steps: int, every: int) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPLICA), "--lighthouse", lighthouse, "--replica-id", replica_id, "--out", str(out),
-           "--max-steps", str(max_steps), "--sync-every", "4", "--step-sleep", "0.02", "--outer-step-timeout", "10",
-           "--membership-every", str(every), "--launched-at", str(time.time())]
-    log = open(out / f"{replica_id}.{n}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def progress(out: Path, replica_id: str) -> int:
-    try:
-        return int((out / f"{replica_id}.progress").read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
 def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[str, Any]:
-    from lightning_loco.elastic.lighthouse import public_address, start_lighthouse
+    from lightning_loco.testing.elastic import Lighthouse, Replicas
 
     every = 4 if variant == "steady K=4" else 1
     kills = variant.startswith("kill")
     out = Path(tempfile.mkdtemp(prefix="elastic_goodput_"))
-    server = start_lighthouse("127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=2000)
-    lighthouse = public_address(server, "127.0.0.1:0")
-    started = time.time()
-    procs = {rid: launch(out, lighthouse, rid, 0, max_steps, every) for rid in IDS}
-    launches, killed_steps, n = 4, 0, 4
-    victims = ["r1", "r2", "r3"]
-    next_kill = None  # M seconds after training starts (r0's first step), then every M seconds
-    leftover_steps = 0
-    try:
-        while procs["r0"].poll() is None:
-            if time.time() - started > limit:
-                raise RuntimeError(f"{variant}: a run took longer than {limit} s; logs in {out}")
-            if next_kill is None and progress(out, "r0") > 0:
-                next_kill = time.time() + kill_every
-            if kills and next_kill is not None and time.time() >= next_kill:
-                victim = victims[(n - 4) % 3]
-                proc = procs[victim]
-                if proc.poll() is None and progress(out, victim) > 0 and progress(out, "r0") < 0.6 * max_steps:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    killed_steps += progress(out, victim)
-                    (out / f"{victim}.progress").unlink()
-                    procs[victim] = launch(out, lighthouse, victim, n, max_steps, every)
-                    launches += 1
-                n += 1
-                next_kill = time.time() + kill_every
-            time.sleep(0.05)
-        # r0 (never killed) has finished: the others finish with it, except a replica restarted too late to join
-        # before the end, which would wait for a membership until its join_timeout
-        deadline = time.time() + 20
-        for rid, proc in procs.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                leftover_steps += progress(out, rid)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        server.shutdown()
+    with Lighthouse(min_replicas=2, heartbeat_timeout_ms=2000) as lighthouse:
+        replicas = Replicas(REPLICA, out, lighthouse.address, limit_s=limit + 20, max_steps=max_steps, sync_every=4,
+                            step_sleep=0.02, outer_step_timeout=10, membership_every=every)
+        started = time.time()
+        procs = {rid: replicas.start(rid) for rid in IDS}
+        launches, killed_steps, n = 4, 0, 4
+        victims = ["r1", "r2", "r3"]
+        next_kill = None  # M seconds after training starts (r0's first step), then every M seconds
+        leftover_steps = 0
+        try:
+            while procs["r0"].poll() is None:
+                if time.time() - started > limit:
+                    raise RuntimeError(f"{variant}: a run took longer than {limit} s; logs in {out}")
+                if next_kill is None and replicas.progress("r0") > 0:
+                    next_kill = time.time() + kill_every
+                if kills and next_kill is not None and time.time() >= next_kill:
+                    victim = victims[(n - 4) % 3]
+                    proc = procs[victim]
+                    early = replicas.progress("r0") < 0.6 * max_steps
+                    if proc.poll() is None and replicas.progress(victim) > 0 and early:
+                        replicas.kill(proc)
+                        killed_steps += replicas.progress(victim)
+                        procs[victim] = replicas.start(victim)
+                        launches += 1
+                    n += 1
+                    next_kill = time.time() + kill_every
+                time.sleep(0.05)
+            # r0 (never killed) has finished: the others finish with it, except a replica restarted too late to
+            # join before the end, which would wait for a membership until its join_timeout
+            deadline = time.time() + 20
+            for rid, proc in procs.items():
+                try:
+                    replicas.wait(proc, timeout_s=max(0.1, deadline - time.time()))
+                except TimeoutError:
+                    replicas.kill(proc)
+                    leftover_steps += replicas.progress(rid)
+        finally:
+            replicas.close()
     wall = time.time() - started
-    records = [json.loads((out / f"{rid}.json").read_text()) for rid in IDS if (out / f"{rid}.json").exists()]
+    records = [replicas.record(rid) for rid in IDS if (out / f"{rid}.json").exists()]
     # The training window: r0's first round (every variant starts alike) to r0's end
     begin, end = records[0]["rounds"][0]["time"], records[0]["ended"]
     window = end - begin

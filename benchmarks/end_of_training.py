@@ -93,15 +93,14 @@ def train(config: str, max_steps: int, seed: int = 0, lr: float = 0.01) -> float
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+    from lightning_loco.testing.launch import strategy_class
 
     name, kwargs = CONFIGS[config]
     L.seed_everything(seed, verbose=False)  # also seeds the DistributedSampler's shuffle (PL_GLOBAL_SEED)
     if name == "ddp":
         strategy: Any = DDPStrategy(start_method="fork")
     else:
-        cls = {"noloco": NoLoCoStrategy, "gasloc": GASLoCStrategy, "diloco": DiLoCoStrategy}[name]
-        strategy = cls(sync_every=SYNC_EVERY, start_method="fork", **kwargs)
+        strategy = strategy_class(name)(sync_every=SYNC_EVERY, start_method="fork", **kwargs)
     module = make_module(seed, lr)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=max_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

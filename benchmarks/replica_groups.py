@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 from benchmarks.b1_sync_latency import time_outer_steps
@@ -39,12 +38,12 @@ def worker(k: int, params: int, rounds: int, out: str) -> None:
     import torch.distributed as dist
 
     from benchmarks.netem import modelled
-    from lightning_loco.algorithms import DiLoCo, NoLoCo
+    from lightning_loco.algorithms import ALGORITHMS as BY_NAME
+    from lightning_loco.testing.launch import init_gloo_from_env
     from lightning_loco.transport import TorchDistributedTransport
 
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    rank, world = init_gloo_from_env(timeout_s=900)
     try:
         groups: dict = {}
         if k > 1:  # every rank creates every group, in the same order
@@ -63,7 +62,7 @@ def worker(k: int, params: int, rounds: int, out: str) -> None:
         results = {}
         for name in ALGORITHMS:
             sent = transport.stats.bytes_sent
-            results[name] = time_outer_steps({"noloco": NoLoCo, "diloco": DiLoCo}[name](), delta, transport, rounds)
+            results[name] = time_outer_steps(BY_NAME[name](), delta, transport, rounds)
             results[f"{name}_bytes"] = (transport.stats.bytes_sent - sent) / (rounds + 1)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

@@ -23,22 +23,17 @@ import time
 import torch
 
 import lightning as L
-import lightning_loco
 from lightning_loco.examples.gpt import GPT
 from lightning_loco.examples.text import ByteTextDataModule
+from lightning_loco.testing.launch import strategy_class
 
 
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # several replicas share the machine's cores
     L.seed_everything(args.seed, verbose=False)
-    strategies = {
-        "noloco": lightning_loco.NoLoCoStrategy,
-        "gasloc": lightning_loco.GASLoCStrategy,
-        "diloco": lightning_loco.DiLoCoStrategy,
-    }
     # average_at_end=False keeps the replicas apart after fit, to measure them before averaging below.
     kwargs = {"sync_every": args.sync_every, "average_at_end": False, **json.loads(args.strategy_args)}
-    strategy = strategies[args.strategy](**kwargs)
+    strategy = strategy_class(args.strategy)(**kwargs)
     data = ByteTextDataModule(block_size=64, batch_size=16)
     model = GPT(block_size=64, max_steps=args.steps, warmup_steps=args.steps // 10)
     trainer = L.Trainer(

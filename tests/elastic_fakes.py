@@ -12,6 +12,7 @@ The real :class:`~lightning_loco.elastic.transport.ElasticTransport` and
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,7 +172,9 @@ class FakeMembership:
                 state = self.hub.heal_states[plan.quorum_id]
             next_round = load(state, self.heal)
         elif plan.donor == self.replica_id:
-            state = {**export(), "donor": self.replica_id}
+            buffer = io.BytesIO()  # serialised, as the real membership sends it: later training changes nothing
+            torch.save({**export(), "donor": self.replica_id}, buffer)
+            state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
             with self.hub.cond:
                 self.hub.heal_states[plan.quorum_id] = state
                 self.hub.cond.notify_all()

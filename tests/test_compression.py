@@ -14,7 +14,6 @@ import pytest
 import tiny
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_driver import ALGORITHMS, assert_same, lockstep, replicas_for, roundtrip, threaded, trace
 
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
@@ -33,6 +32,7 @@ from lightning_loco.codecs import (
 from lightning_loco.driver import OuterStepReport
 from lightning_loco.monitoring import OuterStepMonitor
 from oracle import ReplicaSimulator
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
 
 WIRES = {
@@ -368,7 +368,7 @@ def _payload(replica: int, size: int) -> torch.Tensor:
 
 
 def _gloo_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None:
-    tiny.init_gloo(rank, world, port, timeout_s=30)
+    init_gloo(rank, world, port=port, timeout_s=30)
     try:
         groups = {}
         if k > 1:
@@ -395,8 +395,7 @@ def _gloo_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None
 def test_gloo_sums_with_codecs_equal_the_reference_bitwise(tmp_path, k):
     """4 processes: 4 replicas of one rank, or 2 replicas of two ranks (each rank moves one slice)."""
     world = 4
-    mp.start_processes(_gloo_worker, args=(world, k, tiny.free_port(), str(tmp_path)), nprocs=world,
-                       start_method="fork")
+    start_ranks(_gloo_worker, world, args=(world, k, free_port(), str(tmp_path)), start_method="fork", timeout_s=240)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     replicas = world // k
     xs = [_payload(i, 103) for i in range(replicas)]

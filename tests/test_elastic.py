@@ -1,5 +1,5 @@
 """Elastic replicas (torchft membership): argument checks, the plan every member derives alike, and real
-runs of separate replica processes over an in-process Lighthouse on a free port, with replicas killed
+runs of separate replica processes over a Lighthouse process on a free port, with replicas killed
 (SIGKILL) in the inner phase and in the middle of an exchange, and a replica restarted.
 
 The multi-process runs are ``examples/elastic/replica.py`` subprocesses (each its own Trainer), each in its
@@ -8,12 +8,10 @@ own session with a time limit; a failing test kills their process groups.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +21,7 @@ import pytest
 import torch
 
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco.testing.elastic import Lighthouse, Replicas
 
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
 
@@ -100,10 +99,10 @@ def test_a_round_finished_alone_is_the_outer_step_of_a_group_of_one(algorithm: s
     algorithm turns into the outer step of a group of one (its own weights and pseudo-gradient)."""
     import torch
 
-    from lightning_loco.algorithms import GASLoC, NoLoCo
+    from lightning_loco.algorithms import ALGORITHMS
     from lightning_loco.elastic.transport import ElasticPending
 
-    make = {"noloco": NoLoCo, "gasloc": GASLoC}[algorithm]
+    make = ALGORITHMS[algorithm]
     g = torch.Generator().manual_seed(0)
     start, trained = torch.randn(10, generator=g), torch.randn(10, generator=g)
     shapes = [torch.Size([10])]
@@ -207,70 +206,16 @@ OUTER_STEP_TIMEOUT = 30.0  # an exchange never waits longer: the process groups'
 RUN_LIMIT_S = 150  # no replica process may run longer than this
 
 
-class Replicas:
-    """Replica processes (``examples/elastic/replica.py``), each in its own session; ``close`` kills what is left."""
-
-    def __init__(self, out: Path, lighthouse: str, **common: Any) -> None:
-        common.setdefault("outer_step_timeout", OUTER_STEP_TIMEOUT)
-        self.out, self.lighthouse, self.common = out, lighthouse, common
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.started = time.monotonic()
-
-    def start(self, replica_id: str, **extra: Any) -> subprocess.Popen:
-        args = {**self.common, **extra}
-        cmd = [sys.executable, str(REPLICA), "--lighthouse", self.lighthouse, "--replica-id", replica_id,
-               "--out", str(self.out)]
-        for key, value in args.items():
-            cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-        log = open(self.out / f"{replica_id}.{len(self.procs)}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self.procs[f"{replica_id}.{len(self.procs)}"] = proc
-        return proc
-
-    def progress(self, replica_id: str) -> int:
-        try:
-            return int((self.out / f"{replica_id}.progress").read_text() or 0)
-        except (FileNotFoundError, ValueError):
-            return 0
-
-    def wait_for_step(self, replica_id: str, step: int, proc: subprocess.Popen) -> None:
-        while self.progress(replica_id) < step:
-            assert proc.poll() is None, f"{replica_id} ended early: {self.logs()}"
-            assert time.monotonic() - self.started < RUN_LIMIT_S, f"{replica_id} never reached step {step}"
-            time.sleep(0.02)
-
-    def finish(self, proc: subprocess.Popen) -> int:
-        left = RUN_LIMIT_S - (time.monotonic() - self.started)
-        try:
-            return proc.wait(timeout=max(left, 1))
-        except subprocess.TimeoutExpired:
-            self.close()
-            raise AssertionError(f"a replica hung past {RUN_LIMIT_S} s: {self.logs()}") from None
-
-    def record(self, replica_id: str) -> dict[str, Any]:
-        return json.loads((self.out / f"{replica_id}.json").read_text())
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.out.glob("*.log")))
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+def replicas(out: Path, lighthouse: str, **common: Any) -> Replicas:
+    """``examples/elastic/replica.py`` processes; the launcher's ``close`` kills what is left."""
+    common.setdefault("outer_step_timeout", OUTER_STEP_TIMEOUT)
+    return Replicas(REPLICA, out, lighthouse, limit_s=RUN_LIMIT_S, **common)
 
 
 @pytest.fixture
 def lighthouse():
-    from lightning_loco.elastic.lighthouse import public_address, start_lighthouse
-
-    server = start_lighthouse("127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=1500, join_timeout_ms=20_000)
-    yield public_address(server, "127.0.0.1:0")
-    server.shutdown()
+    with Lighthouse(min_replicas=2, heartbeat_timeout_ms=1500, join_timeout_ms=20_000) as server:
+        yield server.address
 
 
 def first_losses(losses: list[list[float]]) -> float:
@@ -320,20 +265,18 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     others finish fit, their losses fall, partners agree on every round, no exchange waits longer than
     the outer-step timeout, and the restarted r3 takes the weights of a live replica and meets the
     others from the first round of the membership that admits it."""
-    replicas = Replicas(tmp_path, lighthouse, max_steps=90, sync_every=2, step_sleep=0.1)
+    launcher = replicas(tmp_path, lighthouse, max_steps=90, sync_every=2, step_sleep=0.1)
     try:
-        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 10} if rid == "r2" else {}))
+        procs = {rid: launcher.start(rid, **({"die_in_exchange_at": 10} if rid == "r2" else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
-        replicas.wait_for_step("r3", 11, procs["r3"])  # step 11 of H = 2: in the inner phase of outer step 5
-        os.killpg(procs["r3"].pid, signal.SIGKILL)
-        assert replicas.finish(procs["r3"]) == -signal.SIGKILL
-        (tmp_path / "r3.progress").unlink()
-        rejoined = replicas.start("r3")
-        codes = {rid: replicas.finish(p) for rid, p in [*procs.items(), ("r3'", rejoined)] if rid != "r3"}
+        launcher.wait_for_step("r3", 11, procs["r3"])  # step 11 of H = 2: in the inner phase of outer step 5
+        assert launcher.kill(procs["r3"]) == -signal.SIGKILL
+        rejoined = launcher.start("r3")  # its progress file goes first
+        codes = {rid: launcher.wait(p) for rid, p in [*procs.items(), ("r3'", rejoined)] if rid != "r3"}
     finally:
-        replicas.close()
-    assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3'": 0}, replicas.logs()
-    records = {rid: replicas.record(rid) for rid in ("r0", "r1", "r3")}
+        launcher.close()
+    assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3'": 0}, launcher.logs()
+    records = {rid: launcher.record(rid) for rid in ("r0", "r1", "r3")}
     survivors = [records["r0"], records["r1"]]
 
     # the survivors finished every round from their first (a replica that asked the Lighthouse after the first
@@ -380,17 +323,17 @@ def test_resume_from_own_checkpoint_instead_of_healing(tmp_path: Path, lighthous
     """GASLoC. r0 and r1 train and save their own checkpoints. Then r0 resumes from its file while r1 starts
     afresh with heal=False: r0 goes on from its own outer step, state and weights (nobody heals it: it is
     the furthest), and r1 takes only the outer-step count from r0 and keeps its own weights."""
-    replicas = Replicas(tmp_path, lighthouse, algorithm="gasloc", sync_every=2, step_sleep=0.0)
+    launcher = replicas(tmp_path, lighthouse, algorithm="gasloc", sync_every=2, step_sleep=0.0)
     try:
-        first = [replicas.start(rid, max_steps=16, save_ckpt=tmp_path / f"{rid}.ckpt") for rid in ("r0", "r1")]
-        assert [replicas.finish(p) for p in first] == [0, 0], replicas.logs()
-        before = {rid: replicas.record(rid) for rid in ("r0", "r1")}
-        second = [replicas.start("r0", max_steps=32, ckpt_path=tmp_path / "r0.ckpt"),
-                  replicas.start("r1", max_steps=32, no_heal=True)]
-        assert [replicas.finish(p) for p in second] == [0, 0], replicas.logs()
+        first = [launcher.start(rid, max_steps=16, save_ckpt=tmp_path / f"{rid}.ckpt") for rid in ("r0", "r1")]
+        assert [launcher.wait(p) for p in first] == [0, 0], launcher.logs()
+        before = {rid: launcher.record(rid) for rid in ("r0", "r1")}
+        second = [launcher.start("r0", max_steps=32, ckpt_path=tmp_path / "r0.ckpt"),
+                  launcher.start("r1", max_steps=32, no_heal=True)]
+        assert [launcher.wait(p) for p in second] == [0, 0], launcher.logs()
     finally:
-        replicas.close()
-    after = {rid: replicas.record(rid) for rid in ("r0", "r1")}
+        launcher.close()
+    after = {rid: launcher.record(rid) for rid in ("r0", "r1")}
     assert before["r0"]["outer_steps"] == 8 and after["r0"]["outer_steps"] == 16
     # r0: its own state, from where it stopped
     assert after["r0"]["healed_from"] == [] and after["r0"]["rounds"][0]["outer_step"] == 8
@@ -411,18 +354,18 @@ def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse:
     fourth round. r0 and r1 finish with the same anchor (their final weights are equal), the rounds whose
     all-reduce failed are dropped alike on both, the memberships leave out r2 and r3, and losses fall."""
     # gloo's ring all-reduce may not notice a dead member before its timeout: a short one keeps the test short
-    replicas = Replicas(tmp_path, lighthouse, algorithm="diloco", max_steps=40, sync_every=2, step_sleep=0.05,
+    launcher = replicas(tmp_path, lighthouse, algorithm="diloco", max_steps=40, sync_every=2, step_sleep=0.05,
                         outer_step_timeout=5.0)
     try:
-        procs = {rid: replicas.start(rid, **({"die_in_exchange_at": 4} if rid == "r2" else {}))
+        procs = {rid: launcher.start(rid, **({"die_in_exchange_at": 4} if rid == "r2" else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
-        replicas.wait_for_step("r3", 7, procs["r3"])
-        os.killpg(procs["r3"].pid, signal.SIGKILL)
-        codes = {rid: replicas.finish(p) for rid, p in procs.items()}
+        launcher.wait_for_step("r3", 7, procs["r3"])
+        launcher.kill(procs["r3"])
+        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
     finally:
-        replicas.close()
-    assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3": -signal.SIGKILL}, replicas.logs()
-    r0, r1 = replicas.record("r0"), replicas.record("r1")
+        launcher.close()
+    assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3": -signal.SIGKILL}, launcher.logs()
+    r0, r1 = launcher.record("r0"), launcher.record("r1")
     assert r0["final_weights"] == pytest.approx(r1["final_weights"], abs=1e-6)
     common = {r["outer_step"] for r in r0["rounds"]} & {r["outer_step"] for r in r1["rounds"]}
     assert [(r["outer_step"], r["dropped"]) for r in r0["rounds"] if r["outer_step"] in common] == \

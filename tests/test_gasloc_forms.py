@@ -30,7 +30,7 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.flat import FlatParameters
-from lightning_loco.simulator import ReplicaSimulator
+from oracle import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork
 
 ETA, GAMMA, ALPHA = 0.8, 0.6, 0.3

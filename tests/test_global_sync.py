@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import tiny
+from lightning_loco.testing.launch import free_port
 
 ROOT = Path(__file__).parent.parent
 CONFIG = ROOT / "examples" / "shakespeare" / "noloco.yaml"
@@ -82,7 +82,7 @@ def count_calls(tmp_path: Path, outer_steps: int, sync_every: int = 2) -> list[d
         "--trainer.limit_val_batches=2", "--data.init_args.batch_size=4",
         f"--trainer.logger.init_args.save_dir={run_dir}", "--trainer.enable_progress_bar=false",
     ]
-    env = {**os.environ, "COUNT_DIR": str(run_dir), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(tiny.free_port())}
+    env = {**os.environ, "COUNT_DIR": str(run_dir), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
                           env=env, cwd=run_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

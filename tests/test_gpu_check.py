@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tiny
 import torch
 import torch.distributed as dist
 
@@ -18,6 +17,7 @@ from lightning_loco.algorithms import DiLoCo, NoLoCo
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.testing.launch import init_gloo
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
 from lightning_loco.staging import StagingPool
 
@@ -27,9 +27,9 @@ ROOT = Path(__file__).parent.parent
 def run_forked(worker: str, world: int, out_dir: Path) -> None:
     """Runs ``worker`` of this module in ``world`` gloo processes forked from a fresh Python process
     (forking this one is unsafe once it has trained: a child can inherit a lock held by a thread)."""
-    code = ("import sys, test_gpu_check as t, tiny, torch.multiprocessing as mp; "
-            "mp.start_processes(getattr(t, sys.argv[1]), args=(int(sys.argv[2]), tiny.free_port(), sys.argv[3]), "
-            "nprocs=int(sys.argv[2]), start_method='fork')")
+    code = ("import sys, test_gpu_check as t; from lightning_loco.testing.launch import free_port, start_ranks; "
+            "start_ranks(getattr(t, sys.argv[1]), int(sys.argv[2]), args=(int(sys.argv[2]), free_port(), sys.argv[3]), "
+            "start_method='fork', timeout_s=100)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code, worker, str(world), str(out_dir)], cwd=ROOT / "tests", env=env,
                           capture_output=True, text=True, timeout=120, check=False)
@@ -153,7 +153,7 @@ def test_host_read_counter_sees_reads_inside_the_driver():
 
 
 def _exchange_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    tiny.init_gloo(rank, world, port, timeout_s=30)
+    init_gloo(rank, world, port=port, timeout_s=30)
     try:
         direct = TorchDistributedTransport(torch.device("cpu"))
         staged = TorchDistributedTransport(torch.device("cpu"))
@@ -192,7 +192,7 @@ def test_staged_exchange_is_bitwise_the_unstaged_one_and_reuses_its_buffers(tmp_
 
 
 def _groups_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    tiny.init_gloo(rank, world, port, timeout_s=30)
+    init_gloo(rank, world, port=port, timeout_s=30)
     try:
         calls = []
         original = dist.all_reduce

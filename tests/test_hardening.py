@@ -27,6 +27,7 @@ import lightning as L
 import tiny
 from lightning_loco import NoLoCoStrategy
 from lightning_loco.strategies import _compat
+from lightning_loco.testing.launch import free_port
 from lightning_loco.transport import PendingSum
 
 HANG_LIMIT_S = 150  # far below the process group's 30 minutes: a rank stuck on a dead peer fails the test
@@ -47,7 +48,7 @@ def start_long_run(tmp_path: Path, devices: int, **extra) -> tuple[subprocess.Po
         "strategy": "noloco", "strategy_kwargs": {"sync_every": 2}, "devices": devices, "max_steps": 100_000,
         "pg_timeout_s": 1800, "ready_at_step": 4, "step_sleep_s": 0.01, **extra,
     }
-    env = {**os.environ, "MASTER_PORT": str(tiny.free_port())}
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
     proc = subprocess.Popen(
         [sys.executable, tiny.__file__, str(out), json.dumps(config)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

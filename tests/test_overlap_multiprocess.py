@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tiny
 from lightning_loco.schedules import random_groups
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import PeerError, TorchDistributedTransport
 
 run = tiny.launch
@@ -179,7 +179,7 @@ def test_a_fit_interrupted_with_a_round_in_flight_stops_cleanly(tmp_path):
 
 
 def _failing_peer(rank: int, port: int, out: str) -> None:
-    tiny.init_gloo(rank, 2, port, timeout_s=20)
+    init_gloo(rank, 2, port=port, timeout_s=20)
     if rank == 1:
         os._exit(0)  # the peer stops before it posts its side of the round
     transport = TorchDistributedTransport(torch.device("cpu"))
@@ -195,14 +195,14 @@ def _failing_peer(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_a_peer_that_stops_during_a_round_gives_an_error_naming_it(tmp_path):
     out = str(tmp_path / "result.pt")
-    mp.start_processes(_failing_peer, args=(tiny.free_port(), out), nprocs=2, start_method="spawn")
+    start_ranks(_failing_peer, 2, args=(free_port(), out), start_method="spawn", timeout_s=240)
     result = torch.load(out)
     assert "replica(s) [1]" in result["message"] and "global rank(s) [1]" in result["message"]
     assert "Timed out" not in result["message"]  # the closed connection, not the process group's timeout
 
 
 def _watched_exchange(rank: int, port: int, out: str) -> None:
-    tiny.init_gloo(rank, 2, port, timeout_s=20)
+    init_gloo(rank, 2, port=port, timeout_s=20)
     transport = TorchDistributedTransport(torch.device("cpu"))
     pending = transport.start_group_sum(torch.full((1000,), float(rank)), (0, 1)).watch()
     deadline = time.monotonic() + 60
@@ -221,7 +221,7 @@ def test_a_watched_exchange_reports_its_completion_before_it_is_waited_for(tmp_p
     # gloo's point-to-point works only report completion once waited for; the watcher thread lets the
     # strategy see, without blocking, that the transfer is done (what "auto" measures).
     out = str(tmp_path / "watched.pt")
-    mp.start_processes(_watched_exchange, args=(tiny.free_port(), out), nprocs=2, start_method="spawn")
+    start_ranks(_watched_exchange, 2, args=(free_port(), out), start_method="spawn", timeout_s=240)
     result = torch.load(out)
     done, after = result["seen"]
     assert done and after is not None

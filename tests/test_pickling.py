@@ -12,10 +12,11 @@ import torch
 
 import lightning as L
 import tiny
-from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco import DiLoCoStrategy, GASLoCStrategy
 from lightning_loco.algorithms.outer_optimizer import SGDFactory
+from lightning_loco.testing.launch import strategy_class
 
-STRATEGIES = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}
+NAMES = ["noloco", "diloco", "gasloc"]
 ADAM = functools.partial(torch.optim.Adam, lr=1e-3)
 
 
@@ -36,9 +37,9 @@ def round_trip(strategy):
     return pickle.loads(pickle.dumps(strategy))
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", NAMES)
 def test_every_strategy_pickles_with_default_arguments(name):
-    strategy = STRATEGIES[name](start_method="spawn")
+    strategy = strategy_class(name)(start_method="spawn")
     copy = round_trip(strategy)
     assert type(copy) is type(strategy)
     assert vars(copy.algorithm) == vars(strategy.algorithm)
@@ -58,7 +59,7 @@ def test_the_default_outer_sgds_are_picklable_values():
 @pytest.mark.parametrize("name", ["diloco", "gasloc"])
 @pytest.mark.parametrize("factory", [ADAM, build_adam], ids=["partial", "function"])
 def test_a_given_outer_optimizer_survives_pickling(name, factory):
-    strategy = STRATEGIES[name](outer_optimizer=factory, start_method="spawn")
+    strategy = strategy_class(name)(outer_optimizer=factory, start_method="spawn")
     copy = round_trip(strategy)
     assert outer_optimizer_of(copy) == outer_optimizer_of(strategy)
     assert outer_optimizer_of(copy)[0] is torch.optim.Adam
@@ -72,9 +73,9 @@ def test_an_unpicklable_outer_optimizer_fails_early_only_where_it_must_travel(na
     for factory in (local, lambda params: torch.optim.Adam(params)):
         for start_method in ("spawn", "forkserver"):
             with pytest.raises(ValueError, match="module-level function or functools.partial"):
-                STRATEGIES[name](outer_optimizer=factory, start_method=start_method)
+                strategy_class(name)(outer_optimizer=factory, start_method=start_method)
         for start_method in ("popen", "fork"):  # nothing is pickled there
-            STRATEGIES[name](outer_optimizer=factory, start_method=start_method)
+            strategy_class(name)(outer_optimizer=factory, start_method=start_method)
 
 
 @pytest.mark.parametrize(
@@ -94,14 +95,14 @@ def test_an_outer_optimizer_from_a_cli_config_pickles(tmp_path, monkeypatch, nam
     config = tmp_path / "config.yaml"
     config.write_text(
         "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  strategy:\n"
-        f"    class_path: lightning_loco.{STRATEGIES[name].__name__}\n    init_args:\n{init_args}"
+        f"    class_path: lightning_loco.{strategy_class(name).__name__}\n    init_args:\n{init_args}"
     )
     cli = LightningCLI(
         tiny.TinyRegressor, run=False, args=["--config", str(config)], seed_everything_default=False,
         save_config_callback=None,
     )
     strategy = cli.trainer.strategy
-    assert type(strategy) is STRATEGIES[name] and strategy.sync_every == 2
+    assert type(strategy) is strategy_class(name) and strategy.sync_every == 2
     copy = round_trip(strategy)
     assert outer_optimizer_of(copy) == outer_optimizer_of(strategy)
     optimizer_type, (group,) = outer_optimizer_of(copy)
@@ -112,12 +113,12 @@ def test_an_outer_optimizer_from_a_cli_config_pickles(tmp_path, monkeypatch, nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", NAMES)
 def test_two_replicas_train_under_spawn(tmp_path, name):
     """A real launch with start_method="spawn": the Trainer, the strategy and the callbacks are pickled
     to two fresh processes. Each rank records its weights; rank 0's final weights come back to this
     process, averaged over the replicas at the end of fit."""
-    strategy = STRATEGIES[name](start_method="spawn", sync_every=2, timeout=timedelta(seconds=60))
+    strategy = strategy_class(name)(start_method="spawn", sync_every=2, timeout=timedelta(seconds=60))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -138,7 +139,7 @@ def test_two_replicas_train_under_spawn(tmp_path, name):
     records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for rank, record in enumerate(records):
         assert record["rank"] == rank and record["world_size"] == 2
-        assert record["strategy"] == STRATEGIES[name].__name__
+        assert record["strategy"] == strategy_class(name).__name__
         assert torch.equal(record["initial"], initial)
         (outer,) = record["outer_states"]
         assert outer["inner_steps"] == 4 and outer["outer_steps"] == 2

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning as L
 import lightning_loco
 import tiny
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
 from test_checkpoints import assert_same_tree
 from test_multiprocess import PAPERS, noloco_outer, reference
@@ -95,7 +95,7 @@ def test_bad_ranks_per_replica():
 
 
 def _sliced_worker(rank: int, port: int, out_dir: str) -> None:
-    tiny.init_gloo(rank, 4, port, timeout_s=30)
+    init_gloo(rank, 4, port=port, timeout_s=30)
     try:
         replica_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         slice_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -115,7 +115,7 @@ def _sliced_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_the_sliced_exchange_equals_a_whole_model_exchange(tmp_path):
-    mp.start_processes(_sliced_worker, args=(tiny.free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    start_ranks(_sliced_worker, 4, args=(free_port(), str(tmp_path)), start_method="spawn", timeout_s=240)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(4)]
     assert [x["replica"] for x in res] == [0, 0, 1, 1]
     for x in res:

@@ -5,9 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
-import tiny
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import (
     InProcessNetwork,
     Pending,
@@ -20,7 +18,7 @@ from lightning_loco.transport.in_process import InProcessPending, InProcessTrans
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    tiny.init_gloo(rank, world, port, timeout_s=30)
+    init_gloo(rank, world, port=port, timeout_s=30)
     try:
         t = TorchDistributedTransport(torch.device("cpu"))
         payload = torch.full((5,), float(rank + 1)) + torch.arange(5) * 1e-3 * rank
@@ -40,7 +38,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_group_sum_and_all_reduce_across_four_processes(tmp_path):
     world = 4
-    mp.start_processes(_worker, args=(world, tiny.free_port(), str(tmp_path)), nprocs=world, start_method="spawn")
+    start_ranks(_worker, world, args=(world, free_port(), str(tmp_path)), start_method="spawn", timeout_s=240)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     payloads = [torch.full((5,), float(r + 1)) + torch.arange(5) * 1e-3 * r for r in range(world)]
     # pairs (0, 2) and (1, 3): both members hold bitwise the same sum

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -124,22 +123,6 @@ def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
     for record in records:
         record["stderr"] = proc.stderr
     return records
-
-
-# ---------------------------------------------------------------- plain torch.distributed workers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30) -> None:
-    """Joins a gloo process group on localhost (for workers started with ``torch.multiprocessing``);
-    the short timeout makes a hang fail fast."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
 # ---------------------------------------------------------------- counting torch.distributed calls
@@ -326,15 +309,14 @@ def start_method_of(config: dict[str, Any]) -> str:
 
 
 def main(out_dir: str, config: dict[str, Any]) -> None:
-    import lightning_loco  # noqa: F401  (registers the strategy names)
-    from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+    from lightning_loco.testing.launch import strategy_class
 
     log = CallLog()
     log.install()
     strategy: Any = config["strategy"]
     start_method = start_method_of(config)
     if "strategy_kwargs" in config or start_method != "popen":
-        cls = {"noloco": NoLoCoStrategy, "diloco": DiLoCoStrategy, "gasloc": GASLoCStrategy}[strategy]
+        cls = strategy_class(strategy)
         timeout = timedelta(seconds=config.get("pg_timeout_s", 60))
         strategy = cls(timeout=timeout, start_method=start_method, **config.get("strategy_kwargs", {}))
     recorder = Recorder(out_dir, log)

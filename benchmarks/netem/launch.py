@@ -9,7 +9,6 @@ variables, set as torchrun would for ``nnodes = N, nproc_per_node = 1`` (Lightni
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,9 @@ from typing import Optional
 from benchmarks.common import ROOT
 from benchmarks.netem import links
 from benchmarks.netem.links import Network
+from lightning_loco.testing.launch import free_port
 
 MODES = ("loopback", "modelled", "emulated")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(

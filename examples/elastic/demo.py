@@ -2,7 +2,7 @@
 
     python examples/elastic/demo.py --out runs/elastic_demo
 
-Starts torchft's Lighthouse in this process (a free port) and four replica processes
+Starts a Lighthouse (``lightning-loco lighthouse`` on a free port) and four replica processes
 (``replica.py``, NoLoCo on a tiny regression model, each its own Trainer). When r2 reaches step
 ``--kill-at`` it is killed with SIGKILL; ``--restart-after`` seconds later it is started again under the
 same id, heals from a live replica and takes part again. Writes ``OUT/demo.png`` (every replica's loss
@@ -13,36 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE.parent.parent))
 
-from lightning_loco.elastic.lighthouse import public_address, start_lighthouse  # noqa: E402
+from lightning_loco.testing.elastic import Lighthouse, Replicas  # noqa: E402
 
 IDS = ("r0", "r1", "r2", "r3")
-
-
-def start(replica_id: str, lighthouse: str, out: Path, args: argparse.Namespace, n: int) -> subprocess.Popen:
-    cmd = [sys.executable, str(HERE / "replica.py"), "--lighthouse", lighthouse, "--replica-id", replica_id,
-           "--out", str(out), "--max-steps", str(args.max_steps), "--sync-every", str(args.sync_every),
-           "--step-sleep", str(args.step_sleep), "--outer-step-timeout", "30", "--launched-at", str(time.time())]
-    log = open(out / f"{replica_id}.{n}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def progress(out: Path, replica_id: str) -> int:
-    try:
-        return int((out / f"{replica_id}.progress").read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
 def main() -> None:
@@ -55,34 +35,26 @@ def main() -> None:
     parser.add_argument("--restart-after", type=float, default=3.0, help="seconds before r2 starts again")
     parser.add_argument("--limit", type=float, default=300.0, help="seconds after which everything is killed")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for stale in args.out.glob("*.progress"):
-        stale.unlink()
-    server = start_lighthouse("127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=2000)
-    lighthouse = public_address(server, "127.0.0.1:0")
-    t0 = time.time()
-    procs = {rid: start(rid, lighthouse, args.out, args, 0) for rid in IDS}
     events = []
-    try:
-        while progress(args.out, "r2") < args.kill_at:
-            if procs["r2"].poll() is not None or time.time() - t0 > args.limit:
-                raise SystemExit("r2 ended before it could be killed; see its log in " + str(args.out))
-            time.sleep(0.02)
-        os.killpg(procs["r2"].pid, signal.SIGKILL)
+    with (
+        Lighthouse(min_replicas=2, heartbeat_timeout_ms=2000) as lighthouse,
+        Replicas(HERE / "replica.py", args.out, lighthouse.address, limit_s=args.limit, max_steps=args.max_steps,
+                 sync_every=args.sync_every, step_sleep=args.step_sleep, outer_step_timeout=30) as replicas,
+    ):
+        t0 = time.time()
+        procs = {rid: replicas.start(rid) for rid in IDS}
+        try:
+            replicas.wait_for_step("r2", args.kill_at, procs["r2"])
+        except RuntimeError as err:
+            raise SystemExit(f"r2 could not be killed at step {args.kill_at}: {err}") from None
+        replicas.kill(procs["r2"])
         events.append({"time": time.time() - t0, "event": "r2 killed (SIGKILL)"})
-        procs["r2"].wait()
-        (args.out / "r2.progress").unlink()
         time.sleep(args.restart_after)
-        procs["r2"] = start("r2", lighthouse, args.out, args, 1)
+        procs["r2"] = replicas.start("r2")
         events.append({"time": time.time() - t0, "event": "r2 restarted"})
-        for rid, proc in procs.items():
-            proc.wait(timeout=max(1.0, args.limit - (time.time() - t0)))
-    finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        server.shutdown()
-    records = {rid: json.loads((args.out / f"{rid}.json").read_text()) for rid in IDS}
+            replicas.wait(proc)
+        records = {rid: replicas.record(rid) for rid in IDS}
     summary = {"events": events, "replicas": {}}
     for rid, rec in records.items():
         first = rec["rounds"][0]

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco.testing.launch import strategy_class
 
 IN_FEATURES = 8
 
@@ -113,8 +113,7 @@ def main() -> None:
     started = args.launched_at or time.time()
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal)
-    classes = {"noloco": NoLoCoStrategy, "gasloc": GASLoCStrategy, "diloco": DiLoCoStrategy}
-    strategy = classes[args.algorithm](sync_every=args.sync_every, **elastic)
+    strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, **elastic)
     model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress")
     callbacks = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
     trainer = L.Trainer(

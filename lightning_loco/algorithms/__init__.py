@@ -5,4 +5,8 @@ from lightning_loco.algorithms.diloco import DiLoCo, DiLoCoState
 from lightning_loco.algorithms.gasloc import GASLoC, GASLoCState
 from lightning_loco.algorithms.noloco import NoLoCo, NoLoCoState
 
-__all__ = ["DiLoCo", "DiLoCoState", "GASLoC", "GASLoCState", "NoLoCo", "NoLoCoState", "OuterAlgorithm", "OuterState"]
+# Each algorithm's class by its strategy's name (``Trainer(strategy="noloco")``).
+ALGORITHMS: dict[str, type[OuterAlgorithm]] = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}
+
+__all__ = ["ALGORITHMS", "DiLoCo", "DiLoCoState", "GASLoC", "GASLoCState", "NoLoCo", "NoLoCoState", "OuterAlgorithm",
+           "OuterState"]

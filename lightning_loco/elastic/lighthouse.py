@@ -1,8 +1,9 @@
 """A Lighthouse: torchft's membership and quorum server, for elastic replicas.
 
 ``lightning-loco lighthouse --min-replicas 2 --bind 0.0.0.0:29510`` runs one in the foreground and prints
-the address the replicas give as ``lighthouse=HOST:PORT``. Tests and the demo start one in-process with
-:func:`start_lighthouse` (port 0: a free port).
+the address the replicas give as ``lighthouse=HOST:PORT``. Tests, benchmarks and the demo run that command
+on a free port through ``lightning_loco.testing.elastic.Lighthouse``; :func:`start_lighthouse` starts one
+in this process.
 """
 
 from __future__ import annotations

@@ -2,18 +2,29 @@
 
 * :func:`free_port`: a port the kernel says is free (port 0), never a fixed one;
 * :func:`init_gloo`: joins a gloo process group, through a ``FileStore`` file (no port at all) or a
-  TCP port on localhost, with a short timeout so that a hang fails fast;
+  TCP port on localhost, with a short timeout so that a hang fails fast; :func:`init_gloo_from_env`
+  joins the one that torchrun's variables describe;
+* :func:`start_ranks`: runs a function in N rank processes (fork where safe, spawn otherwise) and
+  waits for them with a bound; a rank that fails or hangs stops them all and is named in the error;
 * :func:`strategy_class`: a strategy's class by its ``Trainer(strategy=...)`` name, from Lightning's
   own registry (where ``import lightning_loco`` registers ours), not from a map of our own.
+
+Elastic replicas and their Lighthouse, separate processes each, are in :mod:`lightning_loco.testing.elastic`.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.connection
 import os
 import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,6 +60,21 @@ def init_gloo(
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
 
 
+def init_gloo_from_env(timeout_s: float = 30.0) -> tuple[int, int]:
+    """Joins the gloo process group that torchrun's variables describe (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``: what ``benchmarks.netem.launch`` sets, where node 0 may have an
+    address of its own); returns ``(rank, world_size)``. ``timeout_s`` bounds every collective."""
+    import torch.distributed as dist
+
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(f"init_gloo_from_env needs {missing} in the environment, as torchrun sets them; "
+                         "in a single process, call init_gloo(rank, world_size, port=...) instead")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return rank, world_size
+
+
 def strategy_class(name: str) -> type:
     """The strategy class registered under ``name`` in Lightning's ``StrategyRegistry`` (ours after
     ``import lightning_loco``). Raises ``ValueError`` naming the registered names."""
@@ -59,3 +85,125 @@ def strategy_class(name: str) -> type:
     if name not in StrategyRegistry:
         raise ValueError(f"No strategy is registered as {name!r}; registered: {sorted(StrategyRegistry)}")
     return StrategyRegistry[name]["strategy"]
+
+
+_TRACEBACK_CHARS = 8000  # of a failed rank's traceback, its end: well under a pipe's buffer
+
+
+class RanksFailed(RuntimeError):
+    """Raised by :func:`start_ranks` when a rank failed or did not finish in time. ``failed`` maps each
+    rank that failed or hung to what happened to it, ``pids`` every rank to its process id; every rank
+    has been stopped and reaped by then."""
+
+    def __init__(self, message: str, failed: dict[int, str], pids: dict[int, int]) -> None:
+        super().__init__(message)
+        self.failed, self.pids = failed, pids
+
+
+def _run_rank(fn: Callable[..., Any], rank: int, args: Sequence[Any], report: Any) -> None:
+    """A rank's process: ``fn(rank, *args)``; an exception's traceback goes back to the parent through
+    ``report``, cut to its end so that it fits the pipe's buffer and the child never waits on the parent."""
+    try:
+        fn(rank, *args)
+    except Exception:
+        report.send(traceback.format_exc()[-_TRACEBACK_CHARS:])
+        report.close()
+        sys.exit(1)
+
+
+def fork_is_safe() -> bool:
+    """Whether forking this process gives children that work: ``fork`` exists here, CUDA is not
+    initialised (a forked child cannot use it) and no default process group is (a child would share
+    its connections). A process that has trained may also hold locks in threads a child inherits:
+    pass ``start_method="spawn"`` there."""
+    import torch
+    import torch.distributed as dist
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    return not torch.cuda.is_initialized() and not (dist.is_available() and dist.is_initialized())
+
+
+def start_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    start_method: Optional[str] = None,
+    timeout_s: float = 300.0,
+) -> None:
+    """Runs ``fn(rank, *args)`` in ``world_size`` processes, one per rank, and waits for all of them.
+
+    ``start_method``: ``"fork"`` (fast: nothing is imported again; ``fn`` may be any function),
+    ``"spawn"`` or ``"forkserver"`` (``fn`` and ``args`` must pickle: a module-level function); by
+    default fork where :func:`fork_is_safe`, spawn otherwise. The ranks rendezvous themselves, e.g.
+    with :func:`init_gloo`.
+
+    Returns when every rank has returned. When a rank raises or exits with a non-zero code, the others
+    are stopped at once; when ``timeout_s`` passes first, the ranks still running are stopped. Either
+    way :class:`RanksFailed` names the ranks (with a failed rank's traceback), after every process is
+    gone. Processes that a rank started itself are its own to stop."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if start_method is None:
+        start_method = "fork" if fork_is_safe() else "spawn"
+    if start_method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"start_method={start_method!r} is not available here; choose one of "
+                         f"{multiprocessing.get_all_start_methods()}")
+    if start_method == "fork" and not fork_is_safe():
+        raise ValueError("start_method='fork' is unsafe in this process (CUDA or a default process group is "
+                         "initialised here): pass start_method='spawn', or leave it out to choose")
+    context = multiprocessing.get_context(start_method)
+    procs, reports, stopped = [], [], []
+    try:
+        for rank in range(world_size):
+            receive, send = context.Pipe(duplex=False)
+            proc = context.Process(target=_run_rank, args=(fn, rank, tuple(args), send), name=f"rank {rank}")
+            proc.start()
+            send.close()  # the child holds the sending end now
+            procs.append(proc)
+            reports.append(receive)
+        failed = _join(procs, reports, timeout_s)
+    finally:
+        stopped = [rank for rank, proc in enumerate(procs) if _stop(proc)]
+        for receive in reports:
+            receive.close()
+    if failed:
+        lines = "".join(f"\nrank {rank} {what}" for rank, what in sorted(failed.items()))
+        others = sorted(set(stopped) - set(failed))
+        also = f"\n(ranks {others} were still running and were stopped)" if others else ""
+        raise RanksFailed(f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks:{lines}{also}", failed,
+                          {rank: proc.pid for rank, proc in enumerate(procs)})
+
+
+def _join(procs: list[Any], reports: list[Any], timeout_s: float) -> dict[int, str]:
+    """Waits until every rank has exited, one has failed, or ``timeout_s`` has passed; returns what
+    happened to each rank that failed, or to each one still running at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    running = dict(enumerate(procs))
+    failed: dict[int, str] = {}
+    while running and not failed:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return {rank: f"did not finish within {timeout_s:g} s and was stopped" for rank in running}
+        ready = multiprocessing.connection.wait([p.sentinel for p in running.values()], timeout=left)
+        for rank, proc in list(running.items()):
+            if proc.sentinel in ready:
+                proc.join()
+                del running[rank]
+                if proc.exitcode != 0:
+                    error = reports[rank].recv() if reports[rank].poll() else ""
+                    failed[rank] = f"exited with code {proc.exitcode}" + (f":\n{error}" if error else "")
+    return failed
+
+
+def _stop(proc: Any) -> bool:
+    """Ends a rank's process if it still runs (SIGTERM, then SIGKILL) and reaps it; whether it ran."""
+    running = proc.is_alive()
+    if running:
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+    return running

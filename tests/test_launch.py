@@ -1,0 +1,105 @@
+"""The launch helpers of ``lightning_loco.testing``: ranks of a function (a real gloo all-reduce, a rank
+that raises, a rank that hangs), a strategy's class by its name, and a Lighthouse on a free port."""
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco.testing.launch import RanksFailed, init_gloo, start_ranks, strategy_class
+
+
+def _all_reduce(rank: int, store: str, out: str) -> None:
+    init_gloo(rank, 2, file=store, timeout_s=30)
+    try:
+        total = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
+        dist.all_reduce(total)
+        torch.save(total, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_all_reduce_over_a_file_store(tmp_path: Path) -> None:
+    start_ranks(_all_reduce, 2, args=(str(tmp_path / "store"), str(tmp_path)), start_method="fork", timeout_s=120)
+    for rank in range(2):
+        assert torch.equal(torch.load(tmp_path / f"{rank}.pt"), torch.tensor([3.0, 30.0]))
+
+
+def _wait_forever() -> None:
+    while True:
+        time.sleep(1)
+
+
+def _one_raises(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 gave up on purpose")
+    _wait_forever()  # a peer left waiting: start_ranks must stop it
+
+
+def _one_hangs(rank: int) -> None:
+    if rank == 1:
+        _wait_forever()
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process has this id (start_ranks reaps what it stops: not even a zombie is left)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_rank_that_raises_is_named_and_its_peers_are_stopped() -> None:
+    with pytest.raises(RanksFailed) as err:
+        start_ranks(_one_raises, 2, start_method="fork", timeout_s=300)
+    message = str(err.value)
+    assert "rank 1 exited with code 1" in message and "ValueError: rank 1 gave up on purpose" in message
+    assert "ranks [0] were still running and were stopped" in message
+    assert list(err.value.failed) == [1]
+    assert _gone(err.value.pids[0]) and _gone(err.value.pids[1])
+
+
+def test_a_rank_that_hangs_is_stopped_at_the_bound_and_named() -> None:
+    with pytest.raises(RanksFailed) as err:
+        start_ranks(_one_hangs, 2, start_method="fork", timeout_s=5)
+    assert list(err.value.failed) == [1]
+    assert "rank 1 did not finish within 5 s and was stopped" in str(err.value)
+    assert "rank 0" not in str(err.value)  # it returned
+    assert _gone(err.value.pids[1])
+
+
+def test_bad_arguments_to_start_ranks() -> None:
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
+        start_ranks(_one_hangs, 0)
+    with pytest.raises(ValueError, match="start_method='thread' is not available here"):
+        start_ranks(_one_hangs, 2, start_method="thread")
+
+
+def test_strategy_class_reads_lightnings_registry() -> None:
+    assert strategy_class("noloco") is NoLoCoStrategy
+    assert strategy_class("gasloc") is GASLoCStrategy
+    assert strategy_class("diloco") is DiLoCoStrategy
+    with pytest.raises(ValueError, match=r"No strategy is registered as 'nolocoo'; registered: .*'noloco'"):
+        strategy_class("nolocoo")
+
+
+@pytest.mark.slow
+def test_a_lighthouse_on_a_free_port_serves_until_closed() -> None:
+    pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
+    from torchft.coordination import LighthouseClient
+
+    from lightning_loco.testing.elastic import Lighthouse
+
+    with Lighthouse(min_replicas=2) as lighthouse:
+        host, port = lighthouse.address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        LighthouseClient(f"http://{lighthouse.address}", connect_timeout=timedelta(seconds=10)).heartbeat("probe")
+    assert lighthouse.proc.returncode == 0  # it answered SIGTERM by shutting down
+    with pytest.raises(RuntimeError, match=r"(?s)ended \(exit code 2\).*min_replicas must be an integer >= 1, got 0"):
+        Lighthouse(min_replicas=0)
