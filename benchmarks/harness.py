@@ -116,5 +116,6 @@ def run_lightning_processes(module: str, config: dict[str, Any], out: Path, rank
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"{what or 'the run of ' + module} with {ranks} processes failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{what or 'the run of ' + module} with {ranks} processes failed:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     return [torch.load(out / f"rank{r}.pt") for r in range(ranks)], wall
