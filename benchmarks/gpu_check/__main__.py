@@ -18,8 +18,10 @@ from benchmarks.gpu_check.settings import DRY, GPU, PARTS, say
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=benchmarks.gpu_check.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=benchmarks.gpu_check.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--parts", type=int, nargs="+", default=sorted(PARTS), choices=sorted(PARTS))
     parser.add_argument("--out", help="default: gpu_check.json in benchmarks/results (dry run: a temporary folder)")
     parser.add_argument("--in-process", action="store_true",

@@ -153,6 +153,6 @@ def part_two_processes(setting: Setting, budget: Budget) -> dict[str, Any]:
                 device=ranks[0]["device"],
             )
         out["configs"][config] = row
-        say(f"part 4: {config}: " + (f"errors {errors}" if errors else
-                                     f"{row['rounds']} rounds, outer step {row['outer_step_s']['median'] * 1e3:.1f} ms"))
+        say(f"part 4: {config}: " + (f"errors {errors}" if errors else f"{row['rounds']} rounds, outer step "
+                                                                       f"{row['outer_step_s']['median'] * 1e3:.1f} ms"))
     return out
