@@ -272,6 +272,25 @@ def test_a_failing_run_inside_a_part_is_recorded_and_the_part_goes_on():
     assert any(r["check"].startswith("diloco-1") for r in rows)
 
 
+def test_only_a_budget_turns_runs_down_and_a_run_it_turned_down_is_shown(monkeypatch):
+    unlimited = settings.Budget(None)  # the dry run's: none
+    assert unlimited.allows(1.0, "plain") and unlimited.left() == float("inf") and unlimited.skipped == []
+    spent = settings.Budget(10.0)
+    spent.started -= 100.0  # started 100 s ago: nothing fits any more
+    assert not spent.allows(0.1, "noloco-1") and spent.skipped == ["noloco-1"]
+
+    def part(setting, budget):
+        assert budget.allows(1.0, "plain")  # no budget given: every run may start
+        budget.skipped.append("gasloc-1")  # what allows() records for a run it turns down
+        return {"configs": {}, "errors": {}}
+
+    monkeypatch.setitem(runner.RUNNERS, 3, part)
+    result = runner.run_part_here(3, settings.DRY, None)
+    assert result["status"] == "ran" and result["skipped"] == ["gasloc-1"]
+    rows = report.rows_of({3: result}, on_gpu=True)
+    assert [(r["check"], r["status"]) for r in rows] == [("gasloc-1 skipped", "SKIPPED")]
+
+
 def _dry_run(tmp_path, *parts, isolate=False):
     """The CPU dry run of ``parts``: it has no time budgets (only limits that stop a hang), so every
     configuration of every part must have run; nothing skipped, missed or failed."""
