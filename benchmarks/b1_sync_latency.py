@@ -50,35 +50,42 @@ compared with the measured all-reduces, and extended to N = 1024, beside the rin
 
 Writes ``benchmarks/results/b1_sync_latency.json`` and ``b1_sync_latency.png`` (a ``--quick`` run
 writes them to a temporary folder instead, or to ``$LOCO_BENCH_RESULTS``).
+
+This module holds the workers and the measurements; ``ss`` and the congestion controls are read by
+:mod:`benchmarks.netem.tcp`, the latency model is :mod:`benchmarks.latency_model`, and the tables and
+the plot are :mod:`benchmarks.b1_report`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, machine, results_dir, skip_final_collection, spread, table, write_json
+from benchmarks import b1_report
+from benchmarks.common import RESULTS, results_dir, skip_final_collection, spread, write_json
+from benchmarks.latency_model import latency_model
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
+from benchmarks.netem.tcp import check_congestion, host_congestion, ss_connections, ss_text, tcp_connections
+from lightning_loco.testing.launch import init_gloo
 
 ALGORITHMS = ("noloco", "gasloc", "diloco", "ddp")
 # --codecs: the wire formats of lightning_loco.codecs, as (wire_dtype, compression)
 CODECS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "float16": ("float16", None),
           "int8": ("float32", "int8")}
 WARM_NUMEL = 1 << 20  # float32 per pair for warm_all_pairs: 4 MB is past TCP slow start on the emulated WAN
+# The workers meet through this file in their shared output folder (a FileStore: no port, and no
+# rendezvous connection beside gloo's on the emulated network), whatever their network namespaces.
+STORE = "gloo.store"
 
 
 def networks(n: int) -> dict[str, Network]:
@@ -166,7 +173,7 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    init_gloo(rank, world, file=os.path.join(out, STORE), timeout_s=900)
     try:
         network = modelled.from_env()
         transport = (
@@ -211,46 +218,6 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
         dist.destroy_process_group()
 
 
-def ss_text() -> str:
-    """``ss -tinH`` for this network namespace's established TCP connections ("" without ``ss``)."""
-    try:
-        return subprocess.run(["ss", "-tinH", "state", "established"], check=False, capture_output=True, text=True).stdout
-    except OSError:
-        return ""
-
-
-def tcp_connections() -> dict[str, dict[str, float]]:
-    """This network namespace's established TCP connections: see :func:`parse_ss`."""
-    return parse_ss(ss_text())
-
-
-def parse_ss(text: str) -> dict[str, dict[str, float]]:
-    """Per peer address (IPv4, without the port), the sender's congestion window ``cwnd`` (packets),
-    slow-start threshold ``ssthresh`` and ``bytes_sent`` of the connection to it that has sent the
-    most (the data connection, not the store's), from the output of ``ss -tinH``."""
-    best: dict[str, dict[str, float]] = {}
-    for peer, info in ss_connections(text):
-        if info.get("bytes_sent", 0.0) >= best.get(peer, {}).get("bytes_sent", -1.0):
-            best[peer] = info
-    return best
-
-
-def ss_connections(text: str) -> list[tuple[str, dict[str, float]]]:
-    """Every connection in the output of ``ss -tinH``: its peer address and what :func:`parse_ss` reads
-    (``bytes_sent`` is absent while nothing was sent)."""
-    conns: list[tuple[str, dict[str, float]]] = []
-    for line in text.splitlines():
-        if line[:1].isspace():
-            if conns:
-                for key in ("cwnd", "ssthresh", "bytes_sent"):
-                    found = re.search(rf"\b{key}:(\d+)", line)
-                    if found:
-                        conns[-1][1][key] = float(found.group(1))
-        elif line.split():
-            conns.append((line.split()[-1].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:"), {}))
-    return conns
-
-
 def idle_worker(params: int, rounds: int, out: str, gaps: list[float]) -> None:
     """Two replicas, one pair. After one exchange that warms the connection, every round sets
     ``net.ipv4.tcp_slow_start_after_idle`` in this node's namespace (1 and 0 in turn), stays silent
@@ -266,11 +233,12 @@ def idle_worker(params: int, rounds: int, out: str, gaps: list[float]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # the emulator gives node i the address <subnet>.<i + 1>, and MASTER_ADDR is node 0's
     peer_address = f"{os.environ['MASTER_ADDR'].rsplit('.', 1)[0]}.{2 - rank}"
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=900))
+    init_gloo(rank, world, file=os.path.join(out, STORE), timeout_s=900)
     try:
         transport = TorchDistributedTransport(torch.device("cpu"))
         buf = torch.ones(params)
-        # did gloo connect when the process group was created? (one of these is the rendezvous store's)
+        # did gloo connect when the process group was created? (the ranks meet through a file: every
+        # connection between them is gloo's)
         first: dict[str, Any] = {"after_init": [c for peer, c in ss_connections(ss_text()) if peer == peer_address]}
         for label in ("cold", "warm"):  # the connection's first model, then at once a second one
             dist.barrier()
@@ -338,23 +306,6 @@ def measure(mode: str, network: Network, params: int, rounds: int, algorithms: t
     return row
 
 
-def codec_rows(rows: list[dict]) -> list[dict]:
-    """One flat row per (configuration, method, codec) of ``rows``, for the table of wire formats."""
-    flat = []
-    for r in rows:
-        for key in r["per_replica"]:
-            if key == "ddp":
-                continue
-            name, _, codec = key.partition("+")
-            speedup = r["speedup"].get(key) or {}
-            flat.append({"mode": r["mode"], "replicas": r["replicas"], "params_m": r["params"] / 1e6, "method": name,
-                         "codec": codec or "float32", "s": r[key]["median"], "s_min": r[key]["min"],
-                         "s_max": r[key]["max"], "mb": statistics.mean(r["bytes_sent"][key]) / 1e6,
-                         "speedup": speedup.get("median", 1.0 if not codec else None),
-                         "speedup_min": speedup.get("min"), "speedup_max": speedup.get("max")})
-    return flat
-
-
 def measure_idle(
     network: Network, params: int, rounds: int, gaps: list[float], congestion: str | None
 ) -> tuple[list[dict], dict]:
@@ -387,116 +338,6 @@ def measure_idle(
                          "seconds": spread(slowest[ssai]), "cwnd_before": spread(cwnds) if cwnds else None,
                          "on_over_off": spread(ratios)})
     return rows, first
-
-
-def host_congestion() -> str:
-    """The host's default TCP congestion control (new network namespaces inherit it)."""
-    try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
-def check_congestion(names: list[str]) -> None:
-    """Exits with what to do when a congestion control cannot be chosen inside a namespace: there,
-    only the host's ``net.ipv4.tcp_allowed_congestion_control`` (and its default) may be set."""
-    proc = Path("/proc/sys/net/ipv4")
-    try:
-        available = (proc / "tcp_available_congestion_control").read_text().split()
-        allowed = (proc / "tcp_allowed_congestion_control").read_text().split()
-    except OSError:
-        return
-    for name in names:
-        if name not in available:
-            sys.exit(f"--congestion {name}: this kernel has {' '.join(available)}")
-        if name not in allowed and name != host_congestion():
-            sys.exit(f"--congestion {name}: network namespaces may only choose from "
-                     f"net.ipv4.tcp_allowed_congestion_control ({' '.join(allowed)}); add it with "
-                     f"sysctl -w net.ipv4.tcp_allowed_congestion_control='{' '.join(allowed)} {name}' "
-                     f"(and set the list back afterwards)")
-
-
-def latency_model(rows: list[dict], sigma: float = 0.3, trials: int = 100) -> dict:
-    """The paper's latency model, fitted to our measurements and extended to N = 1024.
-
-    A message time m = t·LN(σ) (log-normal jitter with mean t). t is fitted as half the measured
-    pair exchange on the slow network at the smallest model (the paper counts a pair exchange as
-    2·t: a send and a receive). A pair exchange costs two message times and waits for nobody else.
-    A tree all-reduce has 2·log2 N levels (reduce, then broadcast), each waiting for the slowest of
-    its N/2^(k+1) parallel messages. A ring all-reduce (what gloo and NCCL use for large buffers) has
-    2(N−1) steps, each waiting for the slowest of N parallel chunk transfers of 1/N of the model
-    (link latency plus chunk at the link's bandwidth).
-    """
-    slow = [r for r in rows if r["network"] != "loopback"]
-    if not slow:
-        return {}
-    params = min(r["params"] for r in slow)
-    points = [r for r in slow if r["params"] == params]
-    t = statistics.median(r["noloco"]["median"] for r in points) / 2
-    link = uniform(2, mbit=100, one_way_ms=50)
-    latency, rate = link.one_way_s(0, 1), link.links[0].bytes_per_s
-    rng = random.Random(0)
-
-    def slowest(k: int, scale: float) -> float:  # the slowest of k jittered messages
-        return scale * max(rng.lognormvariate(-sigma**2 / 2, sigma) for _ in range(k))
-
-    predictions = []
-    for n in [2**k for k in range(1, 11)]:
-        pair = statistics.mean(slowest(1, t) + slowest(1, t) for _ in range(trials))
-        tree = statistics.mean(
-            2 * sum(slowest(max(1, n >> (level + 1)), t) for level in range(int(math.log2(n)))) for _ in range(trials)
-        )
-        chunk = latency + 4 * params / n / rate
-        ring = statistics.mean(sum(slowest(n, chunk) for _ in range(2 * (n - 1))) for _ in range(max(1, trials // 10)))
-        predictions.append({"replicas": n, "pair_s": pair, "tree_allreduce_s": tree, "ring_allreduce_s": ring,
-                            "tree_over_pair": tree / pair, "ring_over_pair": ring / pair})
-    measured = [{"replicas": r["replicas"], "noloco_s": r["noloco"]["median"], "diloco_s": r["diloco"]["median"],
-                 "mode": r["mode"]} for r in points]
-    return {"params": params, "message_s": t, "jitter_sigma": sigma, "link": link.name,
-            "predictions": predictions, "measured": measured}
-
-
-def plot(rows: list[dict], model: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    def key(r: dict) -> tuple:
-        return r["mode"], r["network"], r["params"], r.get("tcp") or ""
-
-    for (mode, net, params, tcp), style in zip(sorted({key(r) for r in rows}), ["o-", "s-", "^-", "v-", "d-", "x-", "+-", "*-"] * 4):
-        sub = sorted((r for r in rows if key(r) == (mode, net, params, tcp)), key=lambda r: r["replicas"])
-        ns = [r["replicas"] for r in sub]
-        where = mode if mode == "loopback" else f"{mode}, {net}" + (f", {tcp}" if tcp else "")
-        axes[0].plot(ns, [r["diloco"]["median"] / r["noloco"]["median"] for r in sub], style,
-                     label=f"{where}, {params / 1e6:g} M params")
-    axes[0].set_xscale("log", base=2)
-    axes[0].set_xlabel("replicas N")
-    axes[0].set_ylabel("DiLoCo / NoLoCo outer-step time")
-    axes[0].axhline(1, color="grey", lw=0.5)
-    axes[0].legend(fontsize=7)
-    axes[0].set_title("measured")
-    if model:
-        ns = [p["replicas"] for p in model["predictions"]]
-        axes[1].plot(ns, [p["pair_s"] for p in model["predictions"]], "-", label="pair exchange (model)")
-        axes[1].plot(ns, [p["tree_allreduce_s"] for p in model["predictions"]], "-", label="tree all-reduce (model)")
-        axes[1].plot(ns, [p["ring_allreduce_s"] for p in model["predictions"]], "--", label="ring all-reduce (model)")
-        for m in model["measured"]:
-            axes[1].plot(m["replicas"], m["noloco_s"], "ko")
-            axes[1].plot(m["replicas"], m["diloco_s"], "rs")
-        axes[1].plot([], [], "ko", label="NoLoCo measured")
-        axes[1].plot([], [], "rs", label="DiLoCo measured")
-        axes[1].set_xscale("log", base=2)
-        axes[1].set_yscale("log")
-        axes[1].set_xlabel("replicas N")
-        axes[1].set_ylabel("seconds per outer step")
-        axes[1].set_title(f"latency model, {model['params'] / 1e6:g} M params, σ = {model['jitter_sigma']}")
-        axes[1].legend(fontsize=7)
-    fig.suptitle(f"B1 sync latency; {machine()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
@@ -532,7 +373,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.replot:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
-        plot(saved["rows"], saved["latency_model"], RESULTS / f"{args.out}.png")
+        b1_report.plot(saved["rows"], saved["latency_model"], RESULTS / f"{args.out}.png")
         return
     if args.worker:
         options = json.loads(args.worker)
@@ -587,54 +428,13 @@ def main() -> None:
             print(f"idle part: {first['tcp']} {params / 1e6:g} M done", flush=True)
     model = latency_model(rows, trials=10 if args.quick else 100) if both else {}
     if rows and both:
-        flat = [{**r, **{a: r[a]["median"] for a in args.methods}, "params_m": r["params"] / 1e6} for r in rows]
-        print(f"\nB1: seconds per outer step (slowest replica, median of {rounds} rounds; every pair warmed: "
-              f"{not args.cold}; {idle:g} s of silence before each outer step); {machine()}")
-        print(table(flat, [("mode", "mode", "s"), ("network", "network", "s"), ("tcp", "TCP", "s"), ("replicas", "N", "d"),
-                           ("params_m", "M params", "g"), ("noloco", "NoLoCo", ".3f"), ("gasloc", "GASLoC", ".3f"),
-                           ("diloco", "DiLoCo", ".3f"), ("ddp", "DDP step", ".3f"),
-                           ("diloco_over_noloco", "DiLoCo/NoLoCo", ".2f")]))
+        b1_report.print_methods(rows, args.methods, rounds, not args.cold, idle)
     if rows and args.codecs != ["float32"]:
-        print(f"\nB1 wire formats: seconds per outer step (slowest replica, median [min, max] of {rounds} rounds), "
-              "payload MB sent per replica per outer step, and float32's time over the codec's, round by round")
-        print(table(codec_rows(rows), [
-            ("mode", "mode", "s"), ("replicas", "N", "d"), ("params_m", "M params", "g"), ("method", "method", "s"),
-            ("codec", "codec", "s"), ("s", "median s", ".3f"), ("s_min", "min", ".3f"), ("s_max", "max", ".3f"),
-            ("mb", "MB sent", ".2f"), ("speedup", "float32/codec", ".2f"), ("speedup_min", "min", ".2f"),
-            ("speedup_max", "max", ".2f")]))
+        b1_report.print_codecs(rows, rounds)
     if model:
-        print(f"\nlatency model: message time t = {model['message_s']:.3f} s (fitted: half the measured pair "
-              f"exchange, {model['params'] / 1e6:g} M params), log-normal jitter σ = {model['jitter_sigma']}")
-        print(table(model["predictions"], [("replicas", "N", "d"), ("pair_s", "pair s", ".3f"),
-                                           ("tree_allreduce_s", "tree all-reduce s", ".3f"),
-                                           ("tree_over_pair", "tree/pair", ".1f"),
-                                           ("ring_allreduce_s", "ring all-reduce s", ".3f"),
-                                           ("ring_over_pair", "ring/pair", ".1f")]))
+        b1_report.print_latency_model(model)
     if idle_rows:
-        flat = [{**r, "params_m": r["params"] / 1e6, "s": r["seconds"]["median"], "s_min": r["seconds"]["min"],
-                 "s_max": r["seconds"]["max"], "cwnd": (r["cwnd_before"] or {}).get("median"),
-                 "ratio": r["on_over_off"]["median"], "ratio_min": r["on_over_off"]["min"],
-                 "ratio_max": r["on_over_off"]["max"]} for r in idle_rows]
-        print(f"\nB1 idle: one pair exchange after a gap of silence, slowest of 2 replicas, {args.idle_rounds} rounds "
-              f"per setting, settings interleaved round by round; emulated {uniform(2).name}; {machine()}")
-        print(table(flat, [("tcp", "TCP", "s"), ("params_m", "M params", "g"), ("gap_s", "gap s", "g"),
-                           ("slow_start_after_idle", "slow start after idle", "d"), ("s", "median s", ".3f"),
-                           ("s_min", "min", ".3f"), ("s_max", "max", ".3f"), ("cwnd", "cwnd before", "g"),
-                           ("ratio", "on/off", ".2f"), ("ratio_min", "min", ".2f"), ("ratio_max", "max", ".2f")]))
-        flat = []
-        for f in first_rows:
-            init = f["per_rank"][0]["after_init"]
-            unused = [c for c in init if not c.get("bytes_sent")]
-            flat.append({**f, "params_m": f["params"] / 1e6, "ratio": f["cold_s"] / f["warm_s"], "init": len(init),
-                         "unused": len(unused), "unused_cwnd": unused[0].get("cwnd") if unused else None,
-                         "cold_cwnd": (f["per_rank"][0]["after_cold"] or {}).get("cwnd")})
-        print("\nB1 idle: a connection's first pair exchange (cold) and the next one at once (warm), slowest of 2; "
-              "rank 0's connections to rank 1 once the process group exists (before any exchange), and the data "
-              "connection's window after the cold exchange")
-        print(table(flat, [("tcp", "TCP", "s"), ("params_m", "M params", "g"), ("cold_s", "cold s", ".3f"),
-                           ("warm_s", "warm s", ".3f"), ("ratio", "cold/warm", ".2f"),
-                           ("init", "connections after init", "d"), ("unused", "of which never sent", "d"),
-                           ("unused_cwnd", "their cwnd", "g"), ("cold_cwnd", "cwnd after cold", "g")]))
+        b1_report.print_idle(idle_rows, first_rows, args.idle_rounds)
     labels = sorted({r["mode"] for r in rows})
     path = write_json(f"{args.out}.json", {"benchmark": "B1 sync latency", "modes": labels, "rounds": rounds,
                                            "warm_pairs": not args.cold, "idle_s": idle,
@@ -642,7 +442,7 @@ def main() -> None:
                                            "rows": rows, "latency_model": model, "idle_rows": idle_rows,
                                            "first_exchange": first_rows}, results)
     if rows and both:
-        plot(rows, model, results / f"{args.out}.png")
+        b1_report.plot(rows, model, results / f"{args.out}.png")
     print(f"wrote {path}" + (f" and {results / (args.out + '.png')}" if rows and both else ""))
 
 

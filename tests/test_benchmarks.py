@@ -97,8 +97,10 @@ def test_b1_reads_the_data_connection_from_ss():
         "0      0         10.1.2.1:35429          10.1.2.3:40522\n"
         "\t cubic rto:304 cwnd:12 ssthresh:167 bytes_sent:20\n"
     )
-    assert b1().parse_ss(text) == {"10.1.2.2": {"cwnd": 405.0, "bytes_sent": 4000000.0},
-                                   "10.1.2.3": {"cwnd": 12.0, "ssthresh": 167.0, "bytes_sent": 20.0}}
+    from benchmarks.netem.tcp import parse_ss
+
+    assert parse_ss(text) == {"10.1.2.2": {"cwnd": 405.0, "bytes_sent": 4000000.0},
+                              "10.1.2.3": {"cwnd": 12.0, "ssthresh": 167.0, "bytes_sent": 20.0}}
 
 
 def test_sysctls_need_the_emulator():

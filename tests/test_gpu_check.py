@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks import gpu_check
+from benchmarks.gpu_check import report, runner, settings, training
 from lightning_loco.algorithms import DiLoCo, NoLoCo
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.testing.host_reads import HostReadCounter, rounds_seen
 from lightning_loco.testing.launch import init_gloo
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
 from lightning_loco.staging import StagingPool
@@ -117,17 +118,17 @@ def test_inner_steps_read_nothing_back_to_the_host(n, algorithm, overlap):
     drivers = [OuterStepDriver(algorithm, network.transport(i), sync_every=4, overlap_steps=overlap) for i in range(n)]
     for driver, p in zip(drivers, params):
         driver.add(FlatParameters([p], "cpu"))
-    counter = gpu_check.HostReadCounter()
+    counter = HostReadCounter()
     inner, outer = [], []
     for _ in range(12):
         for driver, p in zip(drivers, params):
             with torch.no_grad():
                 p.add_(0.01)  # an inner step's update
-            before = gpu_check.rounds_seen(driver)
+            before = rounds_seen(driver)
             counter.count = 0
             with counter.counting():
                 driver.after_inner_step(0)
-            (inner if gpu_check.rounds_seen(driver) == before else outer).append(counter.count)
+            (inner if rounds_seen(driver) == before else outer).append(counter.count)
     assert len(outer) == n * (5 if overlap else 3)  # 3 rounds start; with τ = 2, 2 land before the end
     assert inner and all(n == 0 for n in inner)
 
@@ -140,7 +141,7 @@ def test_host_read_counter_sees_reads_inside_the_driver():
     driver = OuterStepDriver(NoLoCo(), network.transport(0), sync_every=2)
     driver.track_norms = True
     driver.add(FlatParameters([p], "cpu"))
-    counter = gpu_check.HostReadCounter()
+    counter = HostReadCounter()
     with counter.counting():
         driver.after_inner_step(0)
         assert counter.count == 0
@@ -244,13 +245,13 @@ def test_a_failing_part_is_recorded_and_the_others_still_report(monkeypatch):
     def broken(setting, budget):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setitem(gpu_check.RUNNERS, 3, broken)
-    result = gpu_check.run_part_here(3, gpu_check.DRY, 5.0)
+    monkeypatch.setitem(runner.RUNNERS, 3, broken)
+    result = runner.run_part_here(3, settings.DRY, 5.0)
     assert result["status"] == "error" and "illegal memory access" in result["error"]
     assert "RuntimeError" in result["traceback"]
     ok = {"status": "ran", "backend": "gloo", "runs": {}, "transport": {"bitwise_equal": True,
           "event_completion": False, "new_threads": 0}}
-    rows = gpu_check.rows_of({3: result, 5: ok}, on_gpu=False)
+    rows = report.rows_of({3: result, 5: ok}, on_gpu=False)
     assert rows[0]["part"] == "3" and rows[0]["status"] == "FAILED" and "illegal memory access" in rows[0]["result"]
     assert rows[-1]["part"] == "5" and rows[-1]["status"] == "ok"
 
@@ -261,34 +262,57 @@ def test_a_failing_run_inside_a_part_is_recorded_and_the_part_goes_on():
     def oom():
         raise RuntimeError("CUDA out of memory. Tried to allocate 1.50 GiB")
 
-    assert gpu_check.guarded(errors, "gasloc-1", oom) is None
-    assert gpu_check.guarded(errors, "diloco-1", lambda: 42) == 42
+    assert training.guarded(errors, "gasloc-1", oom) is None
+    assert training.guarded(errors, "diloco-1", lambda: 42) == 42
     assert list(errors) == ["gasloc-1"] and "out of memory" in errors["gasloc-1"]
     part = {"status": "ran", "configs": {"plain": {"peak_bytes": None}, "diloco-1": {"peak_bytes": None}},
             "errors": errors}
-    rows = gpu_check.rows_of({3: part}, on_gpu=False)
+    rows = report.rows_of({3: part}, on_gpu=False)
     assert [(r["check"], r["status"]) for r in rows if r["status"] == "FAILED"] == [("gasloc-1 failed", "FAILED")]
     assert any(r["check"].startswith("diloco-1") for r in rows)
 
 
+def test_only_a_budget_turns_runs_down_and_a_run_it_turned_down_is_shown(monkeypatch):
+    unlimited = settings.Budget(None)  # the dry run's: none
+    assert unlimited.allows(1.0, "plain") and unlimited.left() == float("inf") and unlimited.skipped == []
+    spent = settings.Budget(10.0)
+    spent.started -= 100.0  # started 100 s ago: nothing fits any more
+    assert not spent.allows(0.1, "noloco-1") and spent.skipped == ["noloco-1"]
+
+    def part(setting, budget):
+        assert budget.allows(1.0, "plain")  # no budget given: every run may start
+        budget.skipped.append("gasloc-1")  # what allows() records for a run it turns down
+        return {"configs": {}, "errors": {}}
+
+    monkeypatch.setitem(runner.RUNNERS, 3, part)
+    result = runner.run_part_here(3, settings.DRY, None)
+    assert result["status"] == "ran" and result["skipped"] == ["gasloc-1"]
+    rows = report.rows_of({3: result}, on_gpu=True)
+    assert [(r["check"], r["status"]) for r in rows] == [("gasloc-1 skipped", "SKIPPED")]
+
+
 def _dry_run(tmp_path, *parts, isolate=False):
+    """The CPU dry run of ``parts``: it has no time budgets (only limits that stop a hang), so every
+    configuration of every part must have run; nothing skipped, missed or failed."""
     env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     flags = ["--isolate"] if isolate else []
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *flags, "--parts", *parts], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=900, check=False)  # a hang guard, not a budget
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "did not run on a GPU" in proc.stdout
+    assert "did not run on a GPU" in proc.stdout and "no time budget" in proc.stdout
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["cuda"] is False
     assert [int(p) for p in result["parts"]] == [int(p) for p in parts]
     assert all(part["status"] == "ran" for part in result["parts"].values())
-    assert not [row for row in result["rows"] if row["status"] in ("MISSED", "FAILED")]
+    assert all(part["skipped"] == [] and not part.get("errors") for part in result["parts"].values())
+    assert not [row for row in result["rows"] if row["status"] in ("MISSED", "FAILED", "SKIPPED")]
     return result
 
 
 def test_cpu_dry_run(tmp_path):
     """The dry run of every part that needs no second process, in one process: it exits 0, says it
-    did not run on a GPU, and its checks that apply on the CPU pass. Part 4 runs in the slow test."""
+    did not run on a GPU, every configuration ran, and its checks that apply on the CPU pass. Part 4
+    runs in the slow test."""
     result = _dry_run(tmp_path, "1", "2", "3", "5")
     overhead = result["parts"]["1"]["configs"]
     assert set(overhead) == {"plain", "noloco-1", "noloco-1-cpu-state"}
@@ -296,23 +320,45 @@ def test_cpu_dry_run(tmp_path):
     assert set(result["parts"]["3"]["configs"]) == {
         "plain", *(f"{a}-1{s}" for a in ("noloco", "gasloc", "diloco") for s in ("", "-cpu-state"))}
     syncs = result["parts"]["2"]["configs"]
+    assert set(syncs) == {"plain", "noloco-1", "noloco-1-cpu-state", "noloco-1-overlap", "diloco-1-overlap",
+                          "noloco-1+monitor"}
     for config in ("noloco-1", "noloco-1-cpu-state", "noloco-1-overlap", "diloco-1-overlap"):
         assert syncs[config]["inner_steps"] > 0 and syncs[config]["hook_host_reads_per_inner_step"] == 0
         assert syncs[config]["host_reads_per_inner_step"] == syncs["plain"]["host_reads_per_inner_step"]
+        # the counted steps: 3 rounds start in them, and with overlap each lands in a step of its own
+        counted = result["parts"]["2"]["steps_counted"]
+        assert syncs[config]["outer_steps"] == (6 if "overlap" in config else 3)
+        assert syncs[config]["inner_steps"] + syncs[config]["outer_steps"] == counted
     nccl = result["parts"]["5"]
     assert nccl["backend"] == "gloo" and nccl["transport"]["bitwise_equal"]
+    assert list(nccl["runs"]) == ["noloco-1", "diloco-1-overlap"]
     assert [run["rounds"] for run in nccl["runs"].values()] == [3, 3]
+    # τ = 1: the first two rounds land a step after they started, the last one at once (the end of fit)
+    assert [run["overlap_steps"] for run in nccl["runs"].values()] == [[0, 0, 0], [1, 1, 0]]
 
 
 @pytest.mark.slow
 def test_cpu_dry_run_of_part_4_in_its_own_process(tmp_path):
     """Part 4 in a process of its own, as every part runs on a GPU, with its two processes (spawned,
-    staging forced on the CPU). The other parts' dry run is the fast test above."""
+    staging forced on the CPU). Every configuration must run, and each is judged by counts and bitwise
+    agreement, not by a loss trend (8 steps of a tiny model): both ranks took every step, started
+    and landed every round where it belongs (with overlap, τ steps after it started; the round of
+    the last step at once), their weights moved, and after the final average they are bitwise equal.
+    The other parts' dry run is the fast test above."""
     result = _dry_run(tmp_path, "4", isolate=True)
-    for config, row in result["parts"]["4"]["configs"].items():
+    configs = result["parts"]["4"]["configs"]
+    dry = settings.DRY
+    assert set(configs) == {f"noloco-2-overlap{tau}" for tau in (0, dry.pair_overlap)} and dry.pair_overlap > 0
+    for config, row in configs.items():
         assert not row["errors"], config
-        assert row["trained"] and row["replicas_agree"] and row["staging_reused"], config
-        assert row["staging_pinned"] is False and row["rounds"] == 2
+        assert row["steps_per_rank"] == [dry.pair_steps] * 2, config
+        assert row["rounds_per_rank"] == row["rounds_started_per_rank"] == [2, 2] and row["rounds"] == 2, config
+        assert row["rounds_as_expected"], config
+        tau = row["overlap_steps"]
+        assert row["landings"] == [{"t": 0, "inner_step": 4 + tau, "overlap_steps": tau, "final": False},
+                                   {"t": 1, "inner_step": 8, "overlap_steps": 0, "final": True}], config
+        assert row["weights_moved"] and row["replicas_agree"] and row["staging_reused"], config
+        assert row["staging_pinned"] is False, config
 
 
 # ---------------------------------------------------------------- on a machine with CUDA (the GPU check covers more)

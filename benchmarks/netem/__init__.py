@@ -8,4 +8,6 @@
   everything it created, also when interrupted.
 * :mod:`benchmarks.netem.modelled`: no root. The real operation runs on loopback, then the process
   sleeps until the finish time the link model predicts. Every output it produces says "modelled".
+* :mod:`benchmarks.netem.tcp`: what the kernel says about TCP inside a namespace (``ss``'s view of
+  each connection, the congestion controls a namespace may choose).
 """

@@ -1,0 +1,44 @@
+"""B5: does it train as well as the papers say? Convergence at equal tokens.
+
+    python -m benchmarks.b5_convergence                        # the grid: under an hour on 2 CPU cores
+    python -m benchmarks.b5_convergence --parts tuning h_study  # the tuning experiment: ~12 min more
+    python -m benchmarks.b5_convergence --quick                 # a smoke run of every part, under a minute
+    python -m benchmarks.b5_convergence --parts codecs          # wire formats: 45 runs, ~40 min on 2 cores
+
+Every method trains the same byte-level GPT on Shakespeare from the same start, with the same
+inner optimizer (AdamW, warmup then cosine), the same batch per replica and the same number of
+inner steps, so every run sees the same tokens. Methods:
+
+* ``ddp``: gradients averaged at every step (the same global batch);
+* ``independent``: replicas that never communicate;
+* ``diloco``, ``noloco``, ``gasloc_pairs`` (random pairs), ``gasloc_ring``: paper defaults except H;
+* ``gossip_pairs``, ``gossip_ring``: plain gossip averaging, a D-SGD-style baseline: GASLoC with
+  outer momentum γ = 0, η = 1 and α = ½, i.e. each matched pair replaces its weights by their
+  average, with no outer step and no momentum.
+
+Data splits: ``iid`` (every replica samples the whole training text, as Lightning's
+DistributedSampler gives it) and ``non_iid`` (each replica reads only its own plays; plays are dealt
+to replicas by size). The validation set is the last 5 % of every play, common to all runs.
+
+Runs go through :class:`lightning_loco.simulator.TrainingSimulator`, which runs the strategies' own
+driver and outer step for N replicas in one process (``tests/test_simulator.py`` shows it follows
+the multi-process strategies step by step). The ``processes`` part trains the same configuration with
+real processes through Lightning at N = 4 and 8 and compares loss and time per step.
+
+The ``codecs`` part trains DiLoCo, NoLoCo and GASLoC (random pairs) at N = 4 on iid shards with
+every wire format (``CODECS``: float32, bfloat16, float16, int8 with the default error feedback, and
+int8 with it switched the other way), 3 seeds each, and plots the loss against the bytes sent.
+
+Each finished run is kept as one JSON file in ``b5_runs/`` next to the results, so an interrupted
+run resumes where it stopped (``--fresh`` starts over). The summary is ``b5_convergence.json`` with
+tables and PNGs.
+
+Modules: :mod:`.grid` (settings, methods and the jobs of every part), :mod:`.runs` (one run in the
+simulator, and the ``processes`` part through :mod:`benchmarks.harness`), :mod:`.analysis` (tables
+and verdicts), :mod:`.plots` (the PNGs) and ``__main__`` (the command line).
+"""
+
+from benchmarks.b5_convergence.grid import Job, Settings, tuned
+from benchmarks.b5_convergence.runs import run_job
+
+__all__ = ["Job", "Settings", "run_job", "tuned"]

@@ -1,0 +1,73 @@
+"""``python -m benchmarks.b5_convergence``: the command line (see the package's docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import benchmarks.b5_convergence
+from benchmarks.b5_convergence.analysis import report
+from benchmarks.b5_convergence.grid import DEFAULT_PARTS, FULL, PARTS, QUICK, Job, Settings, best_tuning_jobs, jobs_for
+from benchmarks.b5_convergence.runs import lightning_run, processes_part, run_job
+from benchmarks.common import machine, results_dir
+
+
+def run_all(pool: Any, jobs: list[Job], settings: Settings, runs_dir: Path, started: float) -> None:
+    futures = [pool.submit(run_job, j, settings, str(runs_dir / f"{j.name}.json"), 1) for j in jobs]
+    for k, future in enumerate(futures):
+        record = future.result()
+        print(f"[{k + 1}/{len(jobs)} {time.perf_counter() - started:6.0f} s] {record['name']}: consensus "
+              f"{record['final']['consensus']:.3f} (plain outer end {record['final']['outer_consensus']:.3f}), "
+              f"mean replica {record['final']['mean_replica']:.3f} ({record['seconds']:.0f} s)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.b5_convergence", description=benchmarks.b5_convergence.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="a small model and grid: a smoke run of every part")
+    parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each (default 2)")
+    parser.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS), choices=PARTS,
+                        help=f"default: {' '.join(DEFAULT_PARTS)} (--quick: all)")
+    parser.add_argument("--fresh", action="store_true", help="forget finished runs and start over")
+    parser.add_argument("--lightning-run", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.lightning_run:
+        lightning_run(json.loads(args.lightning_run))
+        return
+    settings = QUICK if args.quick else FULL
+    if args.quick and args.parts == list(DEFAULT_PARTS):
+        args.parts = list(PARTS)
+    folder = results_dir(args.quick)
+    runs_dir = folder / ("b5_runs_quick" if args.quick else "b5_runs")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        for p in runs_dir.glob("*.json"):
+            p.unlink()
+    todo = [j for j in jobs_for(settings, args.quick) if j.part in args.parts and not (runs_dir / f"{j.name}.json").exists()]
+    print(f"B5 on {machine()}: {len(todo)} runs to do, {args.workers} at a time", flush=True)
+    started = time.perf_counter()
+    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+        run_all(pool, todo, settings, runs_dir, started)
+        if "tuning" in args.parts:
+            extra = [j for j in best_tuning_jobs(runs_dir, settings, args.quick) if not (runs_dir / f"{j.name}.json").exists()]
+            run_all(pool, extra, settings, runs_dir, started)
+    process_rows: list[dict[str, Any]] = []
+    process_file = runs_dir / "processes.json"
+    if process_file.exists() and not args.fresh:  # kept from an earlier run of this part
+        process_rows = json.loads(process_file.read_text())
+    elif "processes" in args.parts:
+        process_rows = processes_part(settings, args.quick, runs_dir)
+        process_file.write_text(json.dumps(process_rows))
+    report(folder, runs_dir, settings, args.quick, process_rows)
+    print(f"B5 took {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""B5's grid: the two sizes of a run (full and quick), the methods, the wire formats, and the jobs
+of every part in priority order."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int
+    sync_every: int
+    batch_size: int
+    block_size: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    lr: float
+    warmup_steps: int
+    eval_every: int
+    eval_batches: int  # 16 sequences each, spread evenly over the validation set; every eval_every steps
+    final_eval_batches: int
+
+    @property
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"block_size": self.block_size, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                "lr": self.lr, "warmup_steps": self.warmup_steps, "max_steps": self.steps}
+
+
+# H = 10 and 450 steps: 45 outer steps (at least 40 were asked for), so that the whole grid fits in
+# about an hour on 2 cores. The papers' H = 50 would need 2,250 steps per run for as many outer steps;
+# at 8 sequences of 64 bytes per replica and step, the grid would then take about 5 hours here.
+FULL = Settings(steps=450, sync_every=10, batch_size=8, block_size=64, n_layer=2, n_embd=64, n_head=4, lr=3e-3,
+                warmup_steps=30, eval_every=50, eval_batches=8, final_eval_batches=64)
+QUICK = Settings(steps=24, sync_every=4, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
+                 warmup_steps=4, eval_every=12, eval_batches=2, final_eval_batches=4)
+
+PARTS = ("main", "h1", "large", "tuning", "h_study", "codecs", "processes")
+DEFAULT_PARTS = ("main", "h1", "large", "processes")
+MAIN_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs")
+LARGE_METHODS = {16: ("ddp", "independent", "diloco", "noloco", "gasloc_pairs"), 64: ("diloco", "noloco", "gasloc_pairs")}
+# At H = 1, also GASLoC with gossip's η = 1 and α = ½: then only the outer momentum γ differs from
+# plain gossip, the paper's claim of momentum as gossip acceleration in isolation.
+H1_METHODS = ("gasloc_ring", "gossip_ring", "gasloc_pairs", "gossip_pairs", "gasloc_ring_matched", "gasloc_pairs_matched")
+
+
+# The tuning part: every method gets the same 3 x 3 grid of outer learning rate and outer momentum
+# (its paper default among them), at N = 4, iid, one seed; then the best of each with two more seeds.
+TUNING_GRID = {
+    "diloco": ((0.3, 0.7, 1.0), (0.0, 0.5, 0.9)),
+    "noloco": ((0.5, 0.7, 0.9), (0.0, 0.25, 0.5)),
+    "gasloc_pairs": ((0.5, 0.7, 1.0), (0.0, 0.25, 0.5)),
+}
+
+
+# The codecs part: wire formats as (wire_dtype, compression, error_feedback); None = the default
+# (error feedback on for DiLoCo's pseudo-gradients, off for NoLoCo's and GASLoC's weights).
+CODECS = {
+    "float32": ("float32", None, None),
+    "bfloat16": ("bfloat16", None, None),
+    "int8": ("float32", "int8", None),
+    "float16": ("float16", None, None),
+    "int8_ef": ("float32", "int8", True),  # error feedback on weights (NoLoCo, GASLoC)
+    "int8_no_ef": ("float32", "int8", False),  # DiLoCo without its error feedback
+}
+CODEC_METHODS = ("diloco", "noloco", "gasloc_pairs")
+
+
+def codec_variants(method: str, first: bool) -> list[str]:
+    """The wire formats of the codecs part for ``method``: the targets first (float32, bfloat16,
+    int8), then float16 and error feedback switched the other way."""
+    if first:
+        return ["float32", "bfloat16", "int8"]
+    return ["float16", "int8_no_ef" if method == "diloco" else "int8_ef"]
+
+
+def tuned(method: str, lr: float, momentum: float) -> str:
+    return f"{method}@lr={lr},m={momentum}"
+
+
+def make_algorithm(method: str) -> Any:
+    from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+
+    if "@" in method:  # a tuning variant: "noloco@lr=0.5,m=0.25"
+        base, spec = method.split("@")
+        values = dict(item.split("=") for item in spec.split(","))
+        lr, momentum = float(values["lr"]), float(values["m"])
+        if base == "diloco":
+            return DiLoCo(outer_lr=lr, outer_momentum=momentum)
+        if base == "noloco":
+            return NoLoCo(outer_lr=lr, outer_momentum=momentum)
+        return GASLoC(topology="random_pairs", outer_lr=lr, outer_momentum=momentum)
+    return {
+        "ddp": None,
+        "independent": None,
+        "diloco": DiLoCo(),
+        "noloco": NoLoCo(),
+        "gasloc_pairs": GASLoC(topology="random_pairs"),
+        "gasloc_ring": GASLoC(topology="ring"),
+        "gossip_pairs": GASLoC(topology="random_pairs", outer_lr=1.0, outer_momentum=0.0, gossip_step=0.5),
+        "gossip_ring": GASLoC(topology="ring", outer_lr=1.0, outer_momentum=0.0, gossip_step=0.5),
+        "gasloc_pairs_matched": GASLoC(topology="random_pairs", outer_lr=1.0, outer_momentum=0.5, gossip_step=0.5),
+        "gasloc_ring_matched": GASLoC(topology="ring", outer_lr=1.0, outer_momentum=0.5, gossip_step=0.5),
+    }[method]
+
+
+@dataclass(frozen=True)
+class Job:
+    method: str
+    replicas: int
+    split: str
+    seed: int
+    sync_every: int
+    part: str  # "main", "h1", "large", "tuning", "h_study" or "codecs"
+    wire: str = "float32"  # a key of CODECS
+
+    @property
+    def name(self) -> str:
+        wire = "" if self.part != "codecs" else f"-{self.wire}"
+        return f"{self.part}-{self.method}{wire}-n{self.replicas}-{self.split}-h{self.sync_every}-s{self.seed}"
+
+
+def jobs_for(settings: Settings, quick: bool) -> list[Job]:
+    """In priority order: an interrupted run has the most important results first."""
+    seeds = (0,) if quick else (0, 1, 2)
+    sizes = (2,) if quick else (4, 8)
+    methods = MAIN_METHODS
+    jobs = []
+    for n in sizes:
+        for split in ("iid", "non_iid"):
+            for seed in seeds:
+                jobs += [Job(m, n, split, seed, settings.sync_every, "main") for m in methods]
+        if n == sizes[0]:  # GASLoC against plain gossip at one step per communication
+            jobs += [Job(m, n, "iid", seed, 1, "h1") for seed in seeds for m in H1_METHODS]
+    large = {4: ("noloco", "gasloc_pairs")} if quick else LARGE_METHODS
+    for n, names in large.items():
+        jobs += [Job(m, n, "iid", 0, settings.sync_every, "large") for m in names]
+    n = sizes[0]
+    for method, (lrs, momenta) in TUNING_GRID.items():
+        grid = [(lrs[0], momenta[0]), (lrs[-1], momenta[-1])] if quick else [(a, b) for a in lrs for b in momenta]
+        jobs += [Job(tuned(method, a, b), n, "iid", 0, settings.sync_every, "tuning") for a, b in grid]
+    # H against the run length: the defaults at half and at five times this H (9 outer steps in all)
+    for h in (settings.sync_every // 2, settings.sync_every * 5):
+        methods = ("noloco", "diloco") if quick else ("noloco", "diloco", "gasloc_pairs")
+        jobs += [Job(m, n, "iid", 0, h, "h_study") for m in methods]
+    # wire formats: the targets with every seed first, then the rest
+    # (quick: DiLoCo and NoLoCo with the targets and float16, one seed)
+    codec_methods = ("diloco", "noloco") if quick else CODEC_METHODS
+    for first in (True, False):
+        for seed in seeds:
+            jobs += [Job(m, n, "iid", seed, settings.sync_every, "codecs", w)
+                     for m in codec_methods for w in codec_variants(m, first)[: 1 if quick and not first else None]]
+    return jobs
+
+
+def best_tuning_jobs(runs_dir: Path, settings: Settings, quick: bool) -> list[Job]:
+    """Two more seeds for each method's best tuning configuration (by consensus loss)."""
+    jobs = []
+    for method in TUNING_GRID:
+        runs = [json.loads(p.read_text()) for p in runs_dir.glob(f"tuning-{method}@*-s0.json")]
+        if not runs:
+            continue
+        best = min(runs, key=lambda r: r["final"]["consensus"])
+        seeds = (1,) if quick else (1, 2)
+        jobs += [Job(best["method"], best["replicas"], "iid", seed, settings.sync_every, "tuning") for seed in seeds]
+    return jobs

@@ -1,0 +1,51 @@
+"""The NoLoCo paper's latency model (its Eq. 5), fitted to B1's measurements and extended to N = 1024:
+a pair exchange against a tree all-reduce, both of log-normally jittered message times, beside a
+ring all-reduce of chunks on the emulated link."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+from benchmarks.netem.links import uniform
+
+
+def latency_model(rows: list[dict], sigma: float = 0.3, trials: int = 100) -> dict:
+    """The paper's latency model, fitted to our measurements and extended to N = 1024.
+
+    A message time m = t·LN(σ) (log-normal jitter with mean t). t is fitted as half the measured
+    pair exchange on the slow network at the smallest model (the paper counts a pair exchange as
+    2·t: a send and a receive). A pair exchange costs two message times and waits for nobody else.
+    A tree all-reduce has 2·log2 N levels (reduce, then broadcast), each waiting for the slowest of
+    its N/2^(k+1) parallel messages. A ring all-reduce (what gloo and NCCL use for large buffers) has
+    2(N−1) steps, each waiting for the slowest of N parallel chunk transfers of 1/N of the model
+    (link latency plus chunk at the link's bandwidth).
+    """
+    slow = [r for r in rows if r["network"] != "loopback"]
+    if not slow:
+        return {}
+    params = min(r["params"] for r in slow)
+    points = [r for r in slow if r["params"] == params]
+    t = statistics.median(r["noloco"]["median"] for r in points) / 2
+    link = uniform(2, mbit=100, one_way_ms=50)
+    latency, rate = link.one_way_s(0, 1), link.links[0].bytes_per_s
+    rng = random.Random(0)
+
+    def slowest(k: int, scale: float) -> float:  # the slowest of k jittered messages
+        return scale * max(rng.lognormvariate(-sigma**2 / 2, sigma) for _ in range(k))
+
+    predictions = []
+    for n in [2**k for k in range(1, 11)]:
+        pair = statistics.mean(slowest(1, t) + slowest(1, t) for _ in range(trials))
+        tree = statistics.mean(
+            2 * sum(slowest(max(1, n >> (level + 1)), t) for level in range(int(math.log2(n)))) for _ in range(trials)
+        )
+        chunk = latency + 4 * params / n / rate
+        ring = statistics.mean(sum(slowest(n, chunk) for _ in range(2 * (n - 1))) for _ in range(max(1, trials // 10)))
+        predictions.append({"replicas": n, "pair_s": pair, "tree_allreduce_s": tree, "ring_allreduce_s": ring,
+                            "tree_over_pair": tree / pair, "ring_over_pair": ring / pair})
+    measured = [{"replicas": r["replicas"], "noloco_s": r["noloco"]["median"], "diloco_s": r["diloco"]["median"],
+                 "mode": r["mode"]} for r in points]
+    return {"params": params, "message_s": t, "jitter_sigma": sigma, "link": link.name,
+            "predictions": predictions, "measured": measured}
