@@ -1,7 +1,7 @@
 """Codec speed: GB/s of encode and decode for bfloat16, float16 and int8, against a plain copy.
 
     python -m benchmarks.codec_speed [--sizes 1e6 1e7 5e7] [--repeats 7] [--before a10949b] [--compile]
-    python -m benchmarks.codec_speed --quick        # a few seconds: 10^5 and 10^6 values, 5 repeats
+    python -m benchmarks.codec_speed --quick        # a few seconds: 10^4 and 10^5 values, 5 repeats
 
 On one flat float32 payload x of n values (``torch.randn``), at one thread (``torch.set_num_threads(1)``)
 and at torch's default number of threads:
@@ -210,13 +210,13 @@ def report(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="10^5 and 10^6 values, 5 repeats")
+    parser.add_argument("--quick", action="store_true", help="10^4 and 10^5 values, 5 repeats")
     parser.add_argument("--sizes", type=float, nargs="+", help="payload sizes in values (default 1e6 1e7 5e7)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats per size (default 7, at least 5)")
     parser.add_argument("--before", default=BEFORE, help=f"commit of the before codecs (default {BEFORE}; '' for none)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the int8 arithmetic")
     args = parser.parse_args()
-    sizes = [int(s) for s in (args.sizes or ([1e5, 1e6] if args.quick else [1e6, 1e7, 5e7]))]
+    sizes = [int(s) for s in (args.sizes or ([1e4, 1e5] if args.quick else [1e6, 1e7, 5e7]))]
     repeats = args.repeats or (5 if args.quick else 7)
     if repeats < 5:
         parser.error("--repeats must be at least 5: a median and a spread need them")
