@@ -1,16 +1,16 @@
-"""The codecs' arithmetic at memory speed: each pass over a payload reads and writes it once.
+"""The codecs' arithmetic at memory speed: every operation writes into a buffer it is given.
 
-A naive int8 encode is about ten whole-buffer tensor operations (absolute values, a padded copy,
-the division, rounding, clamping, the cast, the gathering of scales and values), each of which
-allocates a new buffer the size of the payload and streams it through main memory: on a CPU each fresh
-buffer also costs its page faults. Here every operation writes into a buffer it is given, and on a
-CPU the payload is walked in pieces of about :data:`PIECE_BYTES`, small enough that a piece stays
-in the core's cache between the operations on it: main memory sees the payload read once and the
-result written once. On an accelerator the whole buffer is one piece (its caching allocator makes
-the scratch free, and one launch per operation is what it wants).
+Written as one whole-buffer tensor operation after another (absolute values, a padded copy, the
+division, rounding, clamping, the cast, the gathering of scales and values), an int8 encode
+allocates about ten new buffers the size of the payload, streams each through main memory, and on
+a CPU pays each one's page faults. Here nothing of the payload's size is allocated but the result
+and one scratch buffer, and on a CPU running torch on one thread the payload is walked in pieces of
+:data:`PIECE_BYTES`, small enough that a piece stays in the cache between the operations on it:
+main memory sees the payload read once and the result written once. With several threads, and on
+an accelerator, the whole buffer is one piece (see :func:`piece_values`).
 
 Every function computes what the codecs' definitions say with the same tensor operations in the
-same order, so the encoded bytes and the decoded floats are bitwise those of the one-pass-per-operation
+same order, so the encoded bytes and the decoded floats are bitwise those of the whole-buffer
 formulation (``tests/test_codecs.py`` holds them against it).
 """
 
@@ -19,21 +19,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-PIECE_BYTES = 1 << 22  # float32 bytes of one piece on a CPU: 4 MiB, or ...
-THREAD_BYTES = 1 << 20  # ... 1 MiB for each of torch's threads, where that is more
+PIECE_BYTES = 1 << 22  # float32 bytes of one piece on a single-threaded CPU: 4 MiB
 
 
 def piece_values(device: torch.device, n: int, multiple: int = 1) -> int:
     """How many values one piece holds on ``device``: a multiple of ``multiple``, at least one.
 
-    On a CPU a piece and its scratch fit in the last-level cache: smaller pieces pay more in the
-    fixed cost of each operation (several µs) than they gain, larger ones leave the cache (measured
-    with ``benchmarks/codec_speed.py``'s sizes). Each of torch's threads gets a share of about
-    ``THREAD_BYTES``. Anywhere else: all ``n``."""
-    if device.type != "cpu":
+    On a CPU where torch runs one thread, ``PIECE_BYTES``: a piece and its scratch stay in the
+    last-level cache, and smaller pieces would pay more in the fixed cost of each operation (several
+    µs) than they gain. Where torch runs several threads, every operation is a parallel region whose
+    threads must all be scheduled before it ends; on a busy machine that wait outweighs the cache,
+    so there, as on an accelerator, the whole buffer is one piece: as many operations as the
+    naive formulation, without its temporaries (``benchmarks/codec_speed.py`` measured both)."""
+    if device.type != "cpu" or torch.get_num_threads() > 1:
         return max(n, multiple)
-    size = max(PIECE_BYTES, THREAD_BYTES * torch.get_num_threads()) // 4
-    return max(1, size // multiple) * multiple
+    return max(1, PIECE_BYTES // 4 // multiple) * multiple
 
 
 def extremes(x: Tensor) -> tuple[float, float]:

@@ -225,14 +225,20 @@ def hard_payload(n: int, b: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(params=["pieces", "whole"])
 def pieces(request, monkeypatch):
-    """Both ways the kernels walk a payload: in pieces of a few blocks (as on a CPU) and in one
-    piece (as on an accelerator)."""
+    """Both ways the kernels walk a payload: in pieces, here of a few blocks (a CPU with torch on
+    one thread), and in one piece (several threads, or an accelerator)."""
     from lightning_loco import codec_kernels
 
-    small = request.param == "pieces"
-    monkeypatch.setattr(codec_kernels, "PIECE_BYTES", 4 * 1000 if small else 1 << 40)
-    monkeypatch.setattr(codec_kernels, "THREAD_BYTES", 4 * 1000 if small else 1 << 40)
-    return request.param
+    threads = torch.get_num_threads()
+    if request.param == "pieces":
+        torch.set_num_threads(1)
+        monkeypatch.setattr(codec_kernels, "PIECE_BYTES", 4 * 1000)
+        assert codec_kernels.piece_values(torch.device("cpu"), 10_000, 7) == 994
+    else:
+        torch.set_num_threads(max(2, threads))
+        assert codec_kernels.piece_values(torch.device("cpu"), 10_000, 7) == 10_000
+    yield request.param
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 255, 256, 257, 4000, 10_007])
