@@ -114,7 +114,8 @@ def same_bytes(codec: Any, encoded: Any, x: torch.Tensor) -> bool:
     arithmetic: for x's whole blocks)."""
     if isinstance(codec, CompiledInt8):
         full = x.numel() // codec.block_size * codec.block_size
-        return bool(torch.equal(codec.as_bytes(encoded, full), codecs.Int8BlockCodec(codec.block_size).encode(x[:full])))
+        expected = codecs.Int8BlockCodec(codec.block_size).encode(x[:full])
+        return bool(torch.equal(codec.as_bytes(encoded, full), expected))
     return bool(torch.equal(encoded, codecs.make_codec(**CODECS[codec.name]).encode(x)))
 
 

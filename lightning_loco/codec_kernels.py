@@ -44,7 +44,7 @@ def extremes(x: Tensor) -> tuple[float, float]:
 
 
 def int8_encode(x: Tensor, block_size: int, out: Tensor) -> None:
-    """Per-block absmax int8 of the flat float32 ``x`` into ``out`` (``uint8``, scales then values):
+    """Per-block absmax int8 of the flat, contiguous float32 ``x`` into ``out`` (``uint8``, scales then values):
     s = max|x| / 127 per block, q = clamp(round(x / s'), −127, 127) with s' = s, or 1 where s = 0."""
     n, b = x.numel(), block_size
     blocks, full = -(-n // b), n // b
@@ -95,7 +95,8 @@ def int8_decode(data: Tensor, n: int, block_size: int, out: Tensor, add: bool = 
 
 
 def add_cast(total: Tensor, values: Tensor) -> None:
-    """``total += values.float()`` for 2-byte floats, a piece at a time (no float32 copy of ``values``)."""
+    """``total += values.float()`` for 2-byte floats, a piece at a time (:func:`piece_values`): the
+    float32 copy of ``values`` the mixed-dtype addition may make is one piece's, not the payload's."""
     n = total.numel()
     step = piece_values(total.device, n)
     for start in range(0, n, step):

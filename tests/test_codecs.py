@@ -283,7 +283,9 @@ def test_casts_decode_into_and_add_bitwise(dtype, pieces):
     assert torch.equal(codec.decode_add_(total, encoded), expected)
 
 
-@pytest.mark.parametrize("codec", [make_codec("float32"), make_codec("float16"), make_codec(compression="int8", block_size=64)])
+@pytest.mark.parametrize(
+    "codec", [make_codec("float32"), make_codec("float16"), make_codec(compression="int8", block_size=64)]
+)
 def test_decode_sum_and_segments_equal_decoding_each_payload(codec, pieces):
     n = 5000
     xs = [hard_payload(n, 64, seed=s).clamp(-6e4, 6e4) for s in range(3)]
@@ -293,7 +295,8 @@ def test_decode_sum_and_segments_equal_decoding_each_payload(codec, pieces):
         expected = expected + codec.decode(encoded[j], n)
     assert torch.equal(decode_sum(encoded, n, codec, [2, 0, 1]), expected)
     parts = segments(n, 2, 3)
-    assert torch.equal(roundtrip_segments(xs[0], codec, parts), torch.cat([codec.roundtrip(xs[0][a:b]) for a, b in parts]))
+    assert torch.equal(roundtrip_segments(xs[0], codec, parts),
+                       torch.cat([codec.roundtrip(xs[0][a:b]) for a, b in parts]))
     reversed_parts = parts[::-1]  # any parts, concatenated in the order given
     assert torch.equal(roundtrip_segments(xs[0], codec, reversed_parts),
                        torch.cat([codec.roundtrip(xs[0][a:b]) for a, b in reversed_parts]))
@@ -306,7 +309,8 @@ def test_every_nan_or_inf_is_found_and_counted(positions, bad):
     x = payload(300)
     x[positions] = bad
     for codec in (None, make_codec("float16"), make_codec(compression="int8")):
-        with pytest.raises(PayloadError, match=rf"^W: .* holds {len(positions)} NaN or infinite value\(s\) of 300; nothing was sent"):
+        refused = rf"^W: .* holds {len(positions)} NaN or infinite value\(s\) of 300; nothing was sent"
+        with pytest.raises(PayloadError, match=refused):
             check_payload(x, codec, "W")
     x[positions[0]] = -bad if bad == bad else bad  # an inf of either sign beside NaN: still counted
     with pytest.raises(PayloadError, match=rf"holds {len(positions)} NaN"):
@@ -327,7 +331,8 @@ def test_nan_and_inf_are_found_in_a_large_payload(position):
 def test_the_float16_range_check_names_the_largest_value():
     check_payload(torch.tensor([65504.0, -65504.0]), make_codec("float16"), "R")  # float16's largest: carried
     for values, largest in (([1.0, 65504.5], "6.55e\\+04"), ([-7.0e4, 2.0], "7e\\+04"), ([-1e6, 7e4], "1e\\+06")):
-        with pytest.raises(PayloadError, match=rf"^R: .*as float16: it holds \|x\| = {largest}, beyond float16's largest value 65504"):
+        refused = rf"^R: .*as float16: it holds \|x\| = {largest}, beyond float16's largest value 65504"
+        with pytest.raises(PayloadError, match=refused):
             check_payload(torch.tensor(values), make_codec("float16"), "R")
     check_payload(torch.zeros(0), make_codec("float16"), "R")  # nothing to send, nothing to refuse
     check_payload(torch.full((5,), 3e38), make_codec("bfloat16"), "R")
