@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_loco import codec_kernels
+
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 COMPRESSIONS = (None, "int8")
 DEFAULT_BLOCK_SIZE = 256
@@ -63,15 +65,21 @@ class Codec(ABC):
         """A flat float32 tensor → a flat ``uint8`` tensor of ``nbytes(x.numel())`` bytes (same device)."""
 
     @abstractmethod
-    def decode(self, data: Tensor, n: int) -> Tensor:
-        """The ``uint8`` buffer of ``n`` encoded values → a new flat float32 tensor."""
+    def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+        """The ``uint8`` buffer of ``n`` encoded values → a flat float32 tensor: a new one, or
+        ``out`` (``n`` float32 values on the data's device) filled and returned."""
+
+    def decode_add_(self, total: Tensor, data: Tensor) -> Tensor:
+        """``total += D(data)`` for the ``total.numel()`` values in ``data``, bitwise
+        ``total.add_(self.decode(data, total.numel()))``; codecs override it to skip the decoded copy."""
+        return total.add_(self.decode(data, total.numel()))
 
     def roundtrip(self, x: Tensor) -> Tensor:
         """D(Q(x)): what a receiver gets for ``x``."""
         return self.decode(self.encode(x), x.numel())
 
-    def check(self, x: Tensor) -> str | None:
-        """Why ``x`` (known to be finite) cannot be sent in this format, or ``None``."""
+    def check(self, largest: float) -> str | None:
+        """Why a finite payload whose largest |value| is ``largest`` cannot be sent in this format, or ``None``."""
         return None
 
     def __repr__(self) -> str:
@@ -90,8 +98,12 @@ class Float32Codec(Codec):
     def encode(self, x: Tensor) -> Tensor:
         return x.detach().to(torch.float32).contiguous().view(torch.uint8)
 
-    def decode(self, data: Tensor, n: int) -> Tensor:
-        return data.view(torch.float32)[:n].clone()
+    def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+        values = data.view(torch.float32)[:n]
+        return values.clone() if out is None else out.copy_(values)
+
+    def decode_add_(self, total: Tensor, data: Tensor) -> Tensor:
+        return total.add_(data.view(torch.float32)[: total.numel()])
 
 
 class CastCodec(Codec):
@@ -109,12 +121,16 @@ class CastCodec(Codec):
     def encode(self, x: Tensor) -> Tensor:
         return x.detach().to(self.dtype).contiguous().view(torch.uint8)
 
-    def decode(self, data: Tensor, n: int) -> Tensor:
-        return data.view(self.dtype)[:n].to(torch.float32)
+    def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+        values = data.view(self.dtype)[:n]
+        return values.to(torch.float32) if out is None else out.copy_(values)
 
-    def check(self, x: Tensor) -> str | None:
-        if self.dtype == torch.float16 and x.numel():
-            largest = x.abs().max().item()
+    def decode_add_(self, total: Tensor, data: Tensor) -> Tensor:
+        codec_kernels.add_cast(total, data.view(self.dtype)[: total.numel()])
+        return total
+
+    def check(self, largest: float) -> str | None:
+        if self.dtype == torch.float16:
             if largest > FLOAT16_MAX:
                 return (f"it holds |x| = {largest:.4g}, beyond float16's largest value {FLOAT16_MAX:g}; use "
                         "wire_dtype='bfloat16' (float32's range) or compression='int8' (scaled per block)")
@@ -140,39 +156,24 @@ class Int8BlockCodec(Codec):
     def nbytes(self, n: int) -> int:
         return n + 4 * self.blocks(n)
 
-    def _padded(self, x: Tensor) -> Tensor:
-        n, b = x.numel(), self.block_size
-        blocks = self.blocks(n)
-        if blocks * b == n:
-            return x.reshape(blocks, b)
-        padded = x.new_zeros(blocks * b)
-        padded[:n] = x
-        return padded.reshape(blocks, b)
-
     def encode(self, x: Tensor) -> Tensor:
-        x = x.detach().to(torch.float32).reshape(-1)
-        n = x.numel()
-        out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=x.device)
-        if n == 0:
-            return out
-        rows = self._padded(x)
-        scales = rows.abs().amax(dim=1) / 127.0
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # a zero block: 0 / 1 = 0
-        q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-        nb = 4 * scales.numel()
-        out[:nb] = scales.view(torch.uint8)
-        out[nb:] = q.view(torch.uint8)
+        x = x.detach().to(torch.float32).reshape(-1).contiguous()
+        out = torch.empty(self.nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+        if x.numel():
+            codec_kernels.int8_encode(x, self.block_size, out)
         return out
 
-    def decode(self, data: Tensor, n: int) -> Tensor:
-        if n == 0:
-            return torch.empty(0, dtype=torch.float32, device=data.device)
-        blocks, b = self.blocks(n), self.block_size
-        scales = data[: 4 * blocks].view(torch.float32)
-        q = data[4 * blocks : 4 * blocks + n].view(torch.int8).to(torch.float32)
-        if blocks * b != n:
-            q = torch.cat([q, q.new_zeros(blocks * b - n)])
-        return (q.reshape(blocks, b) * scales[:, None]).reshape(-1)[:n]
+    def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=data.device)
+        if n:
+            codec_kernels.int8_decode(data, n, self.block_size, out)
+        return out
+
+    def decode_add_(self, total: Tensor, data: Tensor) -> Tensor:
+        if total.numel():
+            codec_kernels.int8_decode(data, total.numel(), self.block_size, total, add=True)
+        return total
 
 
 def check_block_size(block_size: Any) -> None:
@@ -210,8 +211,14 @@ def make_codec(wire_dtype: Any = "float32", compression: Any = None, block_size:
 
 def check_payload(x: Tensor, codec: Codec | None, who: str) -> None:
     """Raises :class:`PayloadError` naming ``who`` if ``x`` holds NaN or inf, or values ``codec``
-    cannot carry. Reads ``x`` only (one pass; a host sync on an accelerator)."""
-    if not bool(torch.isfinite(x).all()):
+    cannot carry. Reads ``x`` only, in two reductions that allocate nothing of its size (its min
+    and max: NaN propagates through both, an infinity is one of them, and max|x| is the larger of
+    max and −min); one host sync on an accelerator. Only a refused payload is read once more, to
+    count its bad values."""
+    if not x.numel():
+        return
+    lo, hi = codec_kernels.extremes(x)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         bad = int((~torch.isfinite(x)).sum())
         raise PayloadError(
             f"{who}: the outer step's payload holds {bad} NaN or infinite value(s) of {x.numel()}; nothing was sent. "
@@ -219,7 +226,7 @@ def check_payload(x: Tensor, codec: Codec | None, who: str) -> None:
             "batch); its peers are left untouched."
         )
     if codec is not None:
-        reason = codec.check(x)
+        reason = codec.check(max(hi, -lo))
         if reason is not None:
             raise PayloadError(f"{who}: the outer step's payload cannot be sent as {codec.name}: {reason}.")
 
@@ -250,7 +257,14 @@ def _split(start: int, end: int, parts: int) -> list[tuple[int, int]]:
 
 def roundtrip_segments(x: Tensor, codec: Codec, parts: Sequence[tuple[int, int]]) -> Tensor:
     """D(Q(x)) encoding each segment on its own, as the transport does."""
-    return torch.cat([codec.roundtrip(x[a:b]) for a, b in parts]) if parts else x.clone()
+    if not parts:
+        return x.clone()
+    out = torch.empty(sum(b - a for a, b in parts), dtype=torch.float32, device=x.device)
+    at = 0
+    for a, b in parts:  # each decoded straight into its place: no list of pieces to concatenate
+        codec.decode(codec.encode(x[a:b]), b - a, out=out[at : at + b - a])
+        at += b - a
+    return out
 
 
 def decode_sum(encoded: dict[int, Tensor], n: int, codec: Codec, group: Sequence[int]) -> Tensor:
@@ -258,7 +272,7 @@ def decode_sum(encoded: dict[int, Tensor], n: int, codec: Codec, group: Sequence
     order = sorted(group)
     total = codec.decode(encoded[order[0]], n)
     for j in order[1:]:
-        total.add_(codec.decode(encoded[j], n))
+        codec.decode_add_(total, encoded[j])
     return total
 
 

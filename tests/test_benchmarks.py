@@ -148,6 +148,29 @@ def test_b3_quick(tmp_path):
     assert {r["algorithm"] for r in result["rows"]} == {"noloco", "gasloc", "diloco"}
 
 
+def test_codec_speed_quick(tmp_path):
+    out = bench(tmp_path, "codec_speed", timeout=120)
+    result = json.loads((tmp_path / "codec_speed.json").read_text())
+    assert result["sizes"] == [10_000, 100_000] and result["repeats"] == 5
+    assert result["before"]  # the before codecs were read from git and timed beside today's
+    # every variant encoded bitwise the bytes of today's codecs, at every size and thread setting
+    assert len(result["same_bytes"]) == 4 and all(all(s.values()) for s in result["same_bytes"].values())
+    rows = {(r["threads"], r["n"], r["op"], r["codec"], r["variant"]): r for r in result["rows"]}
+    for threads in ("1", "default"):
+        for n in result["sizes"]:
+            assert rows[(threads, n, "copy", "float32", "clone")]["x_copy"]["median"] == 1.0
+            for op in ("encode", "decode"):
+                for codec in ("bfloat16", "float16", "int8"):
+                    after = rows[(threads, n, op, codec, "after")]
+                    assert (threads, n, op, codec, "before") in rows
+                    for key in ("seconds", "gbps", "x_copy", "speedup"):
+                        assert 0 < after[key]["min"] <= after[key]["median"] <= after[key]["max"]
+                    # GB/s is the float32 payload over the time
+                    assert after["gbps"]["median"] == pytest.approx(4 * n / after["seconds"]["median"] / 1e9, rel=1e-9)
+            assert (threads, n, "check", "float16", "after") in rows
+    assert "encode int8" in out and "after × copy time" in out
+
+
 @pytest.mark.slow
 def test_b4_quick(tmp_path):
     bench(tmp_path, "b4_overhead")

@@ -161,3 +161,178 @@ def test_all_reduce_bytes_are_two_n_minus_one_over_n_of_the_codec():
         assert all(abs(s - nominal) / nominal < 1e-3 for s in sent), (n, sent, nominal)
     bf16 = make_codec("bfloat16")
     assert all_reduce_bytes(bf16, 12, 4, 0) == 3 * 2 * 3 + 3 * 2 * 3  # chunks of 3 values, 2 bytes each
+
+
+# ---------------------------------------------------------------------------- the fast path against the definition
+
+
+class Reference:
+    """The codecs as first written: one whole-buffer tensor operation after another (absolute values,
+    a zero-padded copy, division, rounding, clamping, the cast). The fast path must give these bytes."""
+
+    @staticmethod
+    def int8_encode(x: torch.Tensor, b: int) -> torch.Tensor:
+        x = x.detach().to(torch.float32).reshape(-1)
+        n = x.numel()
+        blocks = math.ceil(n / b)
+        out = torch.empty(n + 4 * blocks, dtype=torch.uint8)
+        if n == 0:
+            return out
+        padded = x.new_zeros(blocks * b)
+        padded[:n] = x
+        rows = padded.reshape(blocks, b)
+        scales = rows.abs().amax(dim=1) / 127.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
+        out[: 4 * blocks] = scales.view(torch.uint8)
+        out[4 * blocks :] = q.view(torch.uint8)
+        return out
+
+    @staticmethod
+    def int8_decode(data: torch.Tensor, n: int, b: int) -> torch.Tensor:
+        if n == 0:
+            return torch.empty(0)
+        blocks = math.ceil(n / b)
+        scales = data[: 4 * blocks].view(torch.float32)
+        q = data[4 * blocks : 4 * blocks + n].view(torch.int8).to(torch.float32)
+        q = torch.cat([q, q.new_zeros(blocks * b - n)])
+        return (q.reshape(blocks, b) * scales[:, None]).reshape(-1)[:n]
+
+
+def hard_payload(n: int, b: int, seed: int = 0) -> torch.Tensor:
+    """Random values with what a codec must get right: blocks of zeros (and of −0.0), subnormals
+    (alone and beside normal values), values near float32's largest, ties for the rounding."""
+    g = torch.Generator().manual_seed(seed)
+    x = payload(n, seed)
+    for k, start in enumerate(range(0, n, b)):
+        block = x[start : start + b]
+        kind = k % 7
+        if kind == 1:
+            block.zero_()
+        elif kind == 2:
+            block.fill_(-0.0)
+        elif kind == 3:
+            block.mul_(1e-39)  # every value subnormal: the scale is subnormal or zero, the clamp bites
+        elif kind == 4:
+            block[::3] *= 1e-40
+        elif kind == 5:
+            block.copy_((torch.rand(block.numel(), generator=g) * 2 - 1) * 3.4e38)  # near float32's largest
+        elif kind == 6:  # exact multiples of half a step: round half to even decides
+            block.copy_(torch.randint(-254, 255, (block.numel(),), generator=g) / 2.0)
+    assert torch.isfinite(x).all()
+    return x
+
+
+@pytest.fixture(params=["pieces", "whole"])
+def pieces(request, monkeypatch):
+    """Both ways the kernels walk a payload: in pieces, here of a few blocks (a CPU with torch on
+    one thread), and in one piece (several threads, or an accelerator)."""
+    from lightning_loco import codec_kernels
+
+    threads = torch.get_num_threads()
+    if request.param == "pieces":
+        torch.set_num_threads(1)
+        monkeypatch.setattr(codec_kernels, "PIECE_BYTES", 4 * 1000)
+        assert codec_kernels.piece_values(torch.device("cpu"), 10_000, 7) == 994
+    else:
+        torch.set_num_threads(max(2, threads))
+        assert codec_kernels.piece_values(torch.device("cpu"), 10_000, 7) == 10_000
+    yield request.param
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 255, 256, 257, 4000, 10_007])
+@pytest.mark.parametrize("block", [1, 7, 256, 1000])
+def test_int8_is_bitwise_the_reference(n, block, pieces):
+    codec = Int8BlockCodec(block)
+    for seed in range(2):
+        x = hard_payload(n, block, seed)
+        encoded = codec.encode(x)
+        assert torch.equal(encoded, Reference.int8_encode(x, block)), (n, block, seed)
+        decoded = codec.decode(encoded, n)
+        assert decoded.dtype == torch.float32 and torch.equal(decoded, Reference.int8_decode(encoded, n, block))
+        into = torch.full((n,), float("nan"))
+        assert codec.decode(encoded, n, out=into) is into and torch.equal(into, decoded)
+        total = payload(n, seed + 9)
+        expected = total.clone().add_(decoded)
+        assert codec.decode_add_(total, encoded) is total and torch.equal(total, expected)
+
+
+def test_int8_encodes_views_and_other_dtypes_as_their_float32_copy(pieces):
+    codec = Int8BlockCodec(16)
+    x = hard_payload(3000, 16)
+    strided = x.view(1000, 3).t()  # not contiguous
+    assert torch.equal(codec.encode(strided), Reference.int8_encode(strided.contiguous(), 16))
+    assert torch.equal(codec.encode(x[5:2005]), Reference.int8_encode(x[5:2005].clone(), 16))  # an offset view
+    half = x.clamp(-6e4, 6e4).to(torch.float16)
+    assert torch.equal(codec.encode(half), Reference.int8_encode(half.float(), 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_casts_decode_into_and_add_bitwise(dtype, pieces):
+    codec, n = CastCodec(dtype), 10_007
+    x = hard_payload(n, 256).clamp(-6e4, 6e4)
+    encoded = codec.encode(x)
+    assert torch.equal(encoded, x.to(dtype).view(torch.uint8))
+    decoded = codec.decode(encoded, n)
+    assert torch.equal(decoded, encoded.view(dtype).float())
+    into = torch.empty(n)
+    assert codec.decode(encoded, n, out=into) is into and torch.equal(into, decoded)
+    total = payload(n, 3)
+    expected = total.clone().add_(decoded)
+    assert torch.equal(codec.decode_add_(total, encoded), expected)
+
+
+@pytest.mark.parametrize(
+    "codec", [make_codec("float32"), make_codec("float16"), make_codec(compression="int8", block_size=64)]
+)
+def test_decode_sum_and_segments_equal_decoding_each_payload(codec, pieces):
+    n = 5000
+    xs = [hard_payload(n, 64, seed=s).clamp(-6e4, 6e4) for s in range(3)]
+    encoded = {j: codec.encode(x) for j, x in enumerate(xs)}
+    expected = codec.decode(encoded[0], n)
+    for j in (1, 2):
+        expected = expected + codec.decode(encoded[j], n)
+    assert torch.equal(decode_sum(encoded, n, codec, [2, 0, 1]), expected)
+    parts = segments(n, 2, 3)
+    assert torch.equal(roundtrip_segments(xs[0], codec, parts),
+                       torch.cat([codec.roundtrip(xs[0][a:b]) for a, b in parts]))
+    reversed_parts = parts[::-1]  # any parts, concatenated in the order given
+    assert torch.equal(roundtrip_segments(xs[0], codec, reversed_parts),
+                       torch.cat([codec.roundtrip(xs[0][a:b]) for a, b in reversed_parts]))
+
+
+@pytest.mark.parametrize("positions", [[0], [299], [64, 65, 66], [255, 256], list(range(0, 300, 7))])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_every_nan_or_inf_is_found_and_counted(positions, bad):
+    """Wherever they are (first, last, across vector lanes and blocks, many): the message counts them."""
+    x = payload(300)
+    x[positions] = bad
+    for codec in (None, make_codec("float16"), make_codec(compression="int8")):
+        refused = rf"^W: .* holds {len(positions)} NaN or infinite value\(s\) of 300; nothing was sent"
+        with pytest.raises(PayloadError, match=refused):
+            check_payload(x, codec, "W")
+    x[positions[0]] = -bad if bad == bad else bad  # an inf of either sign beside NaN: still counted
+    with pytest.raises(PayloadError, match=rf"holds {len(positions)} NaN"):
+        check_payload(x, None, "W")
+
+
+@pytest.mark.parametrize("position", [0, 17, 500_000, 1_000_002])
+def test_nan_and_inf_are_found_in_a_large_payload(position):
+    """The reductions run vectorised and in parallel on a large payload: a single bad value anywhere counts."""
+    x = payload(1_000_003)
+    check_payload(x, make_codec("float16"), "W")
+    for bad in (float("nan"), float("-inf")):
+        x[position] = bad
+        with pytest.raises(PayloadError, match=r"holds 1 NaN or infinite value\(s\) of 1000003"):
+            check_payload(x, None, "W")
+
+
+def test_the_float16_range_check_names_the_largest_value():
+    check_payload(torch.tensor([65504.0, -65504.0]), make_codec("float16"), "R")  # float16's largest: carried
+    for values, largest in (([1.0, 65504.5], "6.55e\\+04"), ([-7.0e4, 2.0], "7e\\+04"), ([-1e6, 7e4], "1e\\+06")):
+        refused = rf"^R: .*as float16: it holds \|x\| = {largest}, beyond float16's largest value 65504"
+        with pytest.raises(PayloadError, match=refused):
+            check_payload(torch.tensor(values), make_codec("float16"), "R")
+    check_payload(torch.zeros(0), make_codec("float16"), "R")  # nothing to send, nothing to refuse
+    check_payload(torch.full((5,), 3e38), make_codec("bfloat16"), "R")
