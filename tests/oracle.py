@@ -5,7 +5,7 @@ written once more from the algorithm's own ``schedule``, ``payload`` and ``apply
 group-order summation and the codec functions alone: no :class:`~lightning_loco.driver.OuterStepDriver`,
 no transport. The driver over the in-process transport (``tests/test_driver.py``) and over
 torch.distributed, the wire formats (``tests/test_compression.py``) and the outer maths
-(``tests/test_outer_math.py``, ``tests/test_gasloc.py``, ``tests/test_overlap.py``) must agree with it.
+(``tests/test_algorithms.py``, ``tests/test_gasloc.py``, ``tests/test_overlap.py``) must agree with it.
 The library's own simulator is :class:`lightning_loco.simulator.TrainingSimulator`, which runs the driver.
 """
 
