@@ -96,10 +96,12 @@ def networks(n: int) -> dict[str, Network]:
 
 
 def time_outer_steps(algorithm: Any, delta: Any, transport: Any, rounds: int) -> list[float]:
-    """Seconds of ``algorithm.step`` over ``transport``: one warm-up round, then ``rounds`` timed
+    """Seconds of one blocking outer step (``rounds.step``) over ``transport``: one warm-up round, then ``rounds`` timed
     rounds, each after a barrier, from live weights = anchor + ``delta`` (a flat float32 model)."""
     import torch
     import torch.distributed as dist
+
+    from lightning_loco.rounds import step as outer_step
 
     state = algorithm.init_state(torch.zeros(delta.numel()), [delta.shape])
     times = []
@@ -107,7 +109,7 @@ def time_outer_steps(algorithm: Any, delta: Any, transport: Any, rounds: int) ->
         dist.barrier()
         weights = state.anchor + delta
         start = time.perf_counter()
-        algorithm.step(state, weights, r, transport)
+        outer_step(algorithm, state, weights, r, transport)
         if r > 0:
             times.append(time.perf_counter() - start)
     return times
@@ -169,6 +171,7 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
     import torch.distributed as dist
 
     from benchmarks.netem import modelled
+    from lightning_loco.rounds import step as outer_step
     from lightning_loco.transport import TorchDistributedTransport
 
     torch.set_num_threads(1)
@@ -197,7 +200,7 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
                 residual = torch.zeros(algorithm.payload_numel(state)) if wire.error_feedback else None
                 steps[column(name, codec)] = (
                     lambda r, a=algorithm, s=state, w=(wire if wire.lossy else None), e=residual:
-                    a.step(s, s.anchor + delta, r, transport, wire=w, residual=e)
+                    outer_step(a, s, s.anchor + delta, r, transport, wire=w, residual=e)
                 )
         results: dict[str, list[float]] = {key: [] for key in steps}
         sent: dict[str, list[int]] = {key: [] for key in steps}

@@ -5,7 +5,7 @@ wire format.
                                               [--codecs float32 bfloat16 float16 int8]
 
 float32 runs every algorithm; the other wire formats run NoLoCo, GASLoC on random pairs and DiLoCo
-(``CODEC_ALGORITHMS``), through ``algorithm.step(..., wire=..., residual=...)`` as the driver does.
+(``CODEC_ALGORITHMS``), through ``rounds.step(algorithm, ..., wire=..., residual=...)`` as the driver does.
 
 Runs the strategies' outer-step code (``algorithm.step`` over ``TorchDistributedTransport``) in N gloo
 processes on loopback, with a flat model of ``--params`` float32 values. Two figures per row:
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.codecs import wire_format
+from lightning_loco.rounds import step as outer_step
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
 
@@ -70,7 +71,7 @@ def _worker(rank: int, world: int, port: int, name: str, params: int, rounds: in
         residual = torch.zeros(algorithm.payload_numel(state)) if wire.error_feedback else None
         wire_arg = wire if wire.lossy else None
         weights = state.anchor + 0.01 * torch.randn(params, generator=g)
-        algorithm.step(state, weights, 0, transport, wire=wire_arg, residual=residual)  # warm-up, not measured
+        outer_step(algorithm, state, weights, 0, transport, wire=wire_arg, residual=residual)  # warm-up, not measured
         transport.stats = type(transport.stats)()
         seconds = []
         dist.barrier()
@@ -78,7 +79,7 @@ def _worker(rank: int, world: int, port: int, name: str, params: int, rounds: in
         for t in range(1, rounds + 1):
             weights = state.anchor + 0.01 * torch.randn(params, generator=g)
             start = time.perf_counter()
-            algorithm.step(state, weights, t, transport, wire=wire_arg, residual=residual)
+            outer_step(algorithm, state, weights, t, transport, wire=wire_arg, residual=residual)
             seconds.append(time.perf_counter() - start)
         dist.barrier()
         after = _lo_tx()
