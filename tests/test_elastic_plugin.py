@@ -210,6 +210,23 @@ def test_elastic_plugin_needs_an_elastic_transport():
 MAX_STEPS, LIGHTNING_H, HEAL_ROUND = 12, 2, 3
 
 
+@pytest.fixture
+def in_this_process():
+    """Trainers of the elastic strategy in this process: each is a world of one, whose default process group
+    (and the MASTER_PORT Lightning put in the environment) would outlive the test and clash with the next
+    test's processes. Both go when the test ends."""
+    import os
+
+    import torch.distributed as dist
+
+    environment = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
 class Snapshots(L.Callback):
     """What the replica holds as each step's forward pass ends, before its backward (``on_before_backward``): a
     replica healed at a batch's start shows its healed state there, untouched by that batch's step yet."""
@@ -275,7 +292,7 @@ def logged(out, replica_id: str) -> dict[int, float]:
     return {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
 
 
-def test_a_healed_lightning_replica_takes_its_donors_whole_training_state(tmp_path):
+def test_a_healed_lightning_replica_takes_its_donors_whole_training_state(tmp_path, in_this_process):
     """a trains alone and hands its state to b at outer step 3 (step 6, mid-epoch); then each goes on alone.
     Right after healing, b's step, learning rate, AdamW state, scheduler and loop counters are a's at the same
     step (bitwise); its logged steps and learning rates continue a's, and both end at max_steps with a
@@ -311,7 +328,7 @@ def test_a_healed_lightning_replica_takes_its_donors_whole_training_state(tmp_pa
     assert saved == {"a": [4, 8, 12], "b": [8, 12]}  # named by the run's step: b's last is at max_steps too
 
 
-def test_heal_false_takes_the_step_counts_and_keeps_its_own_optimizer_state(tmp_path):
+def test_heal_false_takes_the_step_counts_and_keeps_its_own_optimizer_state(tmp_path, in_this_process):
     """heal=False (a replica resumed from its own checkpoint): b takes a's step, schedule and logged step, so it
     steps, logs and stops with the run, and keeps its own weights and AdamW state (fresh here: empty)."""
     hub = Hub(timeout=60)
