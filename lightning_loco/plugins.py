@@ -8,18 +8,25 @@ memberships between rounds, heal, and keep their records.
 The hooks, in the order a run calls them:
 
 * :meth:`DriverPlugin.attach`: once, when the driver is built;
+* :meth:`DriverPlugin.use_training_state`: once, by whoever runs the inner loop (the Lightning strategy),
+  with the parts of the training state that live outside the driver (:class:`TrainingState`);
 * :meth:`DriverPlugin.before_training`: once, after the optimizers' slots are added and a resumed
   state is loaded, before the first inner step;
+* :meth:`DriverPlugin.between_steps`: by whoever runs the inner loop, before each inner step, where no
+  step is half taken (the Lightning strategy: at the start of each training batch);
 * :meth:`DriverPlugin.before_round`: before round t of an optimizer is posted;
 * :meth:`DriverPlugin.after_landing`: after it landed (or was dropped), with its :class:`Landing`;
 * :meth:`DriverPlugin.close`: once, when training stops, however it stops.
+
+:meth:`DriverPlugin.peer_ids` names the peers of each round's report (``OuterStepReport.peer_ids``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from lightning_loco.driver import OuterStepDriver
@@ -44,18 +51,43 @@ class Landing:
     final: bool  # landed as the end of training (no round follows)
 
 
+@dataclass(frozen=True)
+class TrainingState:
+    """The parts of a replica's training state that live outside the driver: the inner optimizers' state,
+    the learning-rate schedulers, a loss scaler, the training loop's step counters. Given by whoever runs
+    the inner loop (the Lightning strategy), so that a plug-in can copy a replica's whole state to another
+    without knowing what is inside.
+
+    ``export()`` returns it as a dict of tensors and plain values (it must survive ``torch.save`` and
+    ``torch.load(weights_only=True)``; its tensors may be the live ones, so serialize it at once), as it
+    stands between two inner steps. ``load(state, everything)``
+    takes it: everything (``True``) or only what counts steps (``False``: the loop's counters and the
+    learning-rate schedulers; the optimizers' and scaler's own state stay)."""
+
+    export: Callable[[], dict[str, Any]]
+    load: Callable[[dict[str, Any], bool], None]
+
+
 class DriverPlugin:
     """Does nothing; subclasses override the hooks they need (see the module docstring)."""
 
     # Whether the run's end is decided by the driver's count of inner steps rather than by Lightning's
-    # loop: a plug-in that changes the counters (a replica that healed took a donor's) sets it.
+    # loop: a plug-in whose counters can differ from the loop's sets it.
     ends_by_driver_steps: bool = False
+    training_state: Optional[TrainingState] = None
 
     def attach(self, driver: "OuterStepDriver") -> None:
         self.driver = driver
 
+    def use_training_state(self, state: TrainingState) -> None:
+        """The training state outside the driver (see :class:`TrainingState`)."""
+        self.training_state = state
+
     def before_training(self) -> None:
         """Before the first inner step (after a resumed state is loaded)."""
+
+    def between_steps(self) -> None:
+        """Before an inner step, with no step half taken: the training state is whole here."""
 
     def before_round(self, optimizer_index: int, outer_step: int) -> None:
         """Before round ``outer_step`` of optimizer ``optimizer_index`` is posted."""
@@ -65,6 +97,12 @@ class DriverPlugin:
 
     def close(self) -> None:
         """Training stopped (the end of ``fit``, an error or a signal)."""
+
+    def peer_ids(self, group: Sequence[int]) -> tuple[str, ...]:
+        """The names of this replica's peers in ``group`` (replica indices), for the round's report. The
+        static launch names replicas by their index; elastic replicas by their replica id."""
+        own = self.driver.transport.replica
+        return tuple(str(j) for j in group if j != own)
 
 
 def no_plugin(transport: object) -> DriverPlugin:

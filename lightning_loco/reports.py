@@ -34,6 +34,9 @@ class OuterStepReport:
     peer_distance: Optional[float] = None  # ‖own payload − group's mean payload‖: a free, local spread signal
     final: bool = False  # landed as the end of training: live weights without the momentum extrapolation
     compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of this replica's payload x (lossy wire formats)
+    # The peers' names, in the order of ``peers``: replica ids for elastic replicas (``peers`` are indices
+    # into the current membership, which changes), the index as text in the static launch.
+    peer_ids: tuple[str, ...] = ()
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:

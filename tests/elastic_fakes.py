@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_loco.elastic import heal
 from lightning_loco.elastic.membership import View
 
 
@@ -34,7 +35,7 @@ class Hub:
         self.reduces: dict[tuple[Any, ...], dict[int, Tensor]] = {}
         self.dead: set[str] = set()
         self.aborted: set[int] = set()  # quorum ids whose group a member aborted
-        self.heal_states: dict[int, dict[str, Any]] = {}  # quorum id -> the donor's state
+        self.heal_states: dict[int, bytes] = {}  # quorum id -> the donor's state, as the real store holds it
 
     def kill(self, replica_id: str) -> None:
         with self.cond:
@@ -166,17 +167,16 @@ class FakeMembership:
         plan = self._next()
         if plan is None:
             return next_round
+        head = heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
         if self.replica_id in plan.joiners:
             with self.hub.cond:
                 self.hub.wait_for(lambda: plan.quorum_id in self.hub.heal_states, lambda: None)
-                state = self.hub.heal_states[plan.quorum_id]
-            next_round = load(state, self.heal)
+                raw = self.hub.heal_states[plan.quorum_id]
+            next_round = load(heal.decode(raw, head), self.heal)
         elif plan.donor == self.replica_id:
-            buffer = io.BytesIO()  # serialised, as the real membership sends it: later training changes nothing
-            torch.save({**export(), "donor": self.replica_id}, buffer)
-            state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+            raw = heal.encode(export(), head)  # serialized at once, as the real membership does
             with self.hub.cond:
-                self.hub.heal_states[plan.quorum_id] = state
+                self.hub.heal_states[plan.quorum_id] = raw
                 self.hub.cond.notify_all()
         group = FakeGroup(self.hub, plan.quorum_id, plan.members, self.replica_id)
         self.view = View(plan.quorum_id, plan.members, plan.members.index(self.replica_id), plan.switch, group)

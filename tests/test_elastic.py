@@ -9,7 +9,9 @@ own session with a time limit; a failing test kills their process groups.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -203,6 +205,7 @@ def test_plan_for_diloco_heals_members_that_committed_fewer_rounds() -> None:
 # ---------------------------------------------------------------- real replicas, a real Lighthouse, SIGKILL
 
 OUTER_STEP_TIMEOUT = 30.0  # an exchange never waits longer: the process groups' timeout
+MAX_STEPS = 90  # of the kill-and-rejoin run
 RUN_LIMIT_S = 150  # no replica process may run longer than this
 
 
@@ -216,6 +219,16 @@ def replicas(out: Path, lighthouse: str, **common: Any) -> Replicas:
 def lighthouse():
     with Lighthouse(min_replicas=2, heartbeat_timeout_ms=1500, join_timeout_ms=20_000) as server:
         yield server.address
+
+
+def csv_logged(out: Path, replica_id: str, pid: int) -> dict[int, float]:
+    """step -> learning rate, as the replica process ``pid`` logged them (``replica.py --csv``)."""
+    import csv
+
+    with open(out / "csv" / replica_id / str(pid) / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    column = next(c for c in rows[0] if c.startswith("lr-"))
+    return {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
 
 
 def first_losses(losses: list[list[float]]) -> float:
@@ -264,15 +277,19 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     itself right after posting the exchange of its 10th round, with its partners' round in flight. The
     others finish fit, their losses fall, partners agree on every round, no exchange waits longer than
     the outer-step timeout, and the restarted r3 takes the weights of a live replica and meets the
-    others from the first round of the membership that admits it."""
-    launcher = replicas(tmp_path, lighthouse, max_steps=90, sync_every=2, step_sleep=0.1)
+    others from the first round of the membership that admits it. With AdamW and the shipped GPT's warm-up
+    + cosine schedule: the restarted r3 takes its donor's step and learning rate, its logged steps go on
+    from there, and every live replica stops at max_steps, its last checkpoint at that step."""
+    launcher = replicas(tmp_path, lighthouse, max_steps=MAX_STEPS, sync_every=2, step_sleep=0.1, optimizer="adamw",
+                        csv=True)
     try:
-        procs = {rid: launcher.start(rid, **({"die_in_exchange_at": 10} if rid == "r2" else {}))
+        procs = {rid: launcher.start(rid, save_ckpt=tmp_path / f"{rid}.ckpt",
+                                     **({"die_in_exchange_at": 10} if rid == "r2" else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
         launcher.wait_for_step("r3", 11, procs["r3"])  # step 11 of H = 2: in the inner phase of outer step 5
         assert launcher.kill(procs["r3"]) == -signal.SIGKILL
-        rejoined = launcher.start("r3")  # its progress file goes first
-        codes = {rid: launcher.wait(p) for rid, p in [*procs.items(), ("r3'", rejoined)] if rid != "r3"}
+        restarted = launcher.start("r3", save_ckpt=tmp_path / "r3.ckpt")  # its progress file goes first
+        codes = {rid: launcher.wait(p) for rid, p in [*procs.items(), ("r3'", restarted)] if rid != "r3"}
     finally:
         launcher.close()
     assert codes == {"r0": 0, "r1": 0, "r2": -signal.SIGKILL, "r3'": 0}, launcher.logs()
@@ -316,6 +333,29 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     assert rejoin["rounds"][0]["outer_step"] == heal["outer_step"] == rejoin["memberships"][0]["first_round"]
     assert [r["outer_step"] for r in rejoin["rounds"]] == list(range(heal["outer_step"], 45))
     assert not any(r["alone"] for r in rejoin["rounds"])
+
+    # ... with the donor's whole training state: its step and learning rate at the switch are the donor's, its
+    # steps go on from there (none counted twice, none missed), at the learning rates of every other replica
+    healed_at = heal["inner_steps"]
+    assert healed_at == 2 * heal["outer_step"] and heal["extra_checksum"] == donor_export[0]["extra_checksum"]
+    lrs = {rid: dict(map(tuple, rec["steps"])) for rid, rec in records.items()}
+    assert [step for step, _ in rejoin["steps"]] == list(range(healed_at, MAX_STEPS))
+    for step, lr in lrs["r3"].items():
+        assert lr == lrs[heal["donor"]][step] == lrs["r0"].get(step, lr) == lrs["r1"].get(step, lr), step
+    logged = csv_logged(tmp_path, "r3", restarted.pid)
+    assert sorted(logged) == list(range(healed_at, MAX_STEPS))  # the logger's steps continue the run's
+    donor_logged = csv_logged(tmp_path, heal["donor"], procs[heal["donor"]].pid)
+    assert all(logged[step] == donor_logged[step] for step in logged)
+    # every live replica stopped at max_steps (Lightning's own stop) and says so; its last checkpoint is there
+    for rid, rec in records.items():
+        assert rec["global_step"] == MAX_STEPS, rid
+        assert torch.load(tmp_path / f"{rid}.ckpt", weights_only=False)["global_step"] == MAX_STEPS, rid
+    text = {name: (tmp_path / name).read_text() for name in ("r0.0.log", "r1.0.log", "r3.1.log")}
+    for name, lines in text.items():
+        assert f"training ended at step {MAX_STEPS}, the run's max_steps" in lines, name
+        assert f"`max_steps={MAX_STEPS}` reached" in lines, name
+    assert f"took its state from {heal['donor']!r}" in text["r3.1.log"]
+    assert re.search(r"left: \[[^]]*'r2'", text["r0.0.log"] + text["r1.0.log"])  # the membership change, said
 
 
 @pytest.mark.slow
@@ -408,3 +448,49 @@ def test_a_lighthouse_that_died_fails_the_next_switch_naming_what_happened() -> 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_replica_still_waiting_for_the_lighthouse(tmp_path: Path) -> None:
+    """A Lighthouse address that accepts connections and never answers (a socket of this test): the replica's
+    client connects and waits. SIGTERM stops it there: it says so and exits as Lightning does on SIGTERM,
+    instead of waiting for its connect timeout or join_timeout (600 s) and failing on that."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)
+    mute.settimeout(RUN_LIMIT_S)  # the test's own limit: the replica never connecting fails the test
+    launcher = replicas(tmp_path, f"127.0.0.1:{mute.getsockname()[1]}", join_timeout=600.0)
+    connections = []
+    try:
+        proc = launcher.start("r0")
+        connections.append(mute.accept()[0])  # the replica's Lighthouse client has dialed: it is waiting
+        proc.send_signal(signal.SIGTERM)
+        code = launcher.wait(proc)
+    finally:
+        launcher.close()
+        for connection in connections:
+            connection.close()
+        mute.close()
+    text = launcher.logs()
+    assert code == 0, text  # Lightning's SIGTERMException is a SystemExit: a clean stop
+    assert "Replica 'r0' received SIGTERM while waiting for" in text, text
+    assert "join_timeout" not in text and "could not reach" not in text, text
+    assert not (tmp_path / "r0.json").exists()  # fit stopped: the replica wrote no record
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_refuses_connections_is_named_with_the_connect_timeout() -> None:
+    """Nothing listens at the address: torchft retries until its connect timeout, and the error names that
+    timeout (join_timeout capped at 30 s), not join_timeout itself."""
+    from lightning_loco.elastic.config import ElasticConfig
+    from lightning_loco.elastic.membership import Membership
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(RuntimeError) as failed:
+        Membership(ElasticConfig(lighthouse=f"127.0.0.1:{port}", replica_id="solo", join_timeout=2.0))
+    message = str(failed.value)
+    assert "could not reach the Lighthouse" in message and "the connect timeout is 2 s" in message, message
+    assert "lightning-loco lighthouse --min-replicas N" in message

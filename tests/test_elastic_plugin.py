@@ -7,10 +7,14 @@ Lighthouse and process group are replaced. Replicas run in threads, since elasti
 from __future__ import annotations
 
 import copy
+import csv
 import threading
+import warnings
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 from elastic_fakes import FakeMembership, Hub, Script, flat_of
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
@@ -198,3 +202,204 @@ def test_plugin_hooks_run_in_order_around_rounds():
 def test_elastic_plugin_needs_an_elastic_transport():
     with pytest.raises(TypeError, match="ElasticTransport"):
         ElasticPlugin(InProcessNetwork(1).transport(0))
+
+
+# ---------------------------------------------------------------- a Lightning replica heals its whole training state
+
+
+MAX_STEPS, LIGHTNING_H, HEAL_ROUND = 12, 2, 3
+
+
+@pytest.fixture
+def in_this_process():
+    """Trainers of the elastic strategy in this process: each is a world of one, whose default process group
+    (and the MASTER_PORT Lightning put in the environment) would outlive the test and clash with the next
+    test's processes. Both go when the test ends."""
+    import os
+
+    import torch.distributed as dist
+
+    environment = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+class Snapshots(L.Callback):
+    """What the replica holds as each step's forward pass ends, before its backward (``on_before_backward``): a
+    replica healed at a batch's start shows its healed state there, untouched by that batch's step yet."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict] = {}
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        optimizer = trainer.optimizers[0]
+        self.by_step[trainer.global_step] = {
+            "lr": [group["lr"] for group in optimizer.param_groups],
+            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "scheduler": copy.deepcopy(trainer.lr_scheduler_configs[0].scheduler.state_dict()),
+            "logged_step": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            "batch_idx": trainer.fit_loop.epoch_loop.batch_idx,
+            "epoch": trainer.current_epoch,
+            "inner_steps": trainer.strategy.driver.slots[0].inner_steps,
+            "outer_steps": trainer.strategy.outer_steps,
+            "batches_seen": pl_module.batches_seen.item(),
+        }
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_) -> None:
+        pl_module.batches_seen += 1  # a buffer no optimizer trains (as a BatchNorm's running statistics)
+
+
+def fit_gpt_replica(hub: Hub, replica_id: str, script, out, heal: bool = True) -> tuple[L.Trainer, Snapshots]:
+    """The shipped GPT (AdamW, warm-up then cosine decay), tiny, as one elastic replica over the scripted membership."""
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_loco import NoLoCoStrategy
+    from lightning_loco.elastic.transport import ElasticTransportFactory
+    from lightning_loco.examples.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(block_size=8, n_layer=1, n_head=2, n_embd=16, lr=1e-2, warmup_steps=4, max_steps=MAX_STEPS)
+    model.register_buffer("batches_seen", torch.zeros(()))
+    g = torch.Generator().manual_seed(7 if replica_id == "a" else 8)
+    tokens = torch.randint(0, 256, (64, 9), generator=g)
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)  # 8 batches: epochs end too
+    strategy = NoLoCoStrategy(sync_every=LIGHTNING_H, lighthouse="127.0.0.1:1", replica_id=replica_id,
+                              average_at_end=False, heal=heal)
+    strategy.transport_factory = ElasticTransportFactory(
+        strategy.elastic, membership=lambda: FakeMembership(hub, replica_id, script, heal=heal))
+    snapshots = Snapshots()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=MAX_STEPS, log_every_n_steps=1,
+        logger=CSVLogger(out, name=replica_id, version=0), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[snapshots, LearningRateMonitor(logging_interval="step"),
+                   ModelCheckpoint(dirpath=out / f"{replica_id}-ckpt", every_n_train_steps=4, save_top_k=-1)],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|LOCAL_RANK).*")
+        trainer.fit(model, train_dataloaders=data)
+    return trainer, snapshots
+
+
+def logged(out, replica_id: str) -> dict[int, float]:
+    """step -> the learning rate the replica's logger got at that step."""
+    with open(out / replica_id / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    column = next(c for c in rows[0] if c.startswith("lr-"))
+    return {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
+
+
+def test_a_healed_lightning_replica_takes_its_donors_whole_training_state(tmp_path, in_this_process):
+    """a trains alone and hands its state to b at outer step 3 (step 6, mid-epoch); then each goes on alone.
+    Right after healing, b's step, learning rate, AdamW state, scheduler and loop counters are a's at the same
+    step (bitwise); its logged steps and learning rates continue a's, and both end at max_steps with a
+    checkpoint named for it."""
+    hub = Hub(timeout=60)
+    script_a = [Script(1, 0, ("a",)), Script(2, HEAL_ROUND, ("a",), joiners=("b",), donor="a")]
+    script_b = [Script(2, HEAL_ROUND, ("b",), joiners=("b",), donor="a")]
+    a, seen_a = fit_gpt_replica(hub, "a", script_a, tmp_path)
+    b, seen_b = fit_gpt_replica(hub, "b", script_b, tmp_path)  # heals from the state a left in the store
+
+    healed_at = HEAL_ROUND * LIGHTNING_H
+    assert min(seen_b.by_step) == healed_at  # b's first step is the run's step 6, not 0
+    donor, healed = seen_a.by_step[healed_at], seen_b.by_step[healed_at]
+    for key in ("lr", "scheduler", "logged_step", "batch_idx", "epoch", "inner_steps", "outer_steps", "batches_seen"):
+        assert healed[key] == donor[key], key
+    assert healed["batches_seen"] == healed_at
+    state_a, state_b = donor["optimizer"]["state"], healed["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys() and state_a
+    for index, moments in state_a.items():
+        for name, value in moments.items():
+            assert torch.equal(value, state_b[index][name]), (index, name)  # AdamW's moments and step, bitwise
+    assert donor["optimizer"]["param_groups"] == healed["optimizer"]["param_groups"]
+
+    # the rest of the run: the same steps, learning rates, logged steps and end as a's
+    for step in range(healed_at, MAX_STEPS):
+        assert seen_b.by_step[step]["lr"] == seen_a.by_step[step]["lr"]
+    lr_a, lr_b = logged(tmp_path, "a"), logged(tmp_path, "b")
+    assert sorted(lr_b) == list(range(healed_at, MAX_STEPS)) and sorted(lr_a) == list(range(MAX_STEPS))
+    assert all(lr_b[s] == lr_a[s] for s in lr_b)
+    assert a.global_step == b.global_step == MAX_STEPS
+    assert a.strategy.outer_steps == b.strategy.outer_steps == MAX_STEPS // LIGHTNING_H
+    saved = {r: sorted(int(p.stem.split("step=")[1]) for p in (tmp_path / f"{r}-ckpt").glob("*.ckpt")) for r in "ab"}
+    assert saved == {"a": [4, 8, 12], "b": [8, 12]}  # named by the run's step: b's last is at max_steps too
+
+
+def test_heal_false_takes_the_step_counts_and_keeps_its_own_optimizer_state(tmp_path, in_this_process):
+    """heal=False (a replica resumed from its own checkpoint): b takes a's step, schedule and logged step, so it
+    steps, logs and stops with the run, and keeps its own weights and AdamW state (fresh here: empty)."""
+    hub = Hub(timeout=60)
+    script_a = [Script(1, 0, ("a",)), Script(2, HEAL_ROUND, ("a",), joiners=("b",), donor="a")]
+    script_b = [Script(2, HEAL_ROUND, ("b",), joiners=("b",), donor="a")]
+    a, seen_a = fit_gpt_replica(hub, "a", script_a, tmp_path)
+    b, seen_b = fit_gpt_replica(hub, "b", script_b, tmp_path, heal=False)
+    healed_at = HEAL_ROUND * LIGHTNING_H
+    donor, healed = seen_a.by_step[healed_at], seen_b.by_step[healed_at]
+    for key in ("lr", "scheduler", "logged_step", "inner_steps", "outer_steps"):
+        assert healed[key] == donor[key], key
+    assert healed["optimizer"]["state"] == {} and donor["optimizer"]["state"]
+    assert healed["batches_seen"] == 0 and donor["batches_seen"] == healed_at  # its own module state
+    record = b.strategy.outer_step_reports  # b went on alone from there, with its own weights
+    assert [r.outer_step for r in record] == list(range(HEAL_ROUND, MAX_STEPS // LIGHTNING_H))
+    assert a.global_step == b.global_step == MAX_STEPS
+
+
+# ---------------------------------------------------------------- heal keys: one per membership, read once written
+
+
+class _Member:
+    def __init__(self, replica_id: str, step: int, current: bool, store: str) -> None:
+        self.replica_id, self.step, self.store_address = replica_id, step, store
+        self.data = {"current": current, "view": 3, "ok": True}
+
+
+class _Quorum:
+    def __init__(self, quorum_id: int, members: list) -> None:
+        self.quorum_id, self.participants = quorum_id, members
+
+
+def test_heal_keys_are_new_for_every_membership_and_read_only_once_written():
+    """torchft keeps a quorum id while the participants stay the same, so a replica restarted under its id
+    before the Lighthouse noticed its death joins a membership with the id it joined at the start. Its heal
+    must not read the state written for that first membership: each membership has its own store prefix,
+    a joiner waits for its own key, checks whom it was written for, and the last joiner deletes it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft.process_group import create_store_client
+
+    from lightning_loco.elastic import heal
+    from lightning_loco.elastic.membership import make_plan
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    address = f"127.0.0.1:{store.port}"
+
+    def quorum(step_of_r2: int, step: int) -> _Quorum:  # r2 (re)starting, r0 and r1 at outer step `step`
+        return _Quorum(3, [_Member("r0", step, True, address), _Member("r1", step, True, address),
+                           _Member("r2", step_of_r2, False, "elsewhere:1")])
+
+    first, second = make_plan(quorum(0, 1), 1, None), make_plan(quorum(0, 16), 1, None)
+    assert (first.quorum_id, first.joiners, first.donor) == (second.quorum_id, second.joiners, second.donor)
+    assert (first.switch, second.switch) == (2, 17) and first.store_address != second.store_address
+    key = heal.heal_key(first.joiners)
+    assert key == heal.heal_key(second.joiners)  # the same joiners: only the prefix tells them apart
+
+    def client(plan, timeout: float = 30.0):
+        return create_store_client(plan.store_address, timedelta(seconds=timeout))
+
+    def head(plan):
+        return heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor)
+
+    heal.put(client(first), key, heal.encode({"round": 2}, head(first)))  # the start's heal, never taken
+    with pytest.raises(Exception, match="timeout"):
+        heal.take(client(second, timeout=0.5), key, 1)  # not the first membership's state: nothing yet
+    heal.put(client(second), key, heal.encode({"round": 17}, head(second)))
+    state = heal.decode(heal.take(client(second), key, 1), head(second))
+    assert state["round"] == 17 and state["donor"] == "r0"
+    assert not client(second).check([key])  # its only joiner took it: deleted
+    assert client(first).check([key])  # the other membership's key is its own
+    with pytest.raises(RuntimeError, match="written for"):  # a state for another membership is never loaded
+        heal.decode(heal.take(client(first), key, 1), head(second))

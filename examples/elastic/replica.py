@@ -3,9 +3,11 @@
     python examples/elastic/replica.py --lighthouse HOST:PORT --replica-id r0 --out runs/elastic
 
 Each replica is its own process and its own Lightning Trainer (devices=1). It writes
-``OUT/ID.json`` when ``fit`` ends: its loss at every step, its rounds (outer step, group by replica id,
-alone or not), the memberships it took up, the state it healed from, and timings. ``OUT/ID.progress``
-holds the step it is at, for whoever wants to kill it at a given point (``demo.py``, the tests).
+``OUT/ID.json`` when ``fit`` ends: its loss at every step, its step and learning rate at every step,
+its rounds (outer step, group by replica id, alone or not), the memberships it took up, the state it
+healed from, and timings. ``OUT/ID.progress`` holds the step it is at, for whoever wants to kill it at a
+given point (``demo.py``, the tests). ``--optimizer adamw`` trains with the shipped GPT's AdamW and
+warm-up + cosine schedule; ``--csv`` logs the loss and learning rate to ``OUT/csv/ID/PID/metrics.csv``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_loco.examples.gpt import warmup_cosine
 from lightning_loco.testing.launch import strategy_class
 
 IN_FEATURES = 8
@@ -39,25 +42,35 @@ def shard(replica_id: str, size: int = 512) -> TensorDataset:
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, replica_id: str, step_sleep: float, progress: Path) -> None:
+    def __init__(self, replica_id: str, step_sleep: float, progress: Path, optimizer: str = "sgd",
+                 max_steps: int = 60) -> None:
         super().__init__()
         torch.manual_seed(0)  # every replica starts from the same weights
         self.net = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
         self.replica_id, self.step_sleep, self.progress = replica_id, step_sleep, progress
+        self.optimizer, self.max_steps = optimizer, max_steps
         self.losses: list[tuple[float, int, float]] = []  # (time, outer-step count, loss)
+        self.steps: list[tuple[int, float]] = []  # (global_step, learning rate) of every step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         strategy = self.trainer.strategy
         self.losses.append((time.time(), strategy.outer_steps, loss.item()))
+        self.steps.append((self.trainer.global_step, self.trainer.optimizers[0].param_groups[0]["lr"]))
+        self.log("train_loss", loss)
         if self.step_sleep:
             time.sleep(self.step_sleep)  # stands for a bigger model's step
         self.progress.write_text(str(len(self.losses)))
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+        # the shipped GPT's: AdamW, linear warm-up then cosine decay over the run's max_steps
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.02, betas=(0.9, 0.95), weight_decay=0.0)
+        scheduler = warmup_cosine(optimizer, max(1, self.max_steps // 10), self.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(shard(self.replica_id), batch_size=16, shuffle=True)
@@ -105,6 +118,9 @@ def main() -> None:
     parser.add_argument("--no-heal", action="store_true", help="take only the step count when joining")
     parser.add_argument("--ckpt-path", default=None, help="resume from this replica's own checkpoint")
     parser.add_argument("--save-ckpt", default=None, help="save a checkpoint here when fit ends")
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                        help="sgd (lr 0.05), or adamw with the shipped GPT's warm-up + cosine schedule")
+    parser.add_argument("--csv", action="store_true", help="log the loss and learning rate with a CSVLogger")
     parser.add_argument("--launched-at", type=float, default=None,
                         help="when the launcher started this process (time.time()); default: after the imports")
     args = parser.parse_args()
@@ -114,11 +130,17 @@ def main() -> None:
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal)
     strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, **elastic)
-    model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress")
-    callbacks = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
+    model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress", args.optimizer,
+                      args.max_steps)
+    callbacks: list[L.Callback] = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
+    logger: Any = False
+    if args.csv:
+        logger = L.pytorch.loggers.CSVLogger(args.out / "csv", name=args.replica_id, version=str(os.getpid()))
+        callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.max_steps, max_epochs=-1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.max_steps, max_epochs=-1, logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
     )
     driver_holder: dict[str, Any] = {}
 
@@ -138,7 +160,7 @@ def main() -> None:
         "exported": driver.plugin.exported,
         "failures": driver.transport.failures, "quorum_waits": membership.waits,
         "round_seconds": [r.seconds for r in driver.reports], "comm_seconds": [r.comm_seconds for r in driver.reports],
-        "outer_steps": driver.slots[0].outer_steps,
+        "outer_steps": driver.slots[0].outer_steps, "steps": model.steps, "global_step": trainer.global_step,
         "final_weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
     (args.out / f"{args.replica_id}.json").write_text(json.dumps(record))

@@ -16,20 +16,24 @@ How a membership is agreed, with K = ``membership_every``:
 * DiLoCo's memberships are *synchronous*: the quorum is asked for at the switch and waited for there,
   carrying how many rounds of the membership each member committed (see ``make_plan``);
 * a replica that asks with ``current=False`` (it is starting) or with a step below the others' (it fell
-  behind) is a *joiner*: at the switch it takes the weights, anchor, outer state and counters of the
-  *donor* (the first member, by id, that is not a joiner) through the rendezvous store, and takes part
-  from round s + K. With ``heal=False`` it takes only the counters and keeps its own weights (a replica
-  resumed from its own checkpoint).
+  behind) is a *joiner*: at the switch it takes the training state of the *donor* (the first member, by
+  id, that is not a joiner) through the membership's rendezvous store (:mod:`~lightning_loco.elastic.heal`),
+  and takes part from round s + K. With ``heal=False`` it takes only the step counts and keeps its own
+  weights (a replica resumed from its own checkpoint).
 
 Each membership has its own process group (torchft's reconfigurable ``ProcessGroupGloo``, configured in
 the background as soon as the quorum is known, with ``outer_step_timeout`` as its timeout); an
 unchanged membership whose members saw no failure keeps its group. A group that cannot be set up (a
 member died during the rendezvous) leaves every member of that membership training alone until the next.
+
+Every wait of the main thread (the Lighthouse's first answer, a quorum, the state a joiner heals from) is
+taken in short slices, calling ``check_stop`` between them: a signal handler runs there (the Lightning
+strategy's stops the replica on SIGTERM), where a wait inside torchft's client would hold it until its
+own timeout.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import socket
 import threading
@@ -38,84 +42,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 
+from lightning_loco.elastic import heal as store_heal
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
+from lightning_loco.elastic.plan import Plan, View, make_plan
+from lightning_loco.elastic.waiting import in_thread, no_stop, wait_in_slices
 
-log = logging.getLogger("lightning_loco.elastic")
+log = logging.getLogger("lightning_loco")
 HEARTBEAT_EVERY_S = 0.2
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a quorum means for the next membership (computed alike by every participant)."""
-
-    quorum_id: int
-    members: tuple[str, ...]  # sorted replica ids
-    switch: int  # the first outer step of the membership
-    joiners: tuple[str, ...]
-    donor: Optional[str]
-    reuse: bool  # same members as their common previous membership, no failure seen: keep its group
-    store_address: str  # HOST:PORT/prefix of this membership's rendezvous
-    fresh: bool = False  # nobody held a membership before: the run starts
-    behind: tuple[str, ...] = ()  # sync only: members that heal to the leader's state (always with weights)
-
-
-def make_plan(quorum: Any, every: int, previous: Optional["View"], sync: bool = False) -> Plan:
-    """The plan every participant of ``quorum`` derives alike (see the module docstring).
-
-    ``sync`` (DiLoCo, whose members must hold the same anchor): the quorum was asked for at the switch
-    itself and applies at once; members that committed fewer rounds of their membership than the most are
-    *behind* and heal from the first member with the most; at the start of a run all members but the first
-    heal from it."""
-    parts = sorted(quorum.participants, key=lambda p: p.replica_id)
-    data = {p.replica_id: (p.data or {}) for p in parts}
-    current = [p for p in parts if data[p.replica_id].get("current")]
-    if current:
-        base = max(p.step for p in current)
-        switch = base if sync else base + every
-    else:
-        base = max(p.step for p in parts)
-        switch = base
-    joiners = tuple(
-        p.replica_id for p in parts if p.step < base or (current and not data[p.replica_id].get("current"))
-    )
-    up = [p.replica_id for p in parts if p.replica_id not in joiners]
-    behind: tuple[str, ...] = ()
-    if sync and up:
-        if not current:
-            behind = tuple(up[1:])
-        else:
-            committed = {r: int(data[r].get("committed", 0)) for r in up}
-            best = max(committed.values())
-            up.sort(key=lambda r: committed[r] < best)  # stable: the first with the most leads
-            behind = tuple(r for r in up if committed[r] < best)
-        joiners = tuple(sorted(joiners + behind))
-    members = tuple(p.replica_id for p in parts)
-    views = {data[p.replica_id].get("view", -1) for p in parts}
-    reuse = (
-        previous is not None and previous.pg is not None and not joiners and views == {previous.quorum_id}
-        and members == previous.members and all(data[m].get("ok", False) for m in members)
-    )
-    store = parts[0].store_address
-    return Plan(
-        quorum_id=int(quorum.quorum_id), members=members, switch=switch, joiners=joiners,
-        donor=up[0] if joiners and up else None, reuse=reuse,
-        store_address=f"{store}/lightning_loco/elastic/q{quorum.quorum_id}", fresh=not current, behind=behind,
-    )
-
-
-@dataclass
-class View:
-    """One membership as this replica holds it."""
-
-    quorum_id: int
-    members: tuple[str, ...]
-    rank: int
-    first_round: int
-    pg: Optional[Any]  # torchft ProcessGroupGloo; None: it could not be set up, every round alone
-    ok: bool = True  # no exchange failed on its process group so far
+GRACE_S = 10.0  # beyond the timeouts of the calls a quorum request makes, before the main thread gives up
 
 
 @dataclass
@@ -127,6 +63,7 @@ class _Request:
     result: Optional[tuple[Plan, Optional[Any]]] = None
     error: Optional[BaseException] = None
     ended: Optional[float] = None  # when the request answered or failed
+    phase: str = "waiting for the Lighthouse's quorum"  # what the request is doing now (for timeout messages)
 
 
 def local_host_for(url: str) -> str:
@@ -141,28 +78,38 @@ def local_host_for(url: str) -> str:
         return socket.gethostname()
 
 
+def show_info_lines() -> None:
+    """Makes this package's INFO lines visible when nothing configured logging (as Lightning does for its own
+    logger): an elastic replica says when it joins, heals, changes membership or takes a round alone."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def size(nbytes: int) -> str:
+    """``12.3 MB``, ``4.5 kB``: a state's size for a log line."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
+
+
 class Membership:
     """This replica's side of the agreement: heartbeats, quorum requests, memberships and healing.
 
     The main thread calls :meth:`at_switch` between rounds; everything that talks to the Lighthouse runs in
-    background threads.
+    background threads. ``check_stop(waiting_for)`` is called between the slices of every wait of the main
+    thread and may raise to stop it (see the module docstring).
     """
 
-    def __init__(self, config: ElasticConfig) -> None:
+    def __init__(self, config: ElasticConfig, check_stop: Callable[[str], None] = no_stop) -> None:
         require_torchft()
-        from torchft.coordination import LighthouseClient
-
         self.config = config
         self.replica_id = config.replica_id
-        connect = timedelta(seconds=min(30.0, config.join_timeout))
-        try:
-            self._client = LighthouseClient(config.url, connect_timeout=connect)
-            self._beat_client = LighthouseClient(config.url, connect_timeout=connect)
-        except Exception as err:  # torchft raises its own connection errors
-            raise RuntimeError(
-                f"Replica {self.replica_id!r} could not reach the Lighthouse at {config.url}: {err}. Start one with "
-                "`lightning-loco lighthouse --min-replicas N` and pass the address it prints as lighthouse=HOST:PORT."
-            ) from err
+        self.check_stop = check_stop
+        self._client, self._beat_client = self._connect()
         host = local_host_for(config.url)
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=config.join_timeout))
@@ -177,6 +124,33 @@ class Membership:
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat, name="lightning_loco-heartbeat", daemon=True)
         self._beats.start()
+
+    def _connect(self) -> tuple[Any, Any]:
+        """torchft's two Lighthouse clients (quorums, heartbeats), built in a thread: a Lighthouse that refuses
+        connections keeps torchft retrying until its connect timeout, and the main thread keeps its signals."""
+        from torchft.coordination import LighthouseClient
+
+        url = self.config.url
+        connect = min(30.0, self.config.join_timeout)
+
+        def clients() -> tuple[Any, Any]:
+            timeout = timedelta(seconds=connect)
+            return LighthouseClient(url, connect_timeout=timeout), LighthouseClient(url, connect_timeout=timeout)
+
+        started = time.perf_counter()
+        thread, box = in_thread(clients, "lightning_loco-connect")
+        # torchft gives up after its connect timeout, once per client; the grace covers its last retry
+        ended = wait_in_slices(thread, 2 * connect + GRACE_S, self.check_stop, f"the Lighthouse at {url} to answer")
+        if "result" in box:
+            return box["result"]
+        took = time.perf_counter() - started
+        why = box.get("error") or "no answer"
+        raise RuntimeError(
+            f"Replica {self.replica_id!r} could not reach the Lighthouse at {url} (gave up after {took:.1f} s; the "
+            f"connect timeout is {connect:g} s, join_timeout capped at 30 s): "
+            f"{why if ended else 'torchft did not return'}. Start one with `lightning-loco lighthouse "
+            "--min-replicas N` and pass the address it prints as lighthouse=HOST:PORT."
+        ) from box.get("error")
 
     # ------------------------------------------------------------------ background
 
@@ -201,6 +175,7 @@ class Membership:
                     shrink_only=False, data=data,
                 )
                 plan = make_plan(quorum, self.config.membership_every, view, self.sync)
+                request.phase = f"setting up the process group of membership {plan.quorum_id}"
                 pg = view.pg if plan.reuse and view is not None else self._configure(plan)
                 request.result = (plan, pg)
             except BaseException as err:  # handed to the main thread at the switch
@@ -251,33 +226,12 @@ class Membership:
             self._ask(next_round, current=self.view is not None, committed=committed)
         request = self._request
         assert request is not None
-        waited = time.perf_counter()
-        request.thread.join(self.config.join_timeout)
-        self.waits.append(time.perf_counter() - waited)
-        if request.thread.is_alive():
-            raise RuntimeError(
-                f"Replica {self.replica_id!r} got no membership from the Lighthouse at {self.config.url} within "
-                f"join_timeout={self.config.join_timeout:g} s: no answer. Fewer than its --min-replicas replicas are "
-                "alive, or the Lighthouse hangs."
-            )
-        if request.error is not None or request.result is None:
-            took = (request.ended or time.perf_counter()) - request.asked
-            raise RuntimeError(
-                f"Replica {self.replica_id!r} asked the Lighthouse at {self.config.url} for a membership and the "
-                f"request failed after {took:.1f} s: {request.error or 'no result'}. The Lighthouse stopped or cannot "
-                "be reached; restart it, then this replica."
-            ) from request.error
+        plan, pg = self._answer(request)
         self._request = None
-        plan, pg = request.result
-        joiners, donor = plan.joiners, plan.donor
-        key = f"heal/{','.join(joiners)}"
-        if self.replica_id in joiners:
-            state = self._receive_heal(plan, key)
-            next_round = load(state, self.config.heal or self.replica_id in plan.behind)
-            if next_round != plan.switch:
-                raise RuntimeError(f"healed to round {next_round}, expected {plan.switch}")
-        elif donor == self.replica_id and joiners:
-            self._send_heal(plan, key, export())
+        if self.replica_id in plan.joiners:
+            next_round = self._heal(plan, load)
+        elif plan.donor == self.replica_id and plan.joiners:
+            self._send_heal(plan, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),
                                          plan.switch, pg)
         if old is not None and pg is old.pg:
@@ -286,33 +240,106 @@ class Membership:
             old.pg.shutdown()
         self.history.append({
             "time": time.time(), "quorum_id": plan.quorum_id, "members": list(plan.members), "first_round": plan.switch,
-            "joiners": list(joiners), "donor": donor, "reused_group": plan.reuse, "group_ok": pg is not None,
+            "joiners": list(plan.joiners), "donor": plan.donor, "reused_group": plan.reuse, "group_ok": pg is not None,
         })
-        log.info("Replica %r: membership %d from outer step %d: %s", self.replica_id, plan.quorum_id, plan.switch,
-                 list(plan.members))
+        self._say_membership(old, plan)
         if not self.sync:
             self._ask(plan.switch, current=True)  # in the background, for the next switch
         return next_round
+
+    def _answer(self, request: _Request) -> tuple[Plan, Optional[Any]]:
+        """Waits for a quorum request (interruptibly); its error, or a wait past its calls' own timeouts, is
+        a ``RuntimeError`` that names the timeout that expired or what failed."""
+        config = self.config
+        waited = time.perf_counter()
+        bound = config.join_timeout + config.outer_step_timeout + GRACE_S  # the request's calls time out first
+        done = wait_in_slices(request.thread, bound, self.check_stop, f"a membership from the Lighthouse at {config.url}")
+        self.waits.append(time.perf_counter() - waited)
+        took = (request.ended or time.perf_counter()) - request.asked
+        if not done:
+            raise RuntimeError(
+                f"Replica {self.replica_id!r} got no membership within {bound:g} s of the switch (join_timeout="
+                f"{config.join_timeout:g} s + outer_step_timeout={config.outer_step_timeout:g} s + {GRACE_S:g} s): it "
+                f"was still {request.phase}. The Lighthouse at {config.url} or a member hangs; restart this replica."
+            )
+        if isinstance(request.error, TimeoutError) and took >= 0.9 * config.join_timeout:
+            raise RuntimeError(
+                f"Replica {self.replica_id!r} got no membership from the Lighthouse at {config.url} within "
+                f"join_timeout={config.join_timeout:g} s: fewer than its --min-replicas replicas are alive, or the "
+                "Lighthouse hangs."
+            ) from request.error
+        if request.error is not None or request.result is None:
+            raise RuntimeError(
+                f"Replica {self.replica_id!r} asked the Lighthouse at {config.url} for a membership and the "
+                f"request failed after {took:.1f} s: {request.error or 'no result'}. The Lighthouse stopped or cannot "
+                "be reached; restart it, then this replica."
+            ) from request.error
+        return request.result
 
     def _store_client(self, plan: Plan) -> Any:
         from torchft.process_group import create_store_client
 
         return create_store_client(plan.store_address, timedelta(seconds=self.config.join_timeout))
 
-    def _send_heal(self, plan: Plan, key: str, state: dict[str, Any]) -> None:
-        buffer = io.BytesIO()
-        torch.save({**state, "donor": self.replica_id}, buffer)
-        self._store_client(plan).set(key, buffer.getvalue())
+    def _header(self, plan: Plan) -> dict[str, Any]:
+        return store_heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
 
-    def _receive_heal(self, plan: Plan, key: str) -> dict[str, Any]:
-        try:
-            raw = self._store_client(plan).get(key)
-        except Exception as err:
+    def _send_heal(self, plan: Plan, state: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        payload = store_heal.encode(state, self._header(plan))
+        key = store_heal.heal_key(plan.joiners)
+        thread, box = in_thread(lambda: store_heal.put(self._store_client(plan), key, payload), "lightning_loco-heal")
+        wait_in_slices(thread, self.config.join_timeout + GRACE_S, self.check_stop, "the store to take this replica's state")
+        if "error" in box or thread.is_alive():
+            log.warning("Replica %r could not hand its state to %s for membership %d (%s); they time out waiting "
+                        "for it.", self.replica_id, list(plan.joiners), plan.quorum_id, box.get("error", "no answer"))
+            return
+        log.info("Replica %r sent its state to %s for membership %d at outer step %d: %s in %.2f s.",
+                 self.replica_id, list(plan.joiners), plan.quorum_id, plan.switch, size(len(payload)),
+                 time.perf_counter() - started)
+
+    def _heal(self, plan: Plan, load: Callable[[dict[str, Any], bool], int]) -> int:
+        """Takes the donor's state for ``plan`` (interruptibly) and loads it; returns the round it stands at."""
+        config, started = self.config, time.perf_counter()
+        key = store_heal.heal_key(plan.joiners)
+        thread, box = in_thread(lambda: store_heal.take(self._store_client(plan), key, len(plan.joiners)),
+                                "lightning_loco-heal")
+        ended = wait_in_slices(thread, config.join_timeout + GRACE_S, self.check_stop,
+                               f"the state of replica {plan.donor!r}")
+        if "result" not in box:
             raise RuntimeError(
                 f"Replica {self.replica_id!r} joined membership {plan.quorum_id} but got no state from replica "
-                f"{plan.donor!r} within join_timeout={self.config.join_timeout:g} s ({err}); restart it to try again."
-            ) from err
-        return torch.load(io.BytesIO(raw), weights_only=True)
+                f"{plan.donor!r} within join_timeout={config.join_timeout:g} s "
+                f"({box.get('error') if ended else 'no answer'}); restart it to try again."
+            ) from box.get("error")
+        raw = box["result"]
+        state = store_heal.decode(raw, self._header(plan))
+        everything = config.heal or self.replica_id in plan.behind
+        next_round = load(state, everything)
+        if next_round != plan.switch:
+            raise RuntimeError(
+                f"Replica {self.replica_id!r} healed from {plan.donor!r} to outer step {next_round}, but membership "
+                f"{plan.quorum_id} starts at outer step {plan.switch}; restart this replica to join again."
+            )
+        what = "its state" if everything else "its step counts (heal=False: own weights and outer state kept)"
+        log.info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
+                 self.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(len(raw)),
+                 time.perf_counter() - started)
+        return next_round
+
+    def _say_membership(self, old: Optional[View], plan: Plan) -> None:
+        """One log line for a membership whose members changed (DEBUG for an unchanged one)."""
+        before = set(old.members) if old is not None else set()
+        left, came = sorted(before - set(plan.members)), sorted(set(plan.members) - before)
+        if old is not None and not left and not came and not plan.joiners:
+            log.debug("Replica %r: membership %d from outer step %d, unchanged.", self.replica_id, plan.quorum_id,
+                      plan.switch)
+            return
+        changes = ([f"left: {left}"] if left and old is not None else []) + (
+            [f"joined: {came}"] if came and old is not None else []) + (
+            [f"healing from {plan.donor!r}: {list(plan.joiners)}"] if plan.joiners else [])
+        log.info("Replica %r: membership %d from outer step %d: %s%s", self.replica_id, plan.quorum_id, plan.switch,
+                 list(plan.members), f" ({'; '.join(changes)})" if changes else "")
 
     def failed(self) -> None:
         """An exchange of the current membership failed: its process group is aborted, which closes this
@@ -331,6 +358,8 @@ class Membership:
     def close(self) -> None:
         """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group."""
         self._stop.set()
-        if self.view is not None and self.view.pg is not None:
-            self.view.pg.shutdown()
+        if self.view is not None:
+            log.info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
+            if self.view.pg is not None:
+                self.view.pg.shutdown()
         self.view = None

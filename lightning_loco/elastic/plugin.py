@@ -4,13 +4,20 @@
 :class:`~lightning_loco.elastic.transport.ElasticTransport`. The driver stays the ordinary
 :class:`~lightning_loco.driver.OuterStepDriver` (synchronous rounds, one optimizer); the plug-in:
 
-* before training, takes up the first membership (:meth:`before_training`: waits for the quorum, heals
-  if the others are ahead);
+* takes up memberships between rounds: the first before the first inner step, the next ones after the
+  rounds that end a membership's stretch (a switch may heal this replica from a live one, or send this
+  replica's state to joiners);
 * before each round, checks that the round has a membership and tags the exchange with the outer step;
-* after each round lands, records it (its group as replica ids, whether it was taken alone or dropped)
-  and lets the membership switch, which may heal this replica from a live one or send this replica's
-  state to joiners;
+* after each round lands, records it (its group as replica ids, whether it was taken alone or dropped);
 * at the end, leaves the membership (the heartbeats stop).
+
+**What a joiner takes.** The driver's state (anchor, outer state, counters), the live weights, and the
+training state outside the driver that the loop owner gives (:class:`~lightning_loco.plugins.TrainingState`:
+the Lightning strategy's inner optimizer, LR schedulers, loss scaler and loop counters), so that a healed
+replica steps, logs, checkpoints and stops as its donor does. A switch with a training state waits for the
+loop owner's next :meth:`between_steps` (Lightning: the start of the next training batch), where both the
+donor's and the joiner's states stand at the same point of a step; without one (the driver alone) it
+happens at the landing, where the driver's state is whole.
 
 DiLoCo's rounds are one all-reduce over the membership, and every member must keep the same anchor. A
 round whose all-reduce fails is *dropped* by the driver (:class:`~lightning_loco.plugins.Outcome`), as
@@ -23,17 +30,22 @@ heal from one with the most (:func:`~lightning_loco.elastic.membership.make_plan
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 
+log = logging.getLogger("lightning_loco")
+
 
 class ElasticPlugin(DriverPlugin):
-    """The elastic replica's side of the driver; see the module docstring. Built from its transport."""
+    """The elastic replica's side of the driver; see the module docstring. Built from its transport.
 
-    ends_by_driver_steps = True  # a healed replica took a donor's step count: the run's, not this process's
+    A healed replica takes its donor's step counts with the rest of its state, the loop's among them, so the
+    run ends where the loop's own ``max_steps`` says: ``ends_by_driver_steps`` stays False."""
 
     def __init__(self, transport: Any) -> None:
         if not isinstance(transport, ElasticTransport):
@@ -44,6 +56,7 @@ class ElasticPlugin(DriverPlugin):
         self.exported: list[dict[str, Any]] = []  # the states joiners took from this replica
         self.committed = 0  # rounds of the current membership that completed (compared by DiLoCo's members)
         self.collective = False
+        self._switch_pending = False  # a switch waits for the loop owner's next between_steps
 
     @property
     def membership(self) -> Any:
@@ -56,16 +69,35 @@ class ElasticPlugin(DriverPlugin):
         self.membership.sync = self.collective
 
     def before_training(self) -> None:
-        """Takes up the first membership (waits for the Lighthouse's quorum; heals if the others are ahead)."""
+        """Takes up the first membership (waits for the Lighthouse's quorum; heals if the others are ahead):
+        here, or with a training state at the first :meth:`between_steps`."""
         slots = self.driver.slots
         if len(slots) != 1:
             raise ValueError(
                 f"Elastic replicas support one optimizer for now; this model has {len(slots)}. Return one "
                 "optimizer from configure_optimizers, or use lighthouse=None."
             )
-        self._switch(slots[0].outer_steps)
+        self._switch_soon()
+
+    def between_steps(self) -> None:
+        """Takes up the next membership if a switch waits (see the module docstring)."""
+        if self._switch_pending:
+            self._switch_pending = False
+            self._switch(self.driver.slots[0].outer_steps)
+
+    def _switch_soon(self) -> None:
+        if self.training_state is None:
+            self._switch(self.driver.slots[0].outer_steps)
+        else:
+            self._switch_pending = True
 
     def before_round(self, optimizer_index: int, outer_step: int) -> None:
+        if self._switch_pending:
+            raise RuntimeError(
+                f"outer step {outer_step} starts before the membership switch that precedes it: the loop that gave "
+                "this replica's training state must call between_steps() before every inner step (elastic replicas "
+                "take one optimizer step per training batch)."
+            )
         view = self.membership.view
         if view is None or outer_step < view.first_round:
             raise RuntimeError(f"outer step {outer_step} has no membership (the current one starts at "
@@ -78,11 +110,33 @@ class ElasticPlugin(DriverPlugin):
     def after_landing(self, landing: Landing) -> None:
         self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED, dropped=landing.outcome is Outcome.DROPPED)
         self.committed += landing.outcome is Outcome.EXCHANGED
+        if landing.outcome is not Outcome.EXCHANGED and len(landing.group) > 1:
+            self._say_alone(landing)
         if not landing.final:
-            self._switch(self.driver.slots[0].outer_steps)
+            self._switch_soon()
+
+    def _say_alone(self, landing: Landing) -> None:
+        """One log line for a round this replica took without the partners the schedule gave it."""
+        t, view = landing.outer_step, self.membership.view
+        failures = [f for f in self.transport.failures if f["outer_step"] == t]
+        if failures:
+            why = f"the exchange with {failures[-1]['peers']} failed"
+        elif view is not None and view.pg is None:
+            why = "this membership has no process group (its rendezvous failed)"
+        else:
+            why = "an exchange of this membership failed earlier, and its process group is closed"
+        dropped = landing.outcome is Outcome.DROPPED
+        what = "dropped (the all-reduce did not complete; the outer state is unchanged)" if dropped else "taken alone"
+        log.info("Replica %r: outer step %d %s, without %s: %s.", self.transport.config.replica_id, t, what,
+                 list(self.peer_ids(landing.group)), why)
 
     def close(self) -> None:
         self.transport.close()  # stops the heartbeats: the Lighthouse counts this replica as gone
+
+    def peer_ids(self, group: Sequence[int]) -> tuple[str, ...]:
+        """The replica ids of this replica's peers in ``group`` (indices into the current membership)."""
+        own = self.transport.replica
+        return self.transport.member_ids([j for j in group if j != own])
 
     def _switch(self, next_round: int) -> None:
         view = self.membership.view
@@ -93,17 +147,20 @@ class ElasticPlugin(DriverPlugin):
             self.committed = 0
 
     def export_state(self) -> dict[str, Any]:
-        """What a joiner takes from this replica: the driver's state (anchor, outer state, counters) and the
-        live weights, between rounds."""
+        """What a joiner takes from this replica: the driver's state (anchor, outer state, counters), the live
+        weights and the training state outside the driver (``extra``: None without one), between rounds."""
         slots = self.driver.slots
         weights = [slot.flat.gather() for slot in slots]
-        self.exported.append({"outer_step": slots[0].outer_steps, "checksum": checksum(weights)})
-        return {"driver": self.driver.state_dict(), "weights": weights}
+        extra = self.training_state.export() if self.training_state is not None else None
+        self.exported.append({"outer_step": slots[0].outer_steps, "inner_steps": slots[0].inner_steps,
+                              "checksum": checksum(weights), "extra_checksum": checksum(tensors_in(extra))})
+        return {"driver": self.driver.state_dict(), "weights": weights, "extra": extra}
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
-        """Takes a donor's state (``heal``) or only its counters; returns the round this replica now stands at."""
+        """Takes a donor's state (``heal``) or only its step counts (the driver's, and the training state's:
+        see :class:`~lightning_loco.plugins.TrainingState`); returns the round this replica now stands at."""
         slots = self.driver.slots
-        saved = state["driver"]
+        saved, extra = state["driver"], state.get("extra")
         if heal:
             self.driver.load_state_dict(saved)
             for slot, weights in zip(slots, state["weights"]):
@@ -111,8 +168,18 @@ class ElasticPlugin(DriverPlugin):
         else:
             for slot, entry in zip(slots, saved):
                 slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
+        if (extra is None) != (self.training_state is None):
+            raise RuntimeError(
+                f"Replica {self.transport.config.replica_id!r} and its donor {state.get('donor')!r} do not hold the same "
+                "kind of training state (one runs under a training loop that gives one, the other not); run every "
+                "replica the same way."
+            )
+        if self.training_state is not None:
+            self.training_state.load(extra, heal)
         self.healed_from.append({"donor": state.get("donor"), "outer_step": slots[0].outer_steps,
-                                 "weights": heal, "checksum": checksum([s.flat.gather() for s in slots])})
+                                 "inner_steps": slots[0].inner_steps, "weights": heal,
+                                 "checksum": checksum([s.flat.gather() for s in slots]),
+                                 "extra_checksum": checksum(tensors_in(extra))})
         return slots[0].outer_steps
 
 
@@ -121,4 +188,13 @@ def checksum(weights: list[Any]) -> list[float]:
     return [float(sum(w.double().sum() for w in weights)), float(sum(w.double().square().sum() for w in weights))]
 
 
-__all__ = ["ElasticPlugin", "checksum"]
+def tensors_in(value: Any) -> list[Any]:
+    """The floating-point tensors of a nested dict/list/tuple, in order (for :func:`checksum`)."""
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return [value] if hasattr(value, "is_floating_point") and value.is_floating_point() else []
+
+
+__all__ = ["ElasticPlugin", "checksum", "tensors_in"]

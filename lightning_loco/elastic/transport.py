@@ -30,7 +30,8 @@ from torch import Tensor
 
 from lightning_loco.codecs import ring_all_reduce_bytes
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.elastic.membership import Membership
+from lightning_loco.elastic.membership import Membership, show_info_lines
+from lightning_loco.elastic.waiting import no_stop
 from lightning_loco.transport.base import Pending, Transport, TransportStats, sum_in_group_order
 
 
@@ -85,13 +86,14 @@ class ElasticTransport(Transport):
 
     ``membership``: the agreement this transport follows (default: a :class:`Membership` over the
     Lighthouse of ``config``). Anything with its ``view``, ``due``, ``at_switch``, ``failed`` and
-    ``close`` serves: tests pass an in-process one, whose views carry an in-process process group."""
+    ``close`` serves: tests pass an in-process one, whose views carry an in-process process group.
+    ``check_stop`` goes to the default membership (see :class:`Membership`)."""
 
     def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None,
-                 membership: Optional[Any] = None) -> None:
+                 membership: Optional[Any] = None, check_stop: Callable[[str], None] = no_stop) -> None:
         self.config = config
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self.membership = Membership(config) if membership is None else membership
+        self.membership = Membership(config, check_stop) if membership is None else membership
         self.stats = TransportStats()
         self.outer_step = 0  # the round being posted: the exchanges' tag
         self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed
@@ -193,10 +195,15 @@ class ElasticTransport(Transport):
 
 class ElasticTransportFactory:
     """The strategies' ``transport_factory`` in elastic mode: takes ``TorchDistributedTransport``'s keyword
-    arguments (only ``device`` matters) and builds an :class:`ElasticTransport`."""
+    arguments (only ``device`` matters) and ``check_stop``, and builds an :class:`ElasticTransport`.
+    ``membership`` (tests): builds the membership in place of a :class:`Membership` over the Lighthouse."""
 
-    def __init__(self, config: ElasticConfig) -> None:
+    def __init__(self, config: ElasticConfig, membership: Optional[Callable[[], Any]] = None) -> None:
         self.config = config
+        self.membership = membership
 
-    def __call__(self, device: Optional[torch.device] = None, **_: Any) -> ElasticTransport:
-        return ElasticTransport(self.config, device)
+    def __call__(self, device: Optional[torch.device] = None, check_stop: Callable[[str], None] = no_stop,
+                 **_: Any) -> ElasticTransport:
+        show_info_lines()  # what happens to the replica (joins, heals, memberships) is said at INFO level
+        membership = self.membership() if self.membership is not None else None
+        return ElasticTransport(self.config, device, membership, check_stop)

@@ -115,11 +115,18 @@ class GPT(L.LightningModule):
             betas=(0.9, 0.95),
         )
 
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = warmup_cosine(optimizer, hp.warmup_steps, hp.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int) -> Any:
+    """The learning-rate schedule of :class:`GPT`, per optimizer step: linear warm-up over ``warmup_steps``,
+    then cosine decay to a tenth of the peak at ``max_steps``."""
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -16,6 +16,9 @@ Two behaviours of Lightning are replaced while one of our strategies runs:
   to match. A rank signalled alone (a preempted node) would wait there for the whole process-group
   timeout. Our handler does what Lightning's does without the broadcast: it forwards the signal to
   the processes this one launched and sets the flag, so the process stops at its next batch.
+
+Elastic replicas that heal copy the fit loop's step counters (``LOOP_COUNTERS``) from one Trainer to
+another: :func:`loop_counters` and :func:`load_loop_counters`.
 """
 
 from __future__ import annotations
@@ -91,6 +94,59 @@ def check_lightning() -> None:
             f"lightning_loco needs private Lightning symbols that lightning {lightning.__version__} does not have:\n"
             f"{lines}\nInstall a supported version: pip install 'lightning>=2.4,<2.7'."
         )
+
+
+# ---------------------------------------------------------------- the fit loop's counters
+
+# (name, attribute path from the Trainer): the progress objects of the fit loop that ``trainer.global_step``,
+# ``current_epoch``, the batch index, scheduler steps and validation checks read, and the logging step
+# (``_batches_that_stepped``, the step loggers get). Progress objects have ``state_dict``/``load_state_dict``.
+LOOP_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("epochs", "fit_loop.epoch_progress"),
+    ("batches", "fit_loop.epoch_loop.batch_progress"),
+    ("scheduler_steps", "fit_loop.epoch_loop.scheduler_progress"),
+    ("optimizer_steps", "fit_loop.epoch_loop.automatic_optimization.optim_progress"),
+    ("manual_optimizer_steps", "fit_loop.epoch_loop.manual_optimization.optim_step_progress"),
+    ("logged_steps", "fit_loop.epoch_loop._batches_that_stepped"),
+)
+
+
+def _counter(trainer: Any, path: str) -> tuple[Any, str]:
+    """The object holding the counter at ``path`` and the counter's attribute name."""
+    owner, _, name = path.rpartition(".")
+    try:
+        obj = trainer
+        for part in owner.split("."):
+            obj = getattr(obj, part)
+        getattr(obj, name)
+    except AttributeError as err:
+        raise LightningCompatibilityError(
+            f"This Lightning's Trainer has no {path} ({err}), which elastic replicas copy when they heal: install a "
+            "supported version (pip install 'lightning>=2.4,<2.7')."
+        ) from err
+    return obj, name
+
+
+def loop_counters(trainer: Any) -> dict[str, Any]:
+    """The fit loop's counters as plain values (``LOOP_COUNTERS``)."""
+    out: dict[str, Any] = {}
+    for key, path in LOOP_COUNTERS:
+        obj, name = _counter(trainer, path)
+        value = getattr(obj, name)
+        out[key] = value.state_dict() if hasattr(value, "state_dict") else int(value)
+    return out
+
+
+def load_loop_counters(trainer: Any, saved: dict[str, Any]) -> None:
+    """Sets the fit loop's counters to ``saved`` (from :func:`loop_counters`), without marking the loop as
+    restarting: training goes on from them as if this Trainer had counted them."""
+    for key, path in LOOP_COUNTERS:
+        obj, name = _counter(trainer, path)
+        value = getattr(obj, name)
+        if hasattr(value, "load_state_dict"):
+            value.load_state_dict(saved[key])
+        else:
+            setattr(obj, name, int(saved[key]))
 
 
 # ---------------------------------------------------------------- SIGTERM

@@ -45,6 +45,12 @@ from lightning_loco.strategies.setup import (
     params_of,
     parse_device,
 )
+from lightning_loco.strategies.training_state import (
+    BetweenSteps,
+    LightningTrainingState,
+    say_why_fit_ended,
+    stop_on_sigterm,
+)
 from lightning_loco.transport import TorchDistributedTransport, Transport
 
 _compat.check_lightning()  # a Lightning without the private symbols we use fails here, naming them
@@ -212,6 +218,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self._restore_sigterm_check: Optional[Callable[[], None]] = None  # while training
         self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from fit(ckpt_path=...), until training starts
         self._final_outer_steps = 0
+        self._said_why_ended = False  # elastic: the end of fit was logged
         self.outer_step_reports: list[OuterStepReport] = []  # this fit's rounds, in the order they finished
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
         self.track_norms = False  # set by OuterStepMonitor: costs one anchor copy per outer step
@@ -260,10 +267,12 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         trainer = self.lightning_module.trainer
         self._trained_module = weakref.ref(self.lightning_module)
         assert self._groups is not None
+        # elastic: the waits for the Lighthouse and for a donor stop on SIGTERM
+        elastic = {"check_stop": stop_on_sigterm(trainer, self._label())} if self.elastic is not None else {}
         transport = self.transport_factory(
             device=self._comm_device(), process_group=self._groups.overlap_group() if self.overlap_steps else None,
             ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
-            slice_group=self._groups.slice,
+            slice_group=self._groups.slice, **elastic,
         )
         self.driver = OuterStepDriver(
             self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
@@ -281,7 +290,11 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             except ValueError as err:
                 raise checkpoints.CheckpointError(str(err)) from err
             self._resumed_outer = None
-        self.driver.before_training()  # elastic: the first membership (waits for the quorum, heals if behind)
+        # what a healing elastic replica takes beyond the driver's state: optimizers, schedulers, loop counters
+        self.driver.plugin.use_training_state(LightningTrainingState(trainer).for_plugin())
+        BetweenSteps.insert(trainer)  # the plug-in's between_steps, before any callback sees a batch's step
+        self._said_why_ended = False
+        self.driver.before_training()  # elastic: the first membership is taken at the first batch's start
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
 
@@ -327,9 +340,19 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self._undo_sigterm_check()
         if self.driver is not None:
             self.driver.land_all()  # a round still in flight lands now, early (as the final round)
+            self._say_why_ended(interrupted=False)
         if self.average_at_end:
             self.average_replicas()
         super().on_train_end()
+
+    def _label(self) -> str:
+        return f"Replica {self.elastic.replica_id!r}" if self.elastic is not None else f"Replica {self.replica_index}"
+
+    def _say_why_ended(self, interrupted: bool) -> None:
+        """Elastic: one log line for the step fit stopped at (and why, when it is not ``max_steps``)."""
+        if self.elastic is not None and not self._said_why_ended and self.driver is not None:
+            self._said_why_ended = True
+            say_why_fit_ended(self.lightning_module.trainer, self._label(), self.outer_steps, interrupted)
 
     def _undo_sigterm_check(self) -> None:
         if self._restore_sigterm_check is not None:
@@ -339,11 +362,15 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._undo_sigterm_check()
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
+            BetweenSteps.remove(trainer)
         if self._restore_signal_handler is not None:
             self._restore_signal_handler()
             self._restore_signal_handler = None
         lingering = []
         if self.driver is not None:  # only left in flight after an interrupted fit: on_train_end lands rounds
+            self._say_why_ended(interrupted=True)
             lingering = self.driver.abandon_all(self.abandon_timeout_s)
             self._final_outer_steps = self.outer_steps
             self.driver.close()  # elastic: leaves the membership (the heartbeats stop)
