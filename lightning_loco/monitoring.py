@@ -167,7 +167,8 @@ class OuterStepMonitor(L.Callback):
                 spread = {}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-            self._log_peers(trainer, report, strategy.replica_index, len(strategy.outer_slots))
+            name = strategy.elastic.replica_id if strategy.elastic is not None else strategy.replica_index
+            self._log_peers(trainer, report, name, len(strategy.outer_slots))
         if spread:
             for logger in trainer.loggers:
                 logger.log_metrics(spread, step=trainer.global_step)
@@ -197,15 +198,18 @@ class OuterStepMonitor(L.Callback):
         return {f"outer/{k}{suffix}": float(v) for k, v in values.items() if v is not None}
 
     @staticmethod
-    def _peer_text(report: OuterStepReport, replica: int) -> str:
-        """Whom the replica met at this outer step, in words (a replica index is a name, not a quantity)."""
-        if not report.peers:
+    def _peer_text(report: OuterStepReport, replica: object) -> str:
+        """Whom the replica met at this outer step, in words (a replica's name, not a quantity): the peers'
+        replica ids where the report has them (elastic replicas: indices change with the membership), else
+        their indices."""
+        names = report.peer_ids or tuple(str(p) for p in report.peers)
+        if not names:
             met = "nobody"
         else:
-            met = ("replica " if len(report.peers) == 1 else "replicas ") + ", ".join(str(p) for p in report.peers)
+            met = ("replica " if len(names) == 1 else "replicas ") + ", ".join(names)
         return f"outer step {report.outer_step}: replica {replica} met {met}"
 
-    def _log_peers(self, trainer: L.Trainer, report: OuterStepReport, replica: int, num_optimizers: int) -> None:
+    def _log_peers(self, trainer: L.Trainer, report: OuterStepReport, replica: object, num_optimizers: int) -> None:
         """The peers as text: a line in the Python log of every rank, and TensorBoard's Text tab on rank 0.
         Local: no message."""
         text = self._peer_text(report, replica)

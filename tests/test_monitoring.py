@@ -129,6 +129,8 @@ def test_peer_text_names_the_replicas_met():
     assert OuterStepMonitor._peer_text(dataclasses.replace(report, peers=(1, 3)), 2) == \
         "outer step 3: replica 2 met replicas 1, 3"
     assert OuterStepMonitor._peer_text(dataclasses.replace(report, peers=()), 1) == "outer step 3: replica 1 met nobody"
+    elastic = dataclasses.replace(report, peers=(1,), peer_ids=("site-b",))  # the index moves with the membership
+    assert OuterStepMonitor._peer_text(elastic, "site-a") == "outer step 3: replica site-a met replica site-b"
     assert not any("peer" in k and "distance" not in k for k in OuterStepMonitor._metrics(report, num_optimizers=1))
 
 
