@@ -42,6 +42,11 @@ class GPT(L.LightningModule):
         weight_decay: AdamW weight decay (not applied to biases and norms).
         warmup_steps: linear warmup length in optimizer steps.
         max_steps: length of the cosine decay (to lr/10), in optimizer steps.
+
+    Under a strategy that paces rounds by time (``sync_seconds``), where every replica takes its own
+    number of steps, the schedule follows the run's nominal progress (``strategy.nominal_step``: t·H
+    plus the share of the current inner phase) instead of this replica's own step count, so that
+    every replica warms up and decays at the same wall time and ends the run at lr/10.
     """
 
     def __init__(
@@ -115,7 +120,9 @@ class GPT(L.LightningModule):
             betas=(0.9, 0.95),
         )
 
-        def schedule(step: int) -> float:
+        def schedule(step: float) -> float:
+            nominal = getattr(getattr(self._trainer, "strategy", None), "nominal_step", None)
+            step = step if nominal is None else nominal
             if step < hp.warmup_steps:
                 return (step + 1) / hp.warmup_steps
             progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))

@@ -10,6 +10,7 @@ reaches :class:`~lightning_loco.driver.OuterStepDriver`. Setup and the consensus
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -34,6 +35,7 @@ from lightning_loco.elastic.config import elastic_config
 from lightning_loco.flat import FlatParameters
 from lightning_loco.plugins import DriverPlugin, no_plugin
 from lightning_loco.overlap import check_overlap
+from lightning_loco.pacing import check_pacing
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.strategies import _compat
 from lightning_loco.strategies.checkpointing import ReplicaCheckpoints
@@ -65,6 +67,16 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
             (default: start the τ steps from the local prediction of the outer step, add the
             correction at the landing) or "delayed" (apply the outer step's change at the landing).
+        sync_seconds: T, for replicas of different speeds: each replica takes its own number of inner
+            steps per round, H_i, posting its next round once its inner phase took T seconds of compute
+            on its own clock (the waits at exchanges left out), after at least one inner step and at
+            most ``sync_every``, so that nobody waits for a slower replica. About ``sync_every`` × the
+            fastest replica's step time paces every replica. The run is then ⌈max_steps / sync_every⌉
+            rounds on every replica (``max_steps`` is required, counted in nominal steps), each
+            replica's ``global_step`` is its own optimizer steps, and validation and checkpoints must
+            not follow those counts: use ``OuterStepCheckpoint``. None (default): every replica takes
+            ``sync_every`` steps per round. Needs ``overlap_steps=0`` and one optimizer; see
+            docs/heterogeneous.md.
         ranks_per_replica: k, consecutive global ranks that form one replica (default 1: every
             process is a replica). Inside a replica torch's ``DistributedDataParallel`` averages
             gradients at every step over the replica's own process group; between replicas only the
@@ -135,6 +147,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         *,
         overlap_steps: Union[int, Literal["auto"]] = 0,
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
+        sync_seconds: Optional[float] = None,
         ranks_per_replica: int = 1,
         average_at_end: bool = True,
         final_outer_step: Literal["average", "outer"] = "average",
@@ -163,6 +176,12 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         check_int("ranks_per_replica", ranks_per_replica, "1 (the default) makes every process a replica; the "
                    "number of devices per node makes every node one replica.")
         check_overlap(overlap_steps, overlap_merge, sync_every)
+        check_pacing(sync_seconds, overlap_steps)
+        if sync_seconds is not None and lighthouse is not None:
+            raise ValueError(
+                f"sync_seconds={sync_seconds} and lighthouse=... cannot be combined yet: a replica that heals takes a "
+                "donor's step counts. Use sync_seconds=None with a lighthouse, or the static launch."
+            )
         check_final_outer_step(final_outer_step)
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback,
                            pseudo_gradient=algorithm.payload_is_pseudo_gradient)
@@ -181,6 +200,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         )
         self.algorithm, self.sync_every = algorithm, sync_every
         self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
+        self.sync_seconds = sync_seconds
+        self.pacing_clock: Callable[[], float] = time.perf_counter  # the inner phases' clock (tests replace it)
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
         self.final_outer_step = final_outer_step
         self.wire_dtype, self.compression = wire_dtype, compression
@@ -246,6 +267,15 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         return self.outer_slots[0].outer_steps if self.outer_slots else self._final_outer_steps
 
     @property
+    def nominal_step(self) -> Optional[float]:
+        """With ``sync_seconds``, the run's progress in nominal inner steps (t·H plus the share of the
+        current phase done): what a step-based learning-rate schedule should follow, the same on
+        every replica at the same wall time. None otherwise: the step count is the progress."""
+        if self.driver is None or self.driver.pacing is None:
+            return None
+        return self.driver.nominal_step()
+
+    @property
     def last_outer_step(self) -> Optional[OuterStepReport]:
         return self.outer_step_reports[-1] if self.outer_step_reports else None
 
@@ -270,6 +300,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
             wire=self.wire if self.wire.lossy else None, plugin=self._plugin_factory(transport),
+            sync_seconds=self.sync_seconds, clock=self.pacing_clock,
+            agree_due=self._agree_overlap if self.ranks_per_replica > 1 else None,
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
@@ -281,12 +313,15 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             except ValueError as err:
                 raise checkpoints.CheckpointError(str(err)) from err
             self._resumed_outer = None
+        if self.driver.pacing is not None:
+            self.driver.pacing.end_at(trainer.max_steps)  # ⌈max_steps / H⌉ rounds, the same on every replica
         self.driver.before_training()  # elastic: the first membership (waits for the quorum, heals if behind)
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
 
     def _agree_overlap(self, tau: int) -> int:
-        """The ranks of a replica land together (they all-gather then): they take the largest τ."""
+        """The ranks of a replica land together (they all-gather then): they take the largest τ (and,
+        under ``sync_seconds``, post a round when any of them is due)."""
         assert self._groups is not None
         return self._groups.replica_max(tau, self._comm_device())
 
@@ -302,10 +337,11 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if self.driver.round_due(index):
             self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
         trainer = self.lightning_module.trainer
-        driver_steps = self.driver.plugin.ends_by_driver_steps and trainer.max_steps >= 0
+        driver_steps = self.driver.ends_by_driver_steps and trainer.max_steps >= 0
         if driver_steps:
-            # A healed replica took the others' step count: max_steps counts the run's steps, not this process's.
-            last = self.driver.slots[index].inner_steps + 1 >= trainer.max_steps
+            # A healed replica took the others' step count, and under sync_seconds the run ends on a round:
+            # max_steps counts the run's steps, not this process's.
+            last = self.driver.last_step(index, trainer.max_steps)
         else:
             per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
             last = fit_ends_after_this_step(trainer, per_batch)
