@@ -5,11 +5,13 @@ alike. Replicas of different speeds then wait for each other: a slow replica del
 the round, who delays its next partner, and soon every replica runs at the slowest one's pace.
 
 With ``sync_seconds=T`` each replica chooses its own number of inner steps per round, H_i (GASLoC
-writes its update with H_i): it posts its next round once its **inner phase** has taken T seconds of
-compute, measured on its own clock from the end of its previous round (the waits at exchanges do not
-count), after at least one inner step and at most H. A replica twice as slow takes about half the
-inner steps and posts at about the same time, so nobody waits long; a replica slower than T per step
-still takes one step per round, and is waited for no longer than that step.
+writes its update with H_i): it posts its next round once its **inner phase** (its compute since its
+previous round, on its own clock, the waits at exchanges left out) is as close to T seconds as its
+steps allow: after the step k at which one step more would end further past T than it is short of
+T now, (k + ½)·s̄ ≥ T with s̄ its mean step in the phase; at least one inner step, at most H. A
+replica twice as slow takes about half the inner steps and posts at about the same time, so nobody
+waits long; a replica slower than T per step still takes one step per round, and is waited for no
+longer than that step.
 
 Only the steps inside a round differ between replicas: round t is round t everywhere, so the groups
 of every round agree (they come from ``schedule(t, N)``) and no message is added. A run paced this
@@ -47,6 +49,20 @@ def check_pacing(sync_seconds: Any, overlap_steps: Any = 0) -> None:
             "lands a number of inner steps after its start would land at a different time on every replica. Use "
             "overlap_steps=0 with sync_seconds, or sync_seconds=None to overlap."
         )
+
+
+def phase_due(steps: int, seconds: float, sync_every: int, sync_seconds: float) -> bool:
+    """Whether an inner phase of ``steps`` steps and ``seconds`` of compute ends now: H steps, or the
+    phase as close to T as one step more or less could bring it, (k + ½)·seconds/k ≥ T."""
+    return steps >= 1 and (steps >= sync_every or seconds * (1 + 0.5 / steps) >= sync_seconds)
+
+
+def phase_steps(step_seconds: float, sync_every: int, sync_seconds: float) -> int:
+    """H_i of a replica whose every step takes ``step_seconds`` (the event model of the schedules)."""
+    k = 1
+    while not phase_due(k, k * step_seconds, sync_every, sync_seconds):
+        k += 1
+    return k
 
 
 def compute_share(compute: Optional[float], spent: float) -> Optional[float]:
@@ -94,8 +110,9 @@ class Phase:
 
 
 class Pacing:
-    """The ``sync_seconds`` policy: a round is due once the inner phase took ``sync_seconds`` of
-    compute or ``sync_every`` inner steps, whichever comes first (at least one step).
+    """The ``sync_seconds`` policy: a round is due once the inner phase is as close to
+    ``sync_seconds`` of compute as its steps allow, or took ``sync_every`` inner steps, whichever
+    comes first (at least one step): :func:`phase_due`.
 
     Args:
         sync_every: H, the most inner steps of a round, and the nominal H that ``max_steps`` is
@@ -123,8 +140,7 @@ class Pacing:
         once per step, on the clock at the first call (the step's compute is done by then)."""
         if phase.decision is not None and phase.decision[0] == steps:
             return phase.decision[1]
-        in_phase = phase.steps(steps)
-        due = in_phase >= 1 and (in_phase >= self.sync_every or phase.seconds(self.clock()) >= self.sync_seconds)
+        due = phase_due(phase.steps(steps), phase.seconds(self.clock()), self.sync_every, self.sync_seconds)
         if self.max_steps is not None:
             assert self.rounds is not None
             due = outer_steps < self.rounds and (due or steps >= self.max_steps)

@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
-from lightning_loco.pacing import Pacing, Phase
+from lightning_loco.pacing import Pacing, Phase, phase_due, phase_steps
 from lightning_loco.simulator import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork
 from test_driver import CPU, SLOT_SHAPES, assert_same, initial_weights, inner_lr, roundtrip, run_in_threads, targets
@@ -100,8 +100,9 @@ def threaded(replicas, steps=None):
 
 
 def expected_h(speed: float, sync_every: int, sync_seconds: float) -> int:
-    """The steps a replica of this speed takes per round: until its phase reaches T, at least 1, at most H."""
-    return max(1, min(sync_every, math.ceil(sync_seconds / speed - 1e-9)))
+    """The steps a replica of this speed takes per round: the k whose k·speed is nearest T (a tie goes
+    to the shorter phase), at least 1, at most H."""
+    return max(1, min(sync_every, math.ceil(sync_seconds / speed - 0.5 - 1e-9)))
 
 
 # ---------------------------------------------------------------------------- H_i follows each replica's speed
@@ -109,14 +110,15 @@ def expected_h(speed: float, sync_every: int, sync_seconds: float) -> int:
 
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_each_replica_takes_its_own_steps_per_round_and_every_round_agrees(name):
-    speeds, H, T, max_steps = (1, 1, 2, 4), 8, 6, 24  # H_i = 6, 6, 3, 2; the run is ⌈24 / 8⌉ = 3 rounds
+    speeds, H, T, max_steps = (1, 1, 2, 4), 8, 6, 24  # H_i = 6, 6, 3, 1; the run is ⌈24 / 8⌉ = 3 rounds
     make = MAKERS[name]
     _, replicas = paced(make, speeds, H, T, max_steps)
     threaded(replicas)
     rounds = 3
     algorithm, n = make(), len(speeds)
     for r in replicas:
-        h = expected_h(r.speed, H, T)
+        h = {1: 6, 2: 3, 4: 1}[r.speed]  # the 4× replica: one step (4 s) is as near T = 6 as two (8 s)
+        assert h == expected_h(r.speed, H, T)
         reports = r.driver.reports
         assert [x.outer_step for x in reports] == list(range(rounds))  # the same rounds, in order, everywhere
         assert [x.phase_steps for x in reports] == [h] * rounds
@@ -135,6 +137,13 @@ def test_each_replica_takes_its_own_steps_per_round_and_every_round_agrees(name)
         sim.step([r.snapshots[t] for r in replicas])
         for r in replicas:
             assert_same(r.anchors[t], sim.anchors[r.i], f"anchor of replica {r.i} after round {t}")
+
+
+@pytest.mark.parametrize("speed,steps", [(1.0, 6), (1.1, 5), (1.4, 4), (2.5, 2), (4.0, 1), (7.0, 1)])
+def test_a_phase_ends_as_near_t_as_its_steps_allow(speed, steps):
+    # T = 6: 1.1 s steps end at 5.5 s (not 6.6), 1.4 s steps at 5.6 s (not 7.0), 2.5 s steps at 5 s (not 7.5)
+    assert phase_steps(speed, 8, 6.0) == steps
+    assert not phase_due(0, 0.0, 8, 6.0) and phase_due(8, 0.0, 8, 6.0)  # at least one step, at most H
 
 
 def test_a_ten_times_slower_replica_takes_one_step_per_round_and_is_never_left_out():
@@ -186,7 +195,7 @@ def test_fixed_h_reports_its_phase_too():
 
 @pytest.mark.parametrize("name", ["noloco", "diloco"])
 def test_resuming_mid_phase_continues_bitwise(name):
-    speeds, H, T, max_steps = (1, 2, 4), 6, 6, 24  # H_i = 6, 3, 2; 4 rounds
+    speeds, H, T, max_steps = (1, 2, 3), 6, 6, 24  # H_i = 6, 3, 2; 4 rounds
     make = MAKERS[name]
     _, whole = paced(make, speeds, H, T, max_steps)
     threaded(whole)

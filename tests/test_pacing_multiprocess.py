@@ -44,11 +44,11 @@ def test_a_replica_that_sleeps_in_every_step_runs_the_same_rounds_with_fewer_ste
 
 
 def test_exact_resume_from_a_round_checkpoint_with_replicas_at_different_steps(tmp_path):
-    # Speeds 1 and 3 on their own clocks, T = 4, H = 4: H_i = 4 and 2. 16 nominal steps: 4 rounds. One batch
+    # Speeds 1 and 2 on their own clocks, T = 4, H = 4: H_i = 4 and 2. 16 nominal steps: 4 rounds. One batch
     # per epoch (24 of the 48 samples per replica) so that every checkpoint is at the end of a data epoch.
     ckpts = tmp_path / "ckpts"
     common = {"strategy": "gasloc", "strategy_kwargs": {"sync_every": 4, "sync_seconds": 4.0}, "devices": 2,
-              "max_steps": 16, "batch_size": 24, "virtual_step_seconds": [1.0, 3.0],
+              "max_steps": 16, "batch_size": 24, "virtual_step_seconds": [1.0, 2.0],
               "outer_checkpoint": {"dirpath": str(ckpts), "every_n_outer_steps": 2}}
     straight = tiny.launch(tmp_path / "straight", **common)
     assert sorted(p.name for p in ckpts.glob("*.ckpt")) == ["outer_step=2.ckpt", "outer_step=4.ckpt"]
@@ -94,9 +94,9 @@ def test_what_a_round_paced_fit_cannot_do_is_named(kwargs, optimizers, match):
 
 
 def test_the_monitor_logs_each_rounds_steps_compute_and_share(tmp_path):
-    # rank 0 (whose replica the logger writes) runs on a clock that moves 1 s a step, rank 1 3 s: H_i = 4 and 2
+    # rank 0 (whose replica the logger writes) runs on a clock that moves 1 s a step, rank 1 2 s: H_i = 4 and 2
     recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 4, "sync_seconds": 4.0},
-                       devices=2, max_steps=12, virtual_step_seconds=[1.0, 3.0], monitor={})
+                       devices=2, max_steps=12, virtual_step_seconds=[1.0, 2.0], monitor={})
     from test_monitoring import logged
 
     metrics = logged(tmp_path)
