@@ -1,6 +1,6 @@
 """B6, replicas of different speeds: one H for every replica against each replica's own H_i (``sync_seconds``).
 
-    python -m benchmarks.b6_heterogeneous            # ~6 min a seed on 2 cores: the event model, then 4 GPT replicas
+    python -m benchmarks.b6_heterogeneous            # ~8 min a seed on 2 cores: the event model, then 4 GPT replicas
     python -m benchmarks.b6_heterogeneous --quick    # ~1 min: the event model and a tiny NoLoCo run of each mode
 
 Two parts:
@@ -15,13 +15,15 @@ Two parts:
    made 2× slower and replica 3 4× slower by sleeping after every step for 1× and 3× the time that
    step's own compute took. NoLoCo, GASLoC and DiLoCo, fixed H against ``sync_seconds`` with
    T = 0.8 × H × the example's step time measured alone (so that even the fast replicas, slowed by
-   sharing the cores, are paced by T), the same number of rounds R. Every replica keeps its weights
+   sharing the cores, are paced by T), the same number of rounds R; and ``sync_seconds`` again for
+   4R rounds, which takes about as long as fixed H's R rounds. Every replica keeps its weights
    after each round and evaluates them on the same validation batches after training (validation
    during a paced fit is not possible: docs/heterogeneous.md), so the curve costs training nothing.
    Reported: the fast replicas' compute share (their compute over their wall time, from the
    driver's reports), the validation loss (mean over replicas) after R rounds, the time to a target
-   loss (the highest final loss of the runs, so that every run reaches it) and the loss of each run
-   at the time the paced runs end (the same wall time for both modes).
+   loss (the highest final loss of the R-round runs, so that every run reaches it), fixed H's loss
+   when the paced run of R rounds ends, and the 4R-round paced run's loss when fixed H's run ends
+   (equal wall time, both ways).
 
 The machine these numbers come from has 2 cores shared by 4 replicas: runs are short (R = 5 rounds of
 H = 50, the example's H) and the fast replicas' steps are slowed by sharing the cores.
@@ -47,6 +49,7 @@ from benchmarks.b2_time_to_loss import time_to
 from benchmarks.common import ROOT, machine, results_dir, table, write_json
 
 ALGORITHMS = ("noloco", "gasloc", "diloco")
+LONG = 4  # the third mode: own H_i for 4× the rounds, to compare losses at the fixed-H run's wall time
 SPEEDS = (1, 1, 2, 4)  # replica i takes SPEEDS[i] times the fast replicas' step time
 
 
@@ -158,7 +161,7 @@ def worker(spec: dict[str, Any]) -> None:
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.points = [(-1, 0.0, self.weights(pl_module))]
-            self.seen = 0
+            self.seen, self.start = 0, time.time()  # the ranks start together: setup broadcast rank 0's weights
 
         @staticmethod
         def weights(pl_module: Any) -> Any:
@@ -167,7 +170,7 @@ def worker(spec: dict[str, Any]) -> None:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             reports = trainer.strategy.outer_step_reports
             for report in reports[self.seen :]:
-                self.points.append((report.outer_step, time.time() - spec["start"], self.weights(pl_module)))
+                self.points.append((report.outer_step, time.time() - self.start, self.weights(pl_module)))
             self.seen = len(reports)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
@@ -209,7 +212,7 @@ def run(algorithm: str, sync_seconds: Optional[float], seed: int, quick: bool, s
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"algorithm": algorithm, "sync_seconds": sync_seconds, "seed": seed, "sync_every": sync_every,
                 "rounds": rounds, "slowdown": list(SPEEDS), "model": model_kwargs(quick), "out": tmp,
-                "batch_size": batch_size, "val_batches": 2 if quick else 8, "start": time.time()}
+                "batch_size": batch_size, "val_batches": 2 if quick else 8}
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         proc = subprocess.run([sys.executable, "-m", "benchmarks.b6_heterogeneous", "--worker", json.dumps(spec)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -235,14 +238,25 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             "steps": [rank["steps"] for rank in ranks]}
 
 
-def loss_at(curve: list[dict[str, Any]], seconds: float) -> Optional[float]:
-    """The validation loss interpolated at ``seconds`` of training (None past the curve's end)."""
+def loss_by(curve: list[dict[str, Any]], seconds: float) -> float:
+    """The validation loss ``seconds`` into training: interpolated between rounds, the final loss of a
+    run that had ended by then."""
     for a, b in zip(curve, curve[1:]):
         if a["train_seconds"] <= seconds <= b["train_seconds"]:
             span = b["train_seconds"] - a["train_seconds"]
             frac = (seconds - a["train_seconds"]) / span if span > 0 else 1.0
             return a["val_loss"] + frac * (b["val_loss"] - a["val_loss"])
-    return None
+    return curve[-1]["val_loss"]
+
+
+COLUMNS = [("algorithm", "algorithm", "s"), ("fixed_fast_share", "fast share, one H", ".3f"),
+           ("paced_fast_share", "fast share, own H_i", ".3f"), ("fixed_final_loss", "loss, one H", ".3f"),
+           ("paced_final_loss", "loss, own H_i", ".3f"), ("fixed_seconds", "s, one H", ".1f"),
+           ("paced_seconds", "s, own H_i", ".1f"), ("fixed_to_target_s", "s to target, one H", ".1f"),
+           ("paced_to_target_s", "s to target, own H_i", ".1f"),
+           ("fixed_loss_at_paced_end", "one H's loss when own H_i ends", ".3f"),
+           ("paced_long_final_loss", "loss, own H_i, 4R rounds", ".3f"), ("paced_long_seconds", "s, 4R rounds", ".1f"),
+           ("long_loss_at_fixed_end", "4R rounds' loss when one H ends", ".3f")]
 
 
 def plot(saved: dict[str, Any], path: Path) -> None:
@@ -258,19 +272,21 @@ def plot(saved: dict[str, Any], path: Path) -> None:
         values = [r[f"{mode}_fast_share"] for r in rows]
         axes[0].bar([i + (j - 0.5) * width for i in range(len(rows))], values, width,
                     label="one H for all" if mode == "fixed" else "own H_i (sync_seconds)")
-    events = [r for r in saved["event_model"] if r["case"].startswith("N=16")]
-    axes[0].scatter(range(len(events)), [r["fixed_fast"] for r in events], marker="_", s=300, color="k",
-                    label="event model, N = 16 (fixed / paced)")
-    axes[0].scatter(range(len(events)), [r["paced_fast"] for r in events], marker="_", s=300, color="k")
+    events = [r for r in saved["event_model"] if r["case"].startswith("N=16") and r["algorithm"] in labels]
+    axes[0].scatter([i - width / 2 for i in range(len(events))], [r["fixed_fast"] for r in events], marker="_",
+                    s=300, color="k", label="event model, N = 16")
+    axes[0].scatter([i + width / 2 for i in range(len(events))], [r["paced_fast"] for r in events], marker="_",
+                    s=300, color="k")
     axes[0].set_xticks(range(len(rows)), labels)
     axes[0].set_ylabel("fast replicas' compute share")
     axes[0].set_ylim(0, 1.05)
     axes[0].legend(fontsize=7, loc="lower right")
-    for i, name in enumerate(ALGORITHMS):
-        for mode, style in (("fixed", "--"), ("paced", "-")):
+    for i, name in enumerate(labels):
+        for mode, style, what in (("fixed", "--", "one H"), ("paced", "-", "own H_i"),
+                                  ("paced_long", ":", f"own H_i, {LONG}× rounds")):
             curve = saved["curves"][name][mode][0]
             axes[1].plot([p["train_seconds"] for p in curve], [p["val_loss"] for p in curve], style, color=f"C{i}",
-                         label=f"{name}, {'one H' if mode == 'fixed' else 'own H_i'}")
+                         label=f"{name}, {what}")
     axes[1].axhline(saved["target"], color="grey", lw=0.7, ls=":")
     axes[1].set_xlabel("wall time, s (seed 0)")
     axes[1].set_ylabel("validation loss (mean over replicas)")
@@ -306,22 +322,24 @@ def main() -> None:
     algorithms = args.algorithms or (["noloco"] if args.quick else list(ALGORITHMS))
     print(f"\nB6 part 2: the example alone takes {step * 1e3:.1f} ms a step here; sync_seconds = {sync_seconds:.2f}",
           flush=True)
-    curves: dict[str, dict[str, list]] = {a: {"fixed": [], "paced": []} for a in algorithms}
-    summaries: dict[str, dict[str, list]] = {a: {"fixed": [], "paced": []} for a in algorithms}
+    modes = {"fixed": (None, rounds), "paced": (sync_seconds, rounds), "paced_long": (sync_seconds, LONG * rounds)}
+    curves: dict[str, dict[str, list]] = {a: {m: [] for m in modes} for a in algorithms}
+    summaries: dict[str, dict[str, list]] = {a: {m: [] for m in modes} for a in algorithms}
     for seed in seeds:
         for name in algorithms:
-            for mode, seconds in (("fixed", None), ("paced", sync_seconds)):
-                summary = summarise(run(name, seconds, seed, args.quick, sync_every, rounds, batch_size))
+            for mode, (seconds, mode_rounds) in modes.items():
+                summary = summarise(run(name, seconds, seed, args.quick, sync_every, mode_rounds, batch_size))
                 curves[name][mode].append(summary["curve"])
                 summaries[name][mode].append(summary)
-                print(f"seed {seed} {name:<7} {mode:<6} final loss {summary['curve'][-1]['val_loss']:.4f}  "
+                print(f"seed {seed} {name:<7} {mode:<10} final loss {summary['curve'][-1]['val_loss']:.4f}  "
                       f"{summary['curve'][-1]['train_seconds']:.1f} s  fast share {summary['fast_share']:.3f}  "
                       f"H_i {summary['h_i']}", flush=True)
-    target = round(max(s["curve"][-1]["val_loss"] for a in algorithms for m in summaries[a].values() for s in m) + 0.005, 2)
+    finals = [s["curve"][-1]["val_loss"] for a in algorithms for m in ("fixed", "paced") for s in summaries[a][m]]
+    target = round(max(finals) + 0.005, 2)
     rows = []
     for name in algorithms:
         row: dict[str, Any] = {"algorithm": name}
-        for mode in ("fixed", "paced"):
+        for mode in modes:
             runs = summaries[name][mode]
             row[f"{mode}_fast_share"] = statistics.mean(s["fast_share"] for s in runs)
             row[f"{mode}_final_loss"] = statistics.mean(s["curve"][-1]["val_loss"] for s in runs)
@@ -329,19 +347,16 @@ def main() -> None:
             times = [time_to(s["curve"], target, "train_seconds") for s in runs]
             row[f"{mode}_to_target_s"] = statistics.mean(times) if None not in times else None
             row[f"{mode}_h_i"] = runs[0]["h_i"]
-        ends = [s["curve"][-1]["train_seconds"] for s in summaries[name]["paced"]]
-        at = [loss_at(s["curve"], end) for s, end in zip(summaries[name]["fixed"], ends)]
-        row["equal_time_s"] = statistics.mean(ends)
-        row["fixed_loss_at_equal_time"] = statistics.mean(at) if None not in at else None
+        fixed, paced, long = (summaries[name][m] for m in modes)
+        # equal wall time, both ways: one H when the paced run of R rounds ends; own H_i (4R rounds) when one H ends
+        row["fixed_loss_at_paced_end"] = statistics.mean(
+            loss_by(f["curve"], p["curve"][-1]["train_seconds"]) for f, p in zip(fixed, paced))
+        row["long_loss_at_fixed_end"] = statistics.mean(
+            loss_by(g["curve"], f["curve"][-1]["train_seconds"]) for g, f in zip(long, fixed))
         rows.append(row)
     print(f"\nB6 part 2: 4 GPT replicas (processes) of speeds {SPEEDS}, H = {sync_every}, {rounds} rounds, "
           f"seeds {seeds}, target loss {target}; {machine()}")
-    print(table(rows, [("algorithm", "algorithm", "s"), ("fixed_fast_share", "fast share, one H", ".3f"),
-                       ("paced_fast_share", "fast share, own H_i", ".3f"), ("fixed_final_loss", "loss, one H", ".4f"),
-                       ("paced_final_loss", "loss, own H_i", ".4f"), ("fixed_seconds", "s, one H", ".1f"),
-                       ("paced_seconds", "s, own H_i", ".1f"), ("fixed_to_target_s", "to target, one H", ".1f"),
-                       ("paced_to_target_s", "to target, own H_i", ".1f"),
-                       ("fixed_loss_at_equal_time", "one H's loss when own H_i ends", ".4f")]))
+    print(table(rows, COLUMNS))
     saved = {"benchmark": "B6 heterogeneous replicas", "speeds": list(SPEEDS), "sync_every": sync_every,
              "rounds": rounds, "step_seconds_alone": step, "sync_seconds": sync_seconds, "seeds": seeds,
              "target": target, "event_model": events, "rows": rows, "curves": curves,

@@ -3,8 +3,8 @@
 ``OuterStepDriver`` keeps one :class:`OuterSlot` per inner optimizer (its flat parameters, its
 outer state, its step counters and its round in flight) and is told of every real inner step with
 ``after_inner_step(index)``. Every ``sync_every``-th step of an optimizer (or, with ``sync_seconds``,
-once this replica's inner phase took that long: :mod:`lightning_loco.pacing`) it starts round t of
-the algorithm on that optimizer's parameters:
+once this replica's inner phase is about that long: :mod:`lightning_loco.pacing`) it starts round t
+of the algorithm on that optimizer's parameters:
 
 * τ = 0: the round is posted and waited for at once, and the live weights become the algorithm's;
 * τ > 0 (``overlap_steps``): the round is posted and training goes on; it lands τ steps later and
@@ -81,10 +81,11 @@ class OuterStepDriver:
         wire: how payloads travel (:mod:`lightning_loco.codecs`); default float32 as they are. With
             error feedback every slot keeps a residual.
         plugin: told around rounds (:mod:`lightning_loco.plugins`); default: none.
-        sync_seconds: T: each replica posts its next round once its inner phase took T seconds of
-            compute on ``clock`` (at least one inner step, at most ``sync_every``), so that replicas of
-            different speeds post together (:mod:`lightning_loco.pacing`). None (default): every
-            ``sync_every`` steps. Needs ``overlap_steps=0``.
+        sync_seconds: T: each replica posts its next round once its inner phase is as near T seconds
+            of compute on ``clock`` as its steps allow (at least one inner step, at most
+            ``sync_every``), so that replicas of different speeds post together
+            (:mod:`lightning_loco.pacing`). None (default): every ``sync_every`` steps. Needs
+            ``overlap_steps=0``.
         clock: the clock of the inner phases (injectable for tests).
         agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).

@@ -68,9 +68,9 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             (default: start the τ steps from the local prediction of the outer step, add the
             correction at the landing) or "delayed" (apply the outer step's change at the landing).
         sync_seconds: T, for replicas of different speeds: each replica takes its own number of inner
-            steps per round, H_i, posting its next round once its inner phase took T seconds of compute
-            on its own clock (the waits at exchanges left out), after at least one inner step and at
-            most ``sync_every``, so that nobody waits for a slower replica. About ``sync_every`` × the
+            steps per round, H_i, posting its next round once its inner phase is as near T seconds of
+            compute on its own clock (the waits at exchanges left out) as its steps allow, after at
+            least one inner step and at most ``sync_every``, so that nobody waits for a slower replica. About ``sync_every`` × the
             fastest replica's step time paces every replica. The run is then ⌈max_steps / sync_every⌉
             rounds on every replica (``max_steps`` is required, counted in nominal steps), each
             replica's ``global_step`` is its own optimizer steps, and validation and checkpoints must
