@@ -1,4 +1,4 @@
-"""When a round is due: every H inner steps, or once this replica's inner phase took T seconds.
+"""When a round is due: every H inner steps, or once this replica's inner phase is about T seconds.
 
 By default a round starts every H = ``sync_every`` inner steps of an optimizer, on every replica
 alike. Replicas of different speeds then wait for each other: a slow replica delays its partner of
@@ -41,7 +41,7 @@ def check_pacing(sync_seconds: Any, overlap_steps: Any = 0) -> None:
     ):
         raise ValueError(
             f"sync_seconds must be a number of seconds > 0 or None (every replica takes sync_every inner steps per "
-            f"round), got {sync_seconds!r}. About sync_every × the fastest replica's step time paces every replica."
+            f"round), got {sync_seconds!r}. At most sync_every × the fastest replica's step time paces every replica."
         )
     if overlap_steps != 0:
         raise ValueError(

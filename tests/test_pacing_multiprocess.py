@@ -2,10 +2,13 @@
 
 One replica is made slow: by sleeping in every step (real time), or on a clock of its own that moves
 by a fixed step time per batch (so that every pacing decision, and hence a resumed run, is exact).
-Every replica must run the same rounds and stop on the same one, whatever its number of steps.
+Every replica must run the same rounds and stop on the same one, whatever its number of steps. The
+last tests need no processes: what a paced fit refuses before training, the monitor's fields, and the
+example GPT's schedule under a paced strategy.
 """
 
 import glob
+import math
 
 import pytest
 import torch
@@ -115,3 +118,19 @@ def test_report_fields_reach_the_monitors_metrics():
                              comm_seconds=0.1, seconds=0.2, phase_steps=5, compute_seconds=1.5, compute_share=0.75)
     metrics = OuterStepMonitor._metrics(report, num_optimizers=1)
     assert (metrics["outer/phase_steps"], metrics["outer/compute_seconds"], metrics["outer/compute_share"]) == (5, 1.5, 0.75)
+
+
+def test_the_example_gpt_schedule_follows_nominal_progress_under_sync_seconds():
+    from types import SimpleNamespace
+
+    from lightning_loco.examples.gpt import GPT
+
+    model = GPT(n_layer=1, n_embd=8, n_head=2, block_size=8, warmup_steps=10, max_steps=110)
+    schedule = model.configure_optimizers()["lr_scheduler"]["scheduler"].lr_lambdas[0]
+    alone = [schedule(step) for step in (0, 5, 10, 60, 110)]
+    model._trainer = SimpleNamespace(strategy=SimpleNamespace(nominal_step=None))  # fixed H: the step count
+    assert [schedule(step) for step in (0, 5, 10, 60, 110)] == alone
+    model._trainer.strategy.nominal_step = 60.0  # a paced run half-way, whatever this replica's own count
+    assert schedule(3) == schedule(1000) == alone[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    model._trainer.strategy.nominal_step = 110.0
+    assert schedule(3) == pytest.approx(0.1)  # the end of the run: lr/10 on every replica
