@@ -7,6 +7,7 @@ Importing the package registers the strategy names ``"noloco"``, ``"diloco"`` an
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.outer_checkpoint import OuterStepCheckpoint
 from lightning_loco.strategies import (
     DiLoCoStrategy,
     GASLoCStrategy,
@@ -28,6 +29,7 @@ __all__ = [
     "GASLoCStrategy",
     "NoLoCo",
     "NoLoCoStrategy",
+    "OuterStepCheckpoint",
     "OuterStepReport",
     "OuterStepStrategy",
     "PeerError",

@@ -2,8 +2,9 @@
 
 ``OuterStepDriver`` keeps one :class:`OuterSlot` per inner optimizer (its flat parameters, its
 outer state, its step counters and its round in flight) and is told of every real inner step with
-``after_inner_step(index)``. Every ``sync_every``-th step of an optimizer it starts round t of the
-algorithm on that optimizer's parameters:
+``after_inner_step(index)``. Every ``sync_every``-th step of an optimizer (or, with ``sync_seconds``,
+once this replica's inner phase is about that long: :mod:`lightning_loco.pacing`) it starts round t
+of the algorithm on that optimizer's parameters:
 
 * τ = 0: the round is posted and waited for at once, and the live weights become the algorithm's;
 * τ > 0 (``overlap_steps``): the round is posted and training goes on; it lands τ steps later and
@@ -26,14 +27,12 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor
 
 from lightning_loco import rounds
-from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
+from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.codecs import WireFormat
 from lightning_loco.flat import FlatParameters
 from lightning_loco.overlap import (
@@ -45,8 +44,10 @@ from lightning_loco.overlap import (
     correction_norm,
     merge_at_landing,
 )
+from lightning_loco.pacing import Pacing, check_pacing, compute_share
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.reports import OuterStepReport, peer_distance
+from lightning_loco.slots import OuterSlot
 from lightning_loco.transport.base import Transport
 
 FINAL_OUTER_STEPS = ("average", "outer")
@@ -59,40 +60,6 @@ def check_final_outer_step(value: Any) -> None:
             f"final_outer_step must be 'average' (the round that ends training lands without the outer step's "
             f"momentum extrapolation) or 'outer' (the papers' plain outer step), got {value!r}."
         )
-
-
-@dataclass
-class OuterSlot:
-    """The outer state of one inner optimizer on this replica, and its step counters."""
-
-    flat: FlatParameters
-    state: OuterState
-    inner_steps: int = 0  # inner steps counted (an fp16 step the scaler skipped counts too)
-    outer_steps: int = 0  # rounds started
-    in_flight: Optional[InFlight] = None  # a round started and not landed yet (overlap only)
-    auto: Optional[AutoOverlap] = None  # chooses τ when overlap_steps="auto"
-    last_step_end: Optional[float] = None  # "auto" only: when the previous inner step was counted
-    # After a round landed as the end of training: the live weights its plain outer step gave, which
-    # training that goes on after all (a resumed checkpoint) starts from.
-    outer_weights: Optional[Tensor] = None
-    # Error feedback (lossy wire formats on pseudo-gradients): what the codec has lost of the payloads
-    # sent so far, added to the next one. Outer state: saved and restored with the rest.
-    residual: Optional[Tensor] = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, outer state, a round in flight (its received sum is awaited first, not landed:
-        training goes on exactly as it would have) and, after a final landing, the outer step's live
-        weights (so that a resumed run continues as a longer run would have)."""
-        out = {
-            "numel": self.flat.numel, "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
-            "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
-            "state": self.state.state_dict(),
-        }
-        if self.outer_weights is not None:
-            out["outer_weights"] = self.outer_weights
-        if self.residual is not None:
-            out["residual"] = self.residual
-        return out
 
 
 class OuterStepDriver:
@@ -114,6 +81,14 @@ class OuterStepDriver:
         wire: how payloads travel (:mod:`lightning_loco.codecs`); default float32 as they are. With
             error feedback every slot keeps a residual.
         plugin: told around rounds (:mod:`lightning_loco.plugins`); default: none.
+        sync_seconds: T: each replica posts its next round once its inner phase is as near T seconds
+            of compute on ``clock`` as its steps allow (at least one inner step, at most
+            ``sync_every``), so that replicas of different speeds post together
+            (:mod:`lightning_loco.pacing`). None (default): every ``sync_every`` steps. Needs
+            ``overlap_steps=0``.
+        clock: the clock of the inner phases (injectable for tests).
+        agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
+            agree on whether a round is due (given 0 or 1, returns the largest over the replica).
     """
 
     def __init__(
@@ -128,8 +103,12 @@ class OuterStepDriver:
         final_outer_step: str = "average",
         wire: Optional[WireFormat] = None,
         plugin: Optional[DriverPlugin] = None,
+        sync_seconds: Optional[float] = None,
+        clock: Callable[[], float] = time.perf_counter,
+        agree_due: Optional[Callable[[int], int]] = None,
     ) -> None:
         check_overlap(overlap_steps, overlap_merge, sync_every)
+        check_pacing(sync_seconds, overlap_steps)
         check_final_outer_step(final_outer_step)
         algorithm.check_num_replicas(transport.num_replicas)
         self.algorithm, self.transport, self.sync_every = algorithm, transport, sync_every
@@ -142,6 +121,8 @@ class OuterStepDriver:
         self.reports: list[OuterStepReport] = []
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
         self.track_norms = False  # norms and peer distance: one anchor copy per round
+        self.clock = clock
+        self.pacing = None if sync_seconds is None else Pacing(sync_every, sync_seconds, clock, agree_due)
         self.plugin = plugin if plugin is not None else DriverPlugin()
         self.plugin.attach(self)
 
@@ -152,14 +133,48 @@ class OuterStepDriver:
         if self.overlap_steps == "auto":
             auto = AutoOverlap(auto_cap(self.sync_every, self.algorithm.name))
         slot = OuterSlot(flat=flat, state=state, auto=auto)
+        slot.phase.restart(self.clock())
         self.slots.append(slot)
         return slot
 
     # ------------------------------------------------------------------ the inner-step hook
 
     def round_due(self, index: int) -> bool:
-        """Whether the next inner step of optimizer ``index`` starts a round."""
-        return (self.slots[index].inner_steps + 1) % self.sync_every == 0
+        """Whether the next inner step of optimizer ``index`` starts a round (with ``sync_seconds``:
+        decided on the clock now, so call it once that step's compute is done)."""
+        slot = self.slots[index]
+        return self._due(slot, slot.inner_steps + 1)
+
+    def _due(self, slot: OuterSlot, steps: int) -> bool:
+        if self.pacing is None:
+            return steps % self.sync_every == 0
+        return self.pacing.due(slot.phase, slot.outer_steps, steps)
+
+    @property
+    def ends_by_driver_steps(self) -> bool:
+        """Whether the driver, not Lightning's count of steps, says when training ends: under
+        ``sync_seconds`` (the run ends on a round) or for a plug-in that changes the counters."""
+        return self.pacing is not None or self.plugin.ends_by_driver_steps
+
+    def last_step(self, index: int, max_steps: int) -> bool:
+        """Whether training ends after the next inner step of optimizer ``index``, for a run of
+        ``max_steps``: with ``sync_seconds`` when it starts round ⌈max_steps / H⌉ − 1 (the same round
+        on every replica); otherwise when the driver's count reaches ``max_steps``."""
+        slot = self.slots[index]
+        if self.pacing is None:
+            return slot.inner_steps + 1 >= max_steps
+        if self.pacing.max_steps != max_steps:
+            self.pacing.end_at(max_steps)
+            slot.phase.decision = None  # decided without the run's end: again
+        return self.pacing.last(slot.phase, slot.outer_steps, slot.inner_steps + 1)
+
+    def nominal_step(self, index: int = 0) -> float:
+        """Progress in nominal inner steps (what a learning-rate schedule should follow): the count of
+        inner steps, or with ``sync_seconds`` t·H plus the share of the current phase done."""
+        slot = self.slots[index]
+        if self.pacing is None:
+            return float(slot.inner_steps)
+        return self.pacing.nominal_step(slot.phase, slot.outer_steps, slot.inner_steps)
 
     def after_inner_step(self, index: int, last: bool = False) -> None:
         """Counts one inner step of optimizer ``index``; lands and starts rounds when they are due.
@@ -174,11 +189,12 @@ class OuterStepDriver:
             slot.in_flight.poll()
             if slot.inner_steps >= slot.in_flight.land_step:
                 self._land(index, slot, final)
-        if slot.inner_steps % self.sync_every == 0:
+        if self._due(slot, slot.inner_steps):
             tau = self._overlap_for(slot)
             self._start(index, slot, tau)
             if tau == 0:
                 self._land(index, slot, final)
+            slot.phase.restart(self.clock())
         if slot.auto is not None:
             slot.last_step_end = time.perf_counter()
 
@@ -205,6 +221,8 @@ class OuterStepDriver:
         """Posts round t. With τ > 0 the live weights become the local prediction (predict_correct)
         and training goes on; the round lands ``tau`` steps later."""
         algorithm, t = self.algorithm, slot.outer_steps
+        ended = self.clock()
+        slot.phase.end(slot.inner_steps, ended)
         self.plugin.before_round(index, t)
         started = time.perf_counter()
         self.rounds_started.append((index, t))
@@ -238,6 +256,7 @@ class OuterStepDriver:
         )
         slot.outer_steps += 1
         slot.in_flight.start_seconds = time.perf_counter() - started
+        slot.phase.spent = self.clock() - ended
 
     def _land(self, index: int, slot: OuterSlot, final: bool = False) -> None:
         """Completes the round in flight: waits for the exchange if it is still running, commits the
@@ -246,7 +265,7 @@ class OuterStepDriver:
         are kept in ``slot.outer_weights``."""
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
-        started = time.perf_counter()
+        started, landed = time.perf_counter(), self.clock()
         pending = flight.pending
         total = pending.wait()
         if pending.alone and len(flight.group) > 1 and self._collective(flight.outer_step):
@@ -279,18 +298,24 @@ class OuterStepDriver:
             update_norm = torch.linalg.vector_norm(slot.state.anchor - flight.anchor_before).item()
         if slot.auto is not None:
             slot.auto.observe_exchange(exchange if exchange is not None else pending.seconds)
+        seconds = flight.start_seconds + time.perf_counter() - started
+        phase_steps, compute = slot.phase.ended if slot.phase.ended is not None else (None, None)
+        spent = slot.phase.spent + self.clock() - landed  # the round's time, on the phases' clock
         self.reports.append(
             OuterStepReport(
                 optimizer_index=index, outer_step=flight.outer_step, inner_step=slot.inner_steps,
                 peers=tuple(j for j in flight.group if j != self.transport.replica),
                 bytes_sent=pending.nbytes, bytes_received=pending.nbytes, comm_seconds=pending.wait_seconds,
-                seconds=flight.start_seconds + time.perf_counter() - started,
+                seconds=seconds, phase_steps=phase_steps, compute_seconds=compute,
+                compute_share=compute_share(compute, spent),
                 pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
                 overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
                 final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
                 peer_ids=self.plugin.peer_ids(flight.group),
             )
         )
+        if flight.merge != "none":  # overlapped: the landing's time is not the next phase's compute
+            slot.phase.excluded += self.clock() - landed
         outcome = Outcome.ALONE if pending.alone else Outcome.EXCHANGED
         self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, outcome, final))
 
@@ -348,7 +373,8 @@ class OuterStepDriver:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> list[dict[str, Any]]:
-        return [slot.state_dict() for slot in self.slots]
+        now = self.clock()
+        return [slot.state_dict(now) for slot in self.slots]
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
         """Restores counters, outer state, rounds in flight and the outer step's live weights after a
@@ -364,21 +390,6 @@ class OuterStepDriver:
                 f"this model's optimizers {[slot.flat.numel for slot in self.slots]}: the model or its "
                 "optimizers changed. Start a new run from the checkpoint's consensus model instead."
             )
+        feedback = self.wire is not None and self.wire.error_feedback
         for slot, entry in zip(self.slots, saved):
-            slot.state.load_state_dict(entry["state"])
-            slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
-            outer_weights = entry.get("outer_weights")  # saved after a final landing: restored if training goes on
-            slot.outer_weights = None if outer_weights is None else outer_weights.to(slot.state.anchor.device).clone()
-            residual = entry.get("residual")  # error feedback: the residual goes on (saved without: from zero)
-            feedback = self.wire is not None and self.wire.error_feedback
-            slot.residual = residual.to(slot.state.anchor.device).clone() if feedback and residual is not None else None
-            flight = entry.get("in_flight")
-            if flight is not None:
-                device = slot.state.anchor.device
-                group = tuple(flight["group"])
-                peers = tuple(j for j in group if j != self.transport.replica)
-                slot.in_flight = InFlight(
-                    outer_step=flight["outer_step"], start_step=flight["start_step"], land_step=flight["land_step"],
-                    group=group, pending=self.transport.resolved(flight["sum"].to(device), peers),
-                    reference=flight["reference"].to(device), merge=flight["merge"],
-                )
+            slot.load_state_dict(entry, self.transport, feedback, self.clock())

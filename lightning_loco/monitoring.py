@@ -19,6 +19,11 @@ steps):
 * ``outer/peer_distance``: ‖own payload − mean payload of the replica's group‖ over the optimizer's
   parameters, the local signal of how far the replicas are apart. The strategy computes it from
   what the outer step exchanges anyway: it costs no message (logged when the strategy provides it).
+* ``outer/phase_steps`` (H_i: the inner steps this replica took before the round, H unless
+  ``sync_seconds`` paces the rounds), ``outer/compute_seconds`` (that inner phase's compute on the
+  replica's own clock, the rounds' time left out) and ``outer/compute_share`` (compute over compute
+  plus the round's time: 1 when the replica never waits for its partners; the wait itself is
+  ``outer/comm_seconds``). Local clocks only: no message.
 * with ``overlap_steps``, at each landing: ``outer/overlap_steps`` (τ used), ``outer/comm_seconds``
   is then the time the landing waited for the exchange (the exposed communication),
   ``outer/exchange_seconds`` how long the exchange took from posting to completion (to within one
@@ -191,6 +196,9 @@ class OuterStepMonitor(L.Callback):
             "update_norm": report.update_norm,
             "peer_distance": report.peer_distance,
             "compression_error_norm": report.compression_error_norm,
+            "phase_steps": report.phase_steps,
+            "compute_seconds": report.compute_seconds,
+            "compute_share": report.compute_share,
         }
         if report.overlap_steps:
             values.update(overlap_steps=report.overlap_steps, exchange_seconds=report.exchange_seconds,

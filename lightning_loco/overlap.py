@@ -92,6 +92,17 @@ class InFlight:
             "group": list(self.group), "sum": total, "reference": self.reference, "merge": self.merge,
         }
 
+    @classmethod
+    def from_state_dict(cls, saved: dict[str, Any], transport: Any, device: torch.device) -> "InFlight":
+        """The round :meth:`state_dict` saved, its exchange already complete (``transport.resolved``)."""
+        group = tuple(saved["group"])
+        peers = tuple(j for j in group if j != transport.replica)
+        return cls(
+            outer_step=saved["outer_step"], start_step=saved["start_step"], land_step=saved["land_step"],
+            group=group, pending=transport.resolved(saved["sum"].to(device), peers),
+            reference=saved["reference"].to(device), merge=saved["merge"],
+        )
+
 
 def merge_at_landing(merge: str, live: Tensor, new_anchor: Tensor, reference: Tensor) -> tuple[Tensor, Tensor]:
     """The live weights after the landing, and the correction applied to them (both new tensors).

@@ -1,8 +1,9 @@
 """What the driver reports of each finished round, and the free spread signal it carries.
 
 An :class:`OuterStepReport` is left by every round that landed on this replica (one per optimizer and
-round): its peers, bytes, the time it cost training, and, when norms are tracked (the monitor asks for
-them), the norms and the peer distance. :mod:`lightning_loco.monitoring` logs them.
+round): its peers, bytes, the time it cost training, the inner phase that led to it (its inner steps
+H_i, its compute, and the share of wall time that compute had), and, when norms are tracked (the
+monitor asks for them), the norms and the peer distance. :mod:`lightning_loco.monitoring` logs them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class OuterStepReport:
     # The peers' names, in the order of ``peers``: replica ids for elastic replicas (``peers`` are indices
     # into the current membership, which changes), the index as text in the static launch.
     peer_ids: tuple[str, ...] = ()
+    # The inner phase that ended with this round's start, on this replica's own clock (lightning_loco.pacing):
+    phase_steps: Optional[int] = None  # H_i: its inner steps (H unless sync_seconds paces the rounds)
+    compute_seconds: Optional[float] = None  # its compute: wall time since the previous round, rounds' time left out
+    compute_share: Optional[float] = None  # compute_seconds / (compute_seconds + seconds): 1 when nobody is waited for
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:

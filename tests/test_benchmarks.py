@@ -298,3 +298,24 @@ def test_simulator_sweep_quick(tmp_path):
     assert result["replicas"] == 8 and len(result["rows"]) == 3
     by_h = {r["H"]: r for r in result["rows"] if r["beta"] == 0.7}
     assert by_h[30]["mb_per_replica"] < by_h[10]["mb_per_replica"]  # fewer rounds, fewer bytes
+
+
+@pytest.mark.slow
+def test_b6_quick(tmp_path):
+    out = bench(tmp_path, "b6_heterogeneous")
+    result = json.loads((tmp_path / "b6_heterogeneous.json").read_text())
+    assert (tmp_path / "b6_heterogeneous.png").exists()
+    events = {(r["case"], r["algorithm"]): r for r in result["event_model"]}
+    # one H: the fast replicas wait for the 2x slower one (about half their time); their own H_i: never
+    assert events[("N=8, one 2x", "noloco")]["fixed_fast"] == pytest.approx(0.5, abs=0.05)
+    assert events[("N=16, one 2x, one 4x", "diloco")]["fixed_fast"] == pytest.approx(0.25)
+    assert all(r["paced_fast"] == 1.0 for r in result["event_model"])
+    (row,) = result["rows"]
+    assert row["algorithm"] == "noloco" and "B6 part 2" in out
+    for mode in ("fixed", "paced"):
+        (run,) = result["runs"]["noloco"][mode]
+        (curve,) = result["curves"]["noloco"][mode]
+        assert [p["outer_step"] for p in curve] == [-1, 0, 1, 2]  # the start, then every round of 3
+        assert all(0 < p["val_loss"] < 6 for p in curve)  # real losses from the replicas' weights
+        assert 0 < run["fast_share"] <= 1 and len(run["h_i"]) == 4
+    assert result["runs"]["noloco"]["fixed"][0]["h_i"] == [4, 4, 4, 4]  # one H for all

@@ -162,3 +162,18 @@ def test_installed_lightning_has_the_broadcast_we_remove():
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"sync_seconds": 0}, "sync_seconds must be a number of seconds > 0"),
+    ({"sync_seconds": -2.0}, "sync_seconds must be a number of seconds > 0"),
+    ({"sync_seconds": "fast"}, "sync_seconds must be a number of seconds > 0"),
+    ({"sync_seconds": 1.0, "overlap_steps": 2}, "cannot be combined yet.*Use overlap_steps=0 with sync_seconds"),
+    ({"sync_seconds": 1.0, "overlap_steps": "auto"}, "cannot be combined yet"),
+    ({"sync_seconds": 1.0, "lighthouse": "localhost:29510"}, "sync_seconds=1.0 and lighthouse=... cannot be combined"),
+])
+@pytest.mark.parametrize("cls", [NoLoCoStrategy, GASLoCStrategy, DiLoCoStrategy])
+def test_sync_seconds_is_checked_when_the_strategy_is_built(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(sync_every=10, **kwargs)
+    assert cls(sync_every=10, sync_seconds=2.5).sync_seconds == 2.5

@@ -50,7 +50,7 @@ def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[li
 
 class TinyRegressor(L.LightningModule):
     def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: bool = False,
-                 inf_loss_at: Any = None) -> None:
+                 inf_loss_at: Any = None, batch_size: int = 4) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Linear(IN_FEATURES, 3)
@@ -60,6 +60,7 @@ class TinyRegressor(L.LightningModule):
         self.automatic_optimization = not manual
         self.scheduler = scheduler
         self.inf_loss_at = inf_loss_at  # (rank, step): a loss whose gradients overflow there
+        self.batch_size = batch_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.norm(self.body(x))))
@@ -100,7 +101,7 @@ class TinyRegressor(L.LightningModule):
         return [torch.optim.SGD(self.body.parameters(), lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=self.lr)]
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(dataset(), batch_size=4, shuffle=False)
+        return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)
 
 
 def flat(module: nn.Module) -> torch.Tensor:
@@ -164,6 +165,17 @@ class CallLog:
         return events
 
 
+class VirtualClock:
+    """A process's own clock for ``sync_seconds`` that moves only when a batch starts, by this rank's
+    step time: the pacing decisions are then the same in every run (and in a resumed one)."""
+
+    def __init__(self, step_seconds: list[float]) -> None:
+        self.step_seconds, self.now = step_seconds, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Recorder(L.Callback):
     def __init__(self, out_dir: str, log: CallLog) -> None:
         self.out_dir, self.call_log = out_dir, log
@@ -220,6 +232,9 @@ class Recorder(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._batch_start = time.perf_counter()
+        clock = getattr(trainer.strategy, "pacing_clock", None)
+        if isinstance(clock, VirtualClock):
+            clock.now += clock.step_seconds[trainer.global_rank]
         if trainer.global_step == self.record.get("fail_at_step"):
             raise RuntimeError(f"stopping on purpose at step {trainer.global_step}")
 
@@ -229,6 +244,8 @@ class Recorder(L.Callback):
             (Path(self.out_dir) / f"ready{trainer.global_rank}").write_text(str(os.getpid()))
         if self.record.get("step_sleep_s"):
             time.sleep(self.record["step_sleep_s"])
+        if self.record.get("step_sleep_s_by_rank"):  # replicas of different speeds
+            time.sleep(self.record["step_sleep_s_by_rank"][trainer.global_rank])
         self.record.setdefault("batch_seconds", []).append(time.perf_counter() - self._batch_start)
         if trainer.global_step == self.record.get("save_at_step", [None])[0]:  # as ModelCheckpoint saves
             trainer.save_checkpoint(self.record["save_at_step"][1])
@@ -321,14 +338,20 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         strategy = cls(timeout=timeout, start_method=start_method, **config.get("strategy_kwargs", {}))
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
-    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "track_release", "save_to", "interrupted_save_to",
-                "save_at_step"):
+    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "step_sleep_s_by_rank", "track_release", "save_to",
+                "interrupted_save_to", "save_at_step"):
         if key in config:
             recorder.record[key] = config[key]
     if not isinstance(strategy, str):
         observe(strategy, recorder.record, config)
+        if "virtual_step_seconds" in config:
+            strategy.pacing_clock = VirtualClock(config["virtual_step_seconds"])
     if "checkpoint" in config:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(**config["checkpoint"]))
+    if "outer_checkpoint" in config:
+        from lightning_loco import OuterStepCheckpoint
+
+        callbacks.append(OuterStepCheckpoint(**config["outer_checkpoint"]))
     logger: Any = False
     if "monitor" in config:
         from lightning_loco.monitoring import OuterStepMonitor
@@ -354,13 +377,13 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         val_check_interval=config.get("val_check_interval"),
         check_val_every_n_epoch=None if "val_check_interval" in config else 1,
         num_sanity_val_steps=0,
-        enable_checkpointing="checkpoint" in config,
+        enable_checkpointing="checkpoint" in config or "outer_checkpoint" in config,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False),
                           batchnorm=config.get("batchnorm", False), scheduler=config.get("scheduler", False),
-                          inf_loss_at=config.get("inf_loss_at"))
+                          inf_loss_at=config.get("inf_loss_at"), batch_size=config.get("batch_size", 4))
     if "hide_replica_files_on_rank" in config and os.environ.get("LOCAL_RANK", "0") == str(
         config["hide_replica_files_on_rank"]
     ):

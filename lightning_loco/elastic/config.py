@@ -139,3 +139,28 @@ def elastic_config(
         outer_step_timeout=float(outer_step_timeout),
         join_timeout=float(join_timeout), membership_every=membership_every, heal=bool(heal),
     )
+
+
+def elastic_seams(config: ElasticConfig, transport_factory: Any, lossy: bool, wire_dtype: Any = "float32",
+                  compression: Any = None, sync_seconds: Any = None) -> tuple[Any, Any]:
+    """The strategies' transport factory and driver plug-in factory for elastic replicas, after checking
+    what elastic mode cannot combine with (raises ``ValueError`` saying what to pass instead)."""
+    if sync_seconds is not None:
+        raise ValueError(
+            f"sync_seconds={sync_seconds} and lighthouse=... cannot be combined yet: a replica that heals takes a "
+            "donor's step counts. Use sync_seconds=None with a lighthouse, or the static launch."
+        )
+    if transport_factory is not None:
+        raise ValueError(
+            "transport_factory and lighthouse=... are exclusive: elastic replicas bring their own transport "
+            "(over the live members). Pass one of them."
+        )
+    if lossy:
+        raise ValueError(
+            f"wire_dtype={wire_dtype!r}, compression={compression!r}: elastic replicas (lighthouse=...) send "
+            "float32 only for now. Leave wire_dtype='float32' and compression=None with a lighthouse."
+        )
+    from lightning_loco.elastic.plugin import ElasticPlugin
+    from lightning_loco.elastic.transport import ElasticTransportFactory
+
+    return ElasticTransportFactory(config), ElasticPlugin

@@ -7,7 +7,7 @@ shows only the strategy's communication.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -42,6 +42,11 @@ class GPT(L.LightningModule):
         weight_decay: AdamW weight decay (not applied to biases and norms).
         warmup_steps: linear warmup length in optimizer steps.
         max_steps: length of the cosine decay (to lr/10), in optimizer steps.
+
+    Under a strategy that paces rounds by time (``sync_seconds``), where every replica takes its own
+    number of steps, the schedule follows the run's nominal progress (``strategy.nominal_step``: t·H
+    plus the share of the current inner phase) instead of this replica's own step count, so that
+    every replica warms up and decays at the same wall time and ends the run at lr/10.
     """
 
     def __init__(
@@ -115,15 +120,22 @@ class GPT(L.LightningModule):
             betas=(0.9, 0.95),
         )
 
-        scheduler = warmup_cosine(optimizer, hp.warmup_steps, hp.max_steps)
+        # under sync_seconds the schedule follows the run's nominal progress, not this replica's own step count
+        strategy = lambda: getattr(self._trainer, "strategy", None)  # noqa: E731
+        scheduler = warmup_cosine(optimizer, hp.warmup_steps, hp.max_steps,
+                                  nominal=lambda: getattr(strategy(), "nominal_step", None))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int) -> Any:
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, max_steps: int,
+                  nominal: Optional[Callable[[], Optional[float]]] = None) -> Any:
     """The learning-rate schedule of :class:`GPT`, per optimizer step: linear warm-up over ``warmup_steps``,
-    then cosine decay to a tenth of the peak at ``max_steps``."""
+    then cosine decay to a tenth of the peak at ``max_steps``. ``nominal``, where it gives a number, is the
+    step to use instead of the optimizer's count (the run's nominal progress under ``sync_seconds``)."""
 
-    def schedule(step: int) -> float:
+    def schedule(step: float) -> float:
+        progress_step = nominal() if nominal is not None else None
+        step = step if progress_step is None else progress_step
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))

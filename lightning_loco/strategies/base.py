@@ -10,6 +10,7 @@ reaches :class:`~lightning_loco.driver.OuterStepDriver`. Setup and the consensus
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -30,10 +31,11 @@ from lightning_loco.algorithms.outer_optimizer import check_picklable
 from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterSlot, OuterStepDriver
 from lightning_loco.reports import OuterStepReport
-from lightning_loco.elastic.config import elastic_config
+from lightning_loco.elastic.config import elastic_config, elastic_seams
 from lightning_loco.flat import FlatParameters
 from lightning_loco.plugins import DriverPlugin, no_plugin
 from lightning_loco.overlap import check_overlap
+from lightning_loco.pacing import check_pacing
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.strategies import _compat
 from lightning_loco.strategies.checkpointing import ReplicaCheckpoints
@@ -71,6 +73,16 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
             (default: start the τ steps from the local prediction of the outer step, add the
             correction at the landing) or "delayed" (apply the outer step's change at the landing).
+        sync_seconds: T, for replicas of different speeds: each replica takes its own number of inner
+            steps per round, H_i, posting its next round once its inner phase is as near T seconds of
+            compute on its own clock (the waits at exchanges left out) as its steps allow, after at
+            least one inner step and at most ``sync_every``, so that nobody waits for a slower replica. About ``sync_every`` × the
+            fastest replica's step time paces every replica. The run is then ⌈max_steps / sync_every⌉
+            rounds on every replica (``max_steps`` is required, counted in nominal steps), each
+            replica's ``global_step`` is its own optimizer steps, and validation and checkpoints must
+            not follow those counts: use ``OuterStepCheckpoint``. None (default): every replica takes
+            ``sync_every`` steps per round. Needs ``overlap_steps=0`` and one optimizer; see
+            docs/heterogeneous.md.
         ranks_per_replica: k, consecutive global ranks that form one replica (default 1: every
             process is a replica). Inside a replica torch's ``DistributedDataParallel`` averages
             gradients at every step over the replica's own process group; between replicas only the
@@ -141,6 +153,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         *,
         overlap_steps: Union[int, Literal["auto"]] = 0,
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
+        sync_seconds: Optional[float] = None,
         ranks_per_replica: int = 1,
         average_at_end: bool = True,
         final_outer_step: Literal["average", "outer"] = "average",
@@ -169,6 +182,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         check_int("ranks_per_replica", ranks_per_replica, "1 (the default) makes every process a replica; the "
                    "number of devices per node makes every node one replica.")
         check_overlap(overlap_steps, overlap_merge, sync_every)
+        check_pacing(sync_seconds, overlap_steps)
         check_final_outer_step(final_outer_step)
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback,
                            pseudo_gradient=algorithm.payload_is_pseudo_gradient)
@@ -187,6 +201,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         )
         self.algorithm, self.sync_every = algorithm, sync_every
         self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
+        self.sync_seconds = sync_seconds
+        self.pacing_clock: Callable[[], float] = time.perf_counter  # the inner phases' clock (tests replace it)
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
         self.final_outer_step = final_outer_step
         self.wire_dtype, self.compression = wire_dtype, compression
@@ -196,20 +212,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.transport_factory = transport_factory or TorchDistributedTransport
         self._plugin_factory: Callable[[Transport], DriverPlugin] = no_plugin
         if self.elastic is not None:  # the elastic transport and the driver's plug-in, through the same seams
-            from lightning_loco.elastic.plugin import ElasticPlugin
-            from lightning_loco.elastic.transport import ElasticTransportFactory
-
-            if transport_factory is not None:
-                raise ValueError(
-                    "transport_factory and lighthouse=... are exclusive: elastic replicas bring their own transport "
-                    "(over the live members). Pass one of them."
-                )
-            if wire.lossy:
-                raise ValueError(
-                    f"wire_dtype={wire_dtype!r}, compression={compression!r}: elastic replicas (lighthouse=...) send "
-                    "float32 only for now. Leave wire_dtype='float32' and compression=None with a lighthouse."
-                )
-            self.transport_factory, self._plugin_factory = ElasticTransportFactory(self.elastic), ElasticPlugin
+            self.transport_factory, self._plugin_factory = elastic_seams(
+                self.elastic, transport_factory, wire.lossy, wire_dtype, compression, sync_seconds)
         self.driver: Optional[OuterStepDriver] = None  # during fit
         self._groups: Optional[ProcessGroups] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
@@ -253,6 +257,15 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         return self.outer_slots[0].outer_steps if self.outer_slots else self._final_outer_steps
 
     @property
+    def nominal_step(self) -> Optional[float]:
+        """With ``sync_seconds``, the run's progress in nominal inner steps (t·H plus the share of the
+        current phase done): what a step-based learning-rate schedule should follow, the same on
+        every replica at the same wall time. None otherwise: the step count is the progress."""
+        if self.driver is None or self.driver.pacing is None:
+            return None
+        return self.driver.nominal_step()
+
+    @property
     def last_outer_step(self) -> Optional[OuterStepReport]:
         return self.outer_step_reports[-1] if self.outer_step_reports else None
 
@@ -267,8 +280,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         trainer = self.lightning_module.trainer
         self._trained_module = weakref.ref(self.lightning_module)
         assert self._groups is not None
-        # elastic: the waits for the Lighthouse and for a donor stop on SIGTERM
-        elastic = {"check_stop": stop_on_sigterm(trainer, self._label())} if self.elastic is not None else {}
+        elastic = {} if self.elastic is None else {  # the waits for the Lighthouse and a donor stop on SIGTERM
+            "check_stop": stop_on_sigterm(trainer, f"Replica {self.elastic.replica_id!r}")}
         transport = self.transport_factory(
             device=self._comm_device(), process_group=self._groups.overlap_group() if self.overlap_steps else None,
             ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
@@ -279,6 +292,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
             wire=self.wire if self.wire.lossy else None, plugin=self._plugin_factory(transport),
+            sync_seconds=self.sync_seconds, clock=self.pacing_clock,
+            agree_due=self._agree_overlap if self.ranks_per_replica > 1 else None,
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
@@ -294,12 +309,14 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.driver.plugin.use_training_state(LightningTrainingState(trainer).for_plugin())
         BetweenSteps.insert(trainer)  # the plug-in's between_steps, before any callback sees a batch's step
         self._said_why_ended = False
+        if self.driver.pacing is not None:
+            self.driver.pacing.end_at(trainer.max_steps)  # ⌈max_steps / H⌉ rounds, the same on every replica
         self.driver.before_training()  # elastic: the first membership is taken at the first batch's start
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
 
     def _agree_overlap(self, tau: int) -> int:
-        """The ranks of a replica land together (they all-gather then): they take the largest τ."""
+        """A replica's ranks agree: the largest τ (they land together), or under ``sync_seconds`` a round when any is due."""
         assert self._groups is not None
         return self._groups.replica_max(tau, self._comm_device())
 
@@ -315,10 +332,11 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if self.driver.round_due(index):
             self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
         trainer = self.lightning_module.trainer
-        driver_steps = self.driver.plugin.ends_by_driver_steps and trainer.max_steps >= 0
+        driver_steps = self.driver.ends_by_driver_steps and trainer.max_steps >= 0
         if driver_steps:
-            # A healed replica took the others' step count: max_steps counts the run's steps, not this process's.
-            last = self.driver.slots[index].inner_steps + 1 >= trainer.max_steps
+            # A healed replica took the others' step count, and under sync_seconds the run ends on a round:
+            # max_steps counts the run's steps, not this process's.
+            last = self.driver.last_step(index, trainer.max_steps)
         else:
             per_batch = 1 if self.lightning_module.automatic_optimization else len(self.optimizers)
             last = fit_ends_after_this_step(trainer, per_batch)
@@ -345,14 +363,12 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             self.average_replicas()
         super().on_train_end()
 
-    def _label(self) -> str:
-        return f"Replica {self.elastic.replica_id!r}" if self.elastic is not None else f"Replica {self.replica_index}"
-
     def _say_why_ended(self, interrupted: bool) -> None:
         """Elastic: one log line for the step fit stopped at (and why, when it is not ``max_steps``)."""
         if self.elastic is not None and not self._said_why_ended and self.driver is not None:
             self._said_why_ended = True
-            say_why_fit_ended(self.lightning_module.trainer, self._label(), self.outer_steps, interrupted)
+            label = f"Replica {self.elastic.replica_id!r}"
+            say_why_fit_ended(self.lightning_module.trainer, label, self.outer_steps, interrupted)
 
     def _undo_sigterm_check(self) -> None:
         if self._restore_sigterm_check is not None:

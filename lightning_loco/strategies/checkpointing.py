@@ -21,7 +21,11 @@ from lightning_loco import checkpoints, consensus
 
 class ReplicaCheckpoints:
     """Mixed into ``OuterStepStrategy`` before ``DDPStrategy``; uses the strategy's ``driver``,
-    ``algorithm``, replica counts and ``_resumed_outer``."""
+    ``algorithm``, replica counts, ``sync_seconds`` and ``_resumed_outer``.
+
+    Under ``sync_seconds`` each replica's file also keeps its own loops' progress (its global step,
+    epoch and batch counts differ from rank 0's, which the main file holds), so that each replica
+    resumes from its own place in its own data."""
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -36,6 +40,8 @@ class ReplicaCheckpoints:
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
         replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
                                               self.algorithm.name, outer)
+        if self.sync_seconds is not None:  # replicas at different step counts: each keeps its own loops' progress
+            replica["loops"] = checkpoint.get("loops")
         sidecar_dir = checkpoints.sidecar_dir(filepath, save_id)
         if self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
             checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
@@ -71,7 +77,7 @@ class ReplicaCheckpoints:
         if payload is None:
             return checkpoint  # a plain checkpoint, or another number of replicas: every replica starts from it
         checkpoint["state_dict"] = payload["state_dict"]
-        for key in ("optimizer_states", "lr_schedulers"):
+        for key in ("optimizer_states", "lr_schedulers", "loops"):  # "loops": saved under sync_seconds only
             if payload.get(key) is not None:
                 checkpoint[key] = payload[key]
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:

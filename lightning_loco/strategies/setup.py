@@ -57,6 +57,33 @@ def fit_ends_after_this_step(trainer: "pl.Trainer", optimizers_per_batch: int = 
     return progress.is_last_batch or progress.current.ready >= trainer.num_training_batches
 
 
+def check_paced_fit(trainer: "pl.Trainer", module: "pl.LightningModule", num_optimizers: int) -> None:
+    """Raises ``ValueError`` before training when a fit cannot run with ``sync_seconds``: replicas then
+    take different numbers of steps, so whatever Lightning does by each replica's own step or epoch
+    count happens at different moments on different replicas, and a collective there (a validation
+    pass, a checkpoint) would wait for replicas that are training towards their next round."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    problems = []
+    if num_optimizers != 1:
+        problems.append(f"it paces the rounds of one optimizer; this model has {num_optimizers}")
+    if trainer.max_steps < 1:
+        problems.append("the run is ⌈max_steps / sync_every⌉ rounds: set Trainer(max_steps=...)")
+    if trainer.max_epochs not in (None, -1):
+        problems.append(f"replicas go through their data at different speeds: leave max_epochs unset "
+                        f"(got {trainer.max_epochs}) and end the run with max_steps")
+    names = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    if names:
+        problems.append(f"{', '.join(names)} saves by each replica's own step or epoch count: use "
+                        "lightning_loco.OuterStepCheckpoint (every k outer steps) or enable_checkpointing=False")
+    if trainer.limit_val_batches != 0 and is_overridden("validation_step", module):
+        problems.append("validation during fit runs at each replica's own step or epoch count: set "
+                        "limit_val_batches=0 and validate after fit (trainer.validate) or from the checkpoints")
+    if problems:
+        raise ValueError("sync_seconds cannot run this fit: " + "; ".join(problems) + ".")
+
+
 def params_of(optimizer: Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -157,6 +184,8 @@ class ReplicaSetup:
             self.configure_ddp()
             self.setup_optimizers(trainer)
             self._check_optimizers()
+            if self.sync_seconds is not None:  # type: ignore[attr-defined]
+                check_paced_fit(trainer, self.lightning_module, len(self.optimizers))
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
