@@ -9,7 +9,9 @@ state; Lightning alone would write rank 0's and drop the rest. Our strategies wr
   a ``"lightning_loco"`` entry points to the replica files.
 * ``<dir>/.replicas/<name>.ckpt-<save id>/replica-<k>.pt`` — one file per replica: its own weights,
   inner optimizer and LR-scheduler states, and outer state with the step counters. Tensors and plain
-  values only, so they load with ``torch.load(weights_only=True)``.
+  values only, so they load with ``torch.load(weights_only=True)``. With FSDP2 inside the replicas
+  (``replica_sharding="fsdp"``) each rank writes its own shards, ``replica-<k>-shard-<j>.pt``, and the
+  main file's consensus model is full (unsharded) while its inner optimizer state is left empty.
 
 A save is atomic from the reader's point of view: replica files go into a folder with a fresh name,
 and the main file is written last (Lightning's checkpoint IO replaces it in one step). A save killed
@@ -56,8 +58,16 @@ def sidecar_name(filepath: str, save_id: str) -> str:
     return os.path.join(SIDECAR_ROOT, f"{os.path.basename(filepath)}-{save_id}")
 
 
-def replica_file(sidecar_dir: str, replica: int) -> str:
-    return os.path.join(sidecar_dir, f"replica-{replica:05d}.pt")
+def replica_file(sidecar_dir: str, replica: int, shard: Optional[int] = None) -> str:
+    """One replica's file, or with ``shard`` the file of one rank of a sharded replica."""
+    if shard is None:
+        return os.path.join(sidecar_dir, f"replica-{replica:05d}.pt")
+    return os.path.join(sidecar_dir, f"replica-{replica:05d}-shard-{shard:05d}.pt")
+
+
+def _shards(meta: Mapping[str, Any]) -> list[Optional[int]]:
+    """The shard indices of each replica's files: ``[None]`` for one file per replica."""
+    return list(range(meta["shards"])) if meta.get("shards") else [None]
 
 
 def resolve_sidecar(filepath: str, meta: Mapping[str, Any]) -> str:
@@ -65,10 +75,10 @@ def resolve_sidecar(filepath: str, meta: Mapping[str, Any]) -> str:
     return os.path.join(os.path.dirname(os.path.realpath(filepath)), meta["replicas"])
 
 
-def write_replica(sidecar_dir: str, replica: int, payload: dict[str, Any]) -> str:
-    """Writes one replica's file under a temporary name, then renames it into place."""
+def write_replica(sidecar_dir: str, replica: int, payload: dict[str, Any], shard: Optional[int] = None) -> str:
+    """Writes one replica's file (or one shard's) under a temporary name, then renames it into place."""
     os.makedirs(sidecar_dir, exist_ok=True)
-    final = replica_file(sidecar_dir, replica)
+    final = replica_file(sidecar_dir, replica, shard)
     partial = final + ".partial"
     torch.save(payload, partial)
     os.replace(partial, final)
@@ -86,9 +96,10 @@ def remove_sidecars(filepath: str, keep: Optional[str] = None) -> None:
         os.rmdir(root)
 
 
-def read_replica(filepath: str, meta: Mapping[str, Any], replica: int) -> dict[str, Any]:
-    """Loads replica ``replica``'s file of the checkpoint ``filepath``, with errors that say what to do."""
-    path = replica_file(resolve_sidecar(filepath, meta), replica)
+def read_replica(filepath: str, meta: Mapping[str, Any], replica: int, shard: Optional[int] = None) -> dict[str, Any]:
+    """Loads replica ``replica``'s file (shard ``shard``'s of a sharded replica) of the checkpoint
+    ``filepath``, with errors that say what to do."""
+    path = replica_file(resolve_sidecar(filepath, meta), replica, shard)
     advice = (
         "The checkpoint is incomplete: restore that file, resume from another checkpoint, or start a new "
         f"run from the consensus model (`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path)."
@@ -99,7 +110,7 @@ def read_replica(filepath: str, meta: Mapping[str, Any], replica: int) -> dict[s
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file
         raise CheckpointError(f"Replica file unreadable: {path} ({type(err).__name__}: {err}). {advice}") from err
-    if payload.get("save_id") != meta.get("save_id") or payload.get("replica") != replica:
+    if payload.get("save_id") != meta.get("save_id") or payload.get("replica") != replica or payload.get("shard") != shard:
         raise CheckpointError(
             f"Replica file {path} belongs to another save (save id {payload.get('save_id')!r}, replica "
             f"{payload.get('replica')!r}; expected {meta.get('save_id')!r}, {replica}). {advice}"
@@ -110,7 +121,8 @@ def read_replica(filepath: str, meta: Mapping[str, Any], replica: int) -> dict[s
 def check_replica_files(filepath: str, meta: Mapping[str, Any]) -> None:
     """Raises if any replica file of the checkpoint is missing (cheap; every rank can check all)."""
     sidecar = resolve_sidecar(filepath, meta)
-    missing = [replica_file(sidecar, k) for k in range(meta["num_replicas"]) if not os.path.isfile(replica_file(sidecar, k))]
+    files = [replica_file(sidecar, k, j) for k in range(meta["num_replicas"]) for j in _shards(meta)]
+    missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise CheckpointError(
             f"Checkpoint {filepath} is incomplete: {len(missing)} replica file(s) missing, e.g. {missing[0]}. "
@@ -192,12 +204,18 @@ def sidecar_dir(filepath: str, save_id: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(filepath)), sidecar_name(filepath, save_id))
 
 
-def main_meta(filepath: str, save_id: str, algorithm: str, num_replicas: int) -> dict[str, Any]:
-    """The ``"lightning_loco"`` entry of a main file: it points to the replica folder."""
-    return {
+def main_meta(
+    filepath: str, save_id: str, algorithm: str, num_replicas: int, shards: Optional[int] = None
+) -> dict[str, Any]:
+    """The ``"lightning_loco"`` entry of a main file: it points to the replica folder (``shards``: the
+    ranks of each sharded replica, one file each)."""
+    meta = {
         "format": FORMAT_VERSION, "algorithm": algorithm, "num_replicas": num_replicas, "save_id": save_id,
         "replicas": sidecar_name(filepath, save_id),
     }
+    if shards is not None:
+        meta["shards"] = shards
+    return meta
 
 
 def replica_payload(
@@ -216,7 +234,7 @@ def replica_payload(
 
 def read_own_replica(
     checkpoint: Mapping[str, Any], filepath: str, replica: int, num_replicas: int, algorithm: str,
-    agree: Callable[[Optional[str]], Optional[str]],
+    agree: Callable[[Optional[str]], Optional[str]], shard: Optional[int] = None, shards: Optional[int] = None,
 ) -> Optional[dict[str, Any]]:
     """This replica's file of the loaded main file ``checkpoint``, or ``None`` when every replica
     starts from the main file's consensus model (a plain Lightning checkpoint, or one written with
@@ -224,7 +242,10 @@ def read_own_replica(
 
     ``agree`` is called on every rank with this rank's error message (or ``None``) and returns the
     first rank's: every rank then raises the same :class:`CheckpointError`, even when ranks see
-    different files (a shared filesystem that lags on one node), and nobody is left waiting."""
+    different files (a shared filesystem that lags on one node), and nobody is left waiting.
+
+    ``shard`` and ``shards``: this rank's index in its sharded replica and the replica's ranks
+    (``None``: replicas hold whole models); the checkpoint must have been sharded alike."""
     meta = checkpoint.get(META_KEY)
     if meta is None:
         return None
@@ -233,9 +254,20 @@ def read_own_replica(
 
         rank_zero_warn(
             f"Checkpoint {filepath} holds {meta['num_replicas']} replicas but this run has {num_replicas}: "
-            "every replica starts from the consensus model (the replicas' average) with fresh outer state."
+            "every replica starts from the consensus model (the replicas' average) with fresh outer state"
+            + (" and fresh inner optimizer state (a sharded checkpoint keeps it in the replica files only)."
+               if meta.get("shards") else ".")
         )
         return None
+    if meta.get("shards") != shards:
+        def how(n: Optional[int]) -> str:
+            return f"replica_sharding='fsdp' over {n} rank(s) per replica" if n else "whole replicas (no replica_sharding)"
+
+        raise CheckpointError(
+            f"Checkpoint {filepath} was written with {how(meta.get('shards'))}; this run uses {how(shards)}. Resume "
+            "with the same replica_sharding and ranks_per_replica, or start a new run from its consensus model: "
+            f"`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path."
+        )
     if meta["algorithm"] != algorithm:
         raise CheckpointError(
             f"Checkpoint {filepath} was written by {meta['algorithm']!r}; its outer state does not fit "
@@ -247,7 +279,7 @@ def read_own_replica(
     error: Optional[CheckpointError] = None
     try:
         check_replica_files(filepath, meta)  # every rank checks every file
-        payload = read_replica(filepath, meta, replica)
+        payload = read_replica(filepath, meta, replica, shard)
     except CheckpointError as err:
         error = err
     message = agree(str(error) if error is not None else None)

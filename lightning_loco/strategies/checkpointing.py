@@ -12,7 +12,7 @@ from typing import Any, Optional
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_loco import checkpoints, consensus
+from lightning_loco import checkpoints, consensus, sharding
 
 
 class ReplicaCheckpoints:
@@ -26,22 +26,37 @@ class ReplicaCheckpoints:
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
-        Collective: Lightning calls it on every rank."""
+        Collective: Lightning calls it on every rank. Sharded replicas: every rank writes its own
+        shards, and the main file holds the full consensus model and no inner optimizer state."""
         path = checkpoints.local_path(filepath)
         save_id = self.broadcast(uuid.uuid4().hex[:12])
-        averaged = consensus.state_dict(checkpoint["state_dict"], self._comm_device())
+        averaged = self._checkpoint_consensus(checkpoint["state_dict"])
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
         replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
                                               self.algorithm.name, outer)
         sidecar_dir = checkpoints.sidecar_dir(path, save_id)
-        if self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
+        sharded = self.sharding is not None
+        shard = self.global_rank % self.ranks_per_replica if sharded else None
+        if sharded:  # each rank its own shards, as plain tensors
+            replica = {**sharding.local_tree(replica), "shard": shard}
+            checkpoints.write_replica(sidecar_dir, self.replica_index, replica, shard)
+        elif self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
             checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
         self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
         if self.is_global_zero:
-            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas)
+            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas,
+                                         shards=self.ranks_per_replica if sharded else None)
             main = {**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta}
+            if sharded:
+                main["optimizer_states"] = []  # sharded: in the replica files only
             self.checkpoint_io.save_checkpoint(main, path, storage_options=storage_options)
             checkpoints.remove_sidecars(path, keep=sidecar_dir)
+
+    def _replica_shard(self) -> dict[str, int]:
+        """``read_own_replica``'s arguments for this rank's file in a sharded replica (none otherwise)."""
+        if self.sharding is None:
+            return {}
+        return {"shard": self.global_rank % self.ranks_per_replica, "shards": self.ranks_per_replica}
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -59,7 +74,7 @@ class ReplicaCheckpoints:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         payload = checkpoints.read_own_replica(
             checkpoint, checkpoints.local_path(checkpoint_path), self.replica_index, self.num_replicas,
-            self.algorithm.name, agree=consensus.first_error,
+            self.algorithm.name, agree=consensus.first_error, **self._replica_shard(),
         )
         self._resumed_outer = None
         if payload is None:
