@@ -110,7 +110,8 @@ def read_replica(filepath: str, meta: Mapping[str, Any], replica: int, shard: Op
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file
         raise CheckpointError(f"Replica file unreadable: {path} ({type(err).__name__}: {err}). {advice}") from err
-    if payload.get("save_id") != meta.get("save_id") or payload.get("replica") != replica or payload.get("shard") != shard:
+    found = (payload.get("save_id"), payload.get("replica"), payload.get("shard"))
+    if found != (meta.get("save_id"), replica, shard):
         raise CheckpointError(
             f"Replica file {path} belongs to another save (save id {payload.get('save_id')!r}, replica "
             f"{payload.get('replica')!r}; expected {meta.get('save_id')!r}, {replica}). {advice}"
@@ -261,7 +262,7 @@ def read_own_replica(
         return None
     if meta.get("shards") != shards:
         def how(n: Optional[int]) -> str:
-            return f"replica_sharding='fsdp' over {n} rank(s) per replica" if n else "whole replicas (no replica_sharding)"
+            return f"replica_sharding='fsdp' over {n} rank(s) per replica" if n else "no replica_sharding"
 
         raise CheckpointError(
             f"Checkpoint {filepath} was written with {how(meta.get('shards'))}; this run uses {how(shards)}. Resume "

@@ -98,7 +98,9 @@ class ReplicaMesh:
     slice_group: Optional[Any]
 
 
-_MESHES: dict[tuple[Any, ...], ReplicaMesh] = {}
+# (id of the default group, ...) -> (that group, the mesh): holding the group keeps its id from being
+# reused by a later default group, whose ranks then get meshes of their own
+_MESHES: dict[tuple[Any, ...], tuple[Any, ReplicaMesh]] = {}
 
 
 def replica_mesh(device_type: str, ranks_per_replica: int, backend: str, timeout: Any) -> ReplicaMesh:
@@ -126,8 +128,8 @@ def replica_mesh(device_type: str, ranks_per_replica: int, backend: str, timeout
         mesh = DeviceMesh.from_group([replica, alone], device_type, mesh=torch.tensor(ranks).view(k, 1),
                                      mesh_dim_names=MESH_DIMS)
         slice_group = None if k == 1 else group(list(range(rank % k, world, k)))
-        _MESHES[key] = ReplicaMesh(mesh, slice_group)
-    return _MESHES[key]
+        _MESHES[key] = (dist.group.WORLD, ReplicaMesh(mesh, slice_group))
+    return _MESHES[key][1]
 
 
 # ---------------------------------------------------------------- sharding and its checks

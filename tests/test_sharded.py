@@ -8,6 +8,7 @@ compared with by forking.
 """
 
 import copy
+import csv
 import glob
 import json
 import os
@@ -89,6 +90,10 @@ def test_noloco_on_local_shards_equals_ddp_inside(tmp_path):
     # between them, the two ranks of a replica send the model once: what one DDP-inside rank's slice adds up to
     assert sum(fsdp[r]["reports"][0]["bytes_sent"] for r in (0, 1)) == 4 * whole
     assert sum(ddp[r]["reports"][0]["bytes_sent"] for r in (0, 1)) == 4 * whole
+    # average_at_end: after fit every rank holds the consensus, as with DDP inside
+    after = [torch.load(tmp_path / mode / "out" / f"after_fit{r}.pt")["weights"] for mode in ("ddp", "fsdp")
+             for r in range(4)]
+    assert all(torch.allclose(w, after[0], atol=1e-6) for w in after)
 
 
 @pytest.mark.slow
@@ -105,6 +110,29 @@ def test_diloco_overlapped_with_two_optimizers_equals_ddp_inside(tmp_path):
         assert sorted((x["optimizer_index"], x["inner_step"]) for x in rec["reports"]) == [(0, 5), (1, 5)]
         assert len(rec["outer_states"]) == 2 and all(s["anchor_device"] == "cpu" for s in rec["outer_states"])
         assert rec["calls"][3] == [("all_reduce",), ("all_reduce",)]  # one per optimizer, no all-gather
+
+
+@pytest.mark.slow
+def test_gasloc_with_consensus_validation_and_spread_equals_ddp_inside(tmp_path):
+    """The monitor's global diagnostics on sharded replicas: the consensus swapped in for validation
+    and out again (the run goes on as DDP inside's), and the replicas' spread from local shards."""
+    config = {"max_steps": 8, "val_check_interval": 4, "monitor": {"spread_every": 1, "consensus_validation": True}}
+    ddp, fsdp = run_pair(tmp_path, "gasloc", {"sync_every": 2, "average_at_end": False}, **config)
+    assert_close_runs(ddp, fsdp)
+    for rec in fsdp:
+        assert len(rec["before_validation"]) == 2
+        for before, after in zip(rec["before_validation"], rec["after_validation"]):
+            assert torch.equal(before, after)  # each rank's own shards back, bit for bit
+
+    def spread(mode):
+        rows = list(csv.DictReader(open(tmp_path / mode / "out" / "csv" / "version_0" / "metrics.csv")))
+        return [float(r["outer/replica_spread"]) for r in rows if r.get("outer/replica_spread")]
+
+    sharded, expected = spread("fsdp"), spread("ddp")
+    assert len(sharded) == 4 and sharded == pytest.approx(expected, rel=1e-4)
+    consensus = [torch.stack([fsdp[r]["weights"][2 * t + 1] for r in (0, 2)]) for t in range(4)]
+    assert sharded == pytest.approx([(w - w.mean(0)).pow(2).sum(1).mean().sqrt().item() for w in consensus],
+                                    rel=1e-4)
 
 
 @pytest.mark.slow
@@ -262,3 +290,20 @@ def test_gpu_sharded_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_sharded.json").read_text())
     assert result["device"] == "cpu" and result["ok"], result
+
+
+@pytest.mark.slow
+def test_sharded_memory_benchmark_quick(tmp_path):
+    """The memory benchmark's quick mode: each rank's parameters, inner optimizer and outer state are
+    within 1.15/k of DDP inside's, and each rank sends 1/k of the model (tracked bytes, not time)."""
+    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_memory", "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "sharded_memory.json").read_text())["rows"]
+    assert [(r["mode"], r["ranks_per_replica"]) for r in rows] == [("ddp", 2), ("fsdp", 2), ("ddp", 4), ("fsdp", 4)]
+    model_mb = 4 * rows[0]["m_params"]
+    for row in rows[1::2]:
+        k = row["ranks_per_replica"]
+        assert row["state_vs_ddp"] <= 1.15 / k and row["met"]
+        assert row["mb_sent_per_rank"] == pytest.approx(model_mb / k, rel=1e-6)

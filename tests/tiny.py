@@ -94,12 +94,16 @@ class TinyRegressor(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.automatic_optimization:
-            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, **({"momentum": self.momentum} if self.momentum else {}))
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, **self._momentum())
             if self.scheduler:
                 schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
                 return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
             return optimizer
-        return [torch.optim.SGD(self.body.parameters(), lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=self.lr)]
+        return [torch.optim.SGD(self.body.parameters(), lr=self.lr, **self._momentum()),
+                torch.optim.SGD(self.head.parameters(), lr=self.lr, **self._momentum())]
+
+    def _momentum(self) -> dict[str, float]:
+        return {"momentum": self.momentum} if self.momentum else {}  # none given: SGD as it always was
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(dataset(), batch_size=4, shuffle=False)

@@ -222,10 +222,11 @@ class ReplicaSetup:
     def consensus_weights(self) -> Iterator[None]:
         """Swaps the replicas' average into the model, and this replica's own weights back afterwards
         (exactly, whatever the dtype). Collective: every rank must enter it."""
+        device, keep_on = self._comm_device(), self.outer_state_device
         try:
             with ExitStack() as stack:
                 for tensors, group in self._consensus_parts():
-                    stack.enter_context(consensus.swapped_in(tensors, self._comm_device(), self.outer_state_device, group))
+                    stack.enter_context(consensus.swapped_in(tensors, device, keep_on, group))
                 self._weights_changed()
                 yield
         finally:
