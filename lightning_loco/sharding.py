@@ -208,22 +208,29 @@ def layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], tuple[int, ...
 
 def check_same_layout(module: nn.Module, group: Optional[Any], replica: int) -> None:
     """Compares this rank's :func:`layout` with the same rank of every replica (one
-    ``all_gather_object`` over the slice ``group``, at setup only) and raises ``ValueError`` naming
-    the first difference: every replica must shard alike (same k, same placements)."""
+    ``all_gather_object`` over the slice ``group``) and raises ``ValueError`` naming the first
+    difference: every replica must shard alike (same k, same placements). Every rank raises the same
+    error (one more ``all_gather_object`` of the verdicts over all ranks), so that no rank goes on to
+    wait for one that stopped. Both at setup only."""
     mine = layout(module)
-    size = dist.get_world_size(group)
-    every: list[Any] = [None] * size
+    every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
+    message = None
     for other, theirs in enumerate(every):
-        if theirs == mine:
-            continue
-        diff = next((f"{a} here, {b} there" for a, b in zip(mine, theirs) if a != b),
-                    f"{len(mine)} parameters here, {len(theirs)} there")
-        raise ValueError(
-            f"replica_sharding='fsdp': replica {replica} and replica {other} shard the model differently ({diff}). "
-            "Every replica must shard identically (the same fully_shard calls, placements and ranks_per_replica), "
-            "since rank j of each replica exchanges its own shards with rank j of the others."
-        )
+        if theirs != mine:
+            diff = next((f"{a} here, {b} there" for a, b in zip(mine, theirs) if a != b),
+                        f"{len(mine)} parameters here, {len(theirs)} there")
+            low, high = sorted((replica, other))
+            message = (
+                f"replica_sharding='fsdp': replica {low} and replica {high} shard the model differently ({diff}, "
+                f"seen from replica {replica}). Every replica must shard identically (the same fully_shard calls, "
+                "placements and ranks_per_replica), since rank j of each replica exchanges its own shards with "
+                "rank j of the others."
+            )
+            break
+    message = consensus.first_error(message)
+    if message is not None:
+        raise ValueError(message)
 
 
 # ---------------------------------------------------------------- the consensus

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -81,7 +81,7 @@ class OuterStepStrategy(ReplicaSharding, ReplicaSetup, ReplicaCheckpoints, DDPSt
             as for Lightning's ``ModelParallelStrategy`` (the mesh is the replica's k ranks); without
             one, the automatic policy shards every ``fsdp_blocks`` module, then every direct child
             of the LightningModule that holds parameters. Every replica must shard alike (checked at
-            setup). See docs/launching.md.
+            setup). Launch with popen (the default), torchrun or SLURM. See docs/launching.md.
         fsdp_blocks: with replica_sharding="fsdp" and no sharding in ``configure_model``: the module
             classes (or class names) sharded one unit each, e.g. ``(TransformerBlock,)`` (default ():
             each direct child of the LightningModule is one unit).
@@ -116,7 +116,8 @@ class OuterStepStrategy(ReplicaSharding, ReplicaSetup, ReplicaCheckpoints, DDPSt
         outer_state_device: where the float32 outer state lives. None: the model's device; "cpu"
             keeps it off the accelerator.
         transport_factory: builds the transport of the outer steps, with the keyword arguments of
-            ``TorchDistributedTransport`` (default: that class). For network models and tests.
+            ``TorchDistributedTransport`` (default: that class; ``sharded=True`` too with
+            replica_sharding). For network models and tests.
         lighthouse: ``HOST:PORT`` of a Lighthouse (``lightning-loco lighthouse``) for elastic replicas:
             this Trainer is then one replica, its own job, and replicas that die or join do not stop the
             others (needs ``pip install lightning-loco[elastic]``; see ``docs/elastic.md``). None
