@@ -9,7 +9,9 @@ state; Lightning alone would write rank 0's and drop the rest. Our strategies wr
   a ``"lightning_loco"`` entry points to the replica files.
 * ``<dir>/.replicas/<name>.ckpt-<save id>/replica-<k>.pt`` — one file per replica: its own weights,
   inner optimizer and LR-scheduler states, and outer state with the step counters. Tensors and plain
-  values only, so they load with ``torch.load(weights_only=True)``.
+  values only, so they load with ``torch.load(weights_only=True)``. With FSDP2 inside the replicas
+  (``replica_sharding="fsdp"``) each rank writes its own shards, ``replica-<k>-shard-<j>.pt``, and the
+  main file's consensus model is full (unsharded) while its inner optimizer state is left empty.
 * ``<dir>/.replicas/<name>.ckpt-<save id>/save.json`` — written once every replica file of the save
   exists, before the main file: it marks the save complete and records its global step, so that
   ``ckpt_path="last"`` can tell a ``last.ckpt`` whose newer save was interrupted (see
@@ -69,8 +71,16 @@ def sidecar_name(filepath: Any, save_id: str) -> str:
     return posixpath.join(SIDECAR_ROOT, f"{posixpath.basename(storage(filepath)[1])}-{save_id}")
 
 
-def replica_file(sidecar_dir: str, replica: int) -> str:
-    return posixpath.join(sidecar_dir, f"replica-{replica:05d}.pt")
+def replica_file(sidecar_dir: str, replica: int, shard: Optional[int] = None) -> str:
+    """One replica's file, or with ``shard`` the file of one rank of a sharded replica."""
+    if shard is None:
+        return posixpath.join(sidecar_dir, f"replica-{replica:05d}.pt")
+    return posixpath.join(sidecar_dir, f"replica-{replica:05d}-shard-{shard:05d}.pt")
+
+
+def _shards(meta: Mapping[str, Any]) -> list[Optional[int]]:
+    """The shard indices of each replica's files: ``[None]`` for one file per replica."""
+    return list(range(meta["shards"])) if meta.get("shards") else [None]
 
 
 def resolve_sidecar(filepath: Any, meta: Mapping[str, Any]) -> str:
@@ -90,10 +100,10 @@ def _write_atomically(fs: AbstractFileSystem, path: str, write: Callable[[Any], 
     fs.mv(partial, path)
 
 
-def write_replica(sidecar_dir: str, replica: int, payload: dict[str, Any]) -> str:
-    """Writes one replica's file under a temporary name, then renames it into place."""
+def write_replica(sidecar_dir: str, replica: int, payload: dict[str, Any], shard: Optional[int] = None) -> str:
+    """Writes one replica's file (or one shard's) under a temporary name, then renames it into place."""
     fs, folder = storage(sidecar_dir)
-    final = replica_file(folder, replica)
+    final = replica_file(folder, replica, shard)
     _write_atomically(fs, final, lambda f: torch.save(payload, f))
     return _location(fs, final)
 
@@ -126,9 +136,10 @@ def _folders(fs: AbstractFileSystem, root: str) -> list[str]:
     return [posixpath.normpath(e["name"]) for e in entries if e["type"] == "directory"]
 
 
-def read_replica(filepath: Any, meta: Mapping[str, Any], replica: int) -> dict[str, Any]:
-    """Loads replica ``replica``'s file of the checkpoint ``filepath``, with errors that say what to do."""
-    path = replica_file(resolve_sidecar(filepath, meta), replica)
+def read_replica(filepath: Any, meta: Mapping[str, Any], replica: int, shard: Optional[int] = None) -> dict[str, Any]:
+    """Loads replica ``replica``'s file (shard ``shard``'s of a sharded replica) of the checkpoint
+    ``filepath``, with errors that say what to do."""
+    path = replica_file(resolve_sidecar(filepath, meta), replica, shard)
     fs, inner = storage(path)
     advice = (
         "The checkpoint is incomplete: restore that file, resume from another checkpoint, or start a new "
@@ -141,7 +152,8 @@ def read_replica(filepath: Any, meta: Mapping[str, Any], replica: int) -> dict[s
             payload = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file
         raise CheckpointError(f"Replica file unreadable: {path} ({type(err).__name__}: {err}). {advice}") from err
-    if payload.get("save_id") != meta.get("save_id") or payload.get("replica") != replica:
+    found = (payload.get("save_id"), payload.get("replica"), payload.get("shard"))
+    if found != (meta.get("save_id"), replica, shard):
         raise CheckpointError(
             f"Replica file {path} belongs to another save (save id {payload.get('save_id')!r}, replica "
             f"{payload.get('replica')!r}; expected {meta.get('save_id')!r}, {replica}). {advice}"
@@ -149,14 +161,16 @@ def read_replica(filepath: Any, meta: Mapping[str, Any], replica: int) -> dict[s
     return payload
 
 
-def _missing_replica_files(fs: AbstractFileSystem, sidecar: str, num_replicas: int) -> list[str]:
-    return [replica_file(sidecar, k) for k in range(num_replicas) if not fs.isfile(replica_file(sidecar, k))]
+def _missing_replica_files(fs: AbstractFileSystem, sidecar: str, num_replicas: int,
+                           shards: Optional[int] = None) -> list[str]:
+    files = [replica_file(sidecar, k, j) for k in range(num_replicas) for j in _shards({"shards": shards})]
+    return [f for f in files if not fs.isfile(f)]
 
 
 def check_replica_files(filepath: Any, meta: Mapping[str, Any]) -> None:
     """Raises if any replica file of the checkpoint is missing (cheap; every rank can check all)."""
     fs, sidecar = storage(resolve_sidecar(filepath, meta))
-    missing = [_location(fs, p) for p in _missing_replica_files(fs, sidecar, meta["num_replicas"])]
+    missing = [_location(fs, p) for p in _missing_replica_files(fs, sidecar, meta["num_replicas"], meta.get("shards"))]
     if missing:
         raise CheckpointError(
             f"Checkpoint {filepath} is incomplete: {len(missing)} replica file(s) missing, e.g. {missing[0]}. "
@@ -238,12 +252,17 @@ def sidecar_dir(filepath: Any, save_id: str) -> str:
     return _location(fs, posixpath.join(posixpath.dirname(inner), sidecar_name(filepath, save_id)))
 
 
-def main_meta(filepath: Any, save_id: str, algorithm: str, num_replicas: int) -> dict[str, Any]:
-    """The ``"lightning_loco"`` entry of a main file: it points to the replica folder."""
-    return {
+def main_meta(filepath: Any, save_id: str, algorithm: str, num_replicas: int,
+              shards: Optional[int] = None) -> dict[str, Any]:
+    """The ``"lightning_loco"`` entry of a main file: it points to the replica folder (``shards``: the
+    ranks of each sharded replica, one file each)."""
+    meta = {
         "format": FORMAT_VERSION, "algorithm": algorithm, "num_replicas": num_replicas, "save_id": save_id,
         "replicas": sidecar_name(filepath, save_id),
     }
+    if shards is not None:
+        meta["shards"] = shards
+    return meta
 
 
 def replica_payload(
@@ -262,7 +281,7 @@ def replica_payload(
 
 def read_own_replica(
     checkpoint: Mapping[str, Any], filepath: str, replica: int, num_replicas: int, algorithm: str,
-    agree: Callable[[Optional[str]], Optional[str]],
+    agree: Callable[[Optional[str]], Optional[str]], shard: Optional[int] = None, shards: Optional[int] = None,
 ) -> Optional[dict[str, Any]]:
     """This replica's file of the loaded main file ``checkpoint``, or ``None`` when every replica
     starts from the main file's consensus model (a plain Lightning checkpoint, or one written with
@@ -270,7 +289,10 @@ def read_own_replica(
 
     ``agree`` is called on every rank with this rank's error message (or ``None``) and returns the
     first rank's: every rank then raises the same :class:`CheckpointError`, even when ranks see
-    different files (a shared filesystem that lags on one node), and nobody is left waiting."""
+    different files (a shared filesystem that lags on one node), and nobody is left waiting.
+
+    ``shard`` and ``shards``: this rank's index in its sharded replica and the replica's ranks
+    (``None``: replicas hold whole models); the checkpoint must have been sharded alike."""
     meta = checkpoint.get(META_KEY)
     if meta is None:
         return None
@@ -279,9 +301,20 @@ def read_own_replica(
 
         rank_zero_warn(
             f"Checkpoint {filepath} holds {meta['num_replicas']} replicas but this run has {num_replicas}: "
-            "every replica starts from the consensus model (the replicas' average) with fresh outer state."
+            "every replica starts from the consensus model (the replicas' average) with fresh outer state"
+            + (" and fresh inner optimizer state (a sharded checkpoint keeps it in the replica files only)."
+               if meta.get("shards") else ".")
         )
         return None
+    if meta.get("shards") != shards:
+        def how(n: Optional[int]) -> str:
+            return f"replica_sharding='fsdp' over {n} rank(s) per replica" if n else "no replica_sharding"
+
+        raise CheckpointError(
+            f"Checkpoint {filepath} was written with {how(meta.get('shards'))}; this run uses {how(shards)}. Resume "
+            "with the same replica_sharding and ranks_per_replica, or start a new run from its consensus model: "
+            f"`MyModule.load_from_checkpoint({filepath!r})`, then fit without ckpt_path."
+        )
     if meta["algorithm"] != algorithm:
         raise CheckpointError(
             f"Checkpoint {filepath} was written by {meta['algorithm']!r}; its outer state does not fit "
@@ -293,7 +326,7 @@ def read_own_replica(
     error: Optional[CheckpointError] = None
     try:
         check_replica_files(filepath, meta)  # every rank checks every file
-        payload = read_replica(filepath, meta, replica)
+        payload = read_replica(filepath, meta, replica, shard)
     except CheckpointError as err:
         error = err
     message = agree(str(error) if error is not None else None)
@@ -313,6 +346,7 @@ def write_manifest(sidecar_dir: str, filepath: Any, checkpoint: Mapping[str, Any
         "format": FORMAT_VERSION, "complete": True, "checkpoint": posixpath.basename(storage(filepath)[1]),
         "save_id": meta["save_id"], "num_replicas": meta["num_replicas"], "algorithm": meta["algorithm"],
         "global_step": int(checkpoint.get("global_step", -1)), "epoch": int(checkpoint.get("epoch", -1)),
+        "shards": meta.get("shards"),
     }
     _write_atomically(fs, posixpath.join(folder, MANIFEST), lambda f: f.write(json.dumps(record).encode()))
 
@@ -357,7 +391,7 @@ def newer_complete_checkpoint(filepath: Any, global_step: int) -> Optional[tuple
             written = fs.modified(main)
         except (NotImplementedError, OSError):
             continue  # its main file was never written (or was removed)
-        if written >= since and not _missing_replica_files(fs, sidecar, record["num_replicas"]):
+        if written >= since and not _missing_replica_files(fs, sidecar, record["num_replicas"], record.get("shards")):
             found.append((record["global_step"], written, main))
     if not found:
         return None

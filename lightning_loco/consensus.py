@@ -5,6 +5,10 @@ every replica waits for the slowest. The strategies call them at the end of ``fi
 (``average_at_end``), when a checkpoint is written (the consensus model in the main file), and when
 ``OuterStepMonitor`` is asked for the global spread or consensus validation. The k ranks of a
 replica hold the same weights, so averaging over ranks is averaging over replicas.
+
+With FSDP2 inside a replica its ranks hold different shards: each rank's local shards are averaged
+over its ``group`` (the slice group: the same shard of every replica), its replicated tensors over
+all ranks (``group=None``).
 """
 
 from __future__ import annotations
@@ -20,50 +24,57 @@ from torch import Tensor
 from lightning_loco.flat import FlatParameters
 
 
-def _world() -> int:
+def _world(group: Optional[Any] = None) -> int:
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
+        return dist.get_world_size(group)
     return 1
 
 
-def mean(tensors: Sequence[Tensor], device: torch.device) -> tuple[FlatParameters, Tensor]:
-    """The replicas' average of ``tensors`` as one flat float32 vector on ``device`` (one all-reduce)."""
+def mean(tensors: Sequence[Tensor], device: torch.device, group: Optional[Any] = None) -> tuple[FlatParameters, Tensor]:
+    """The average of ``tensors`` over the ranks of ``group`` (default: all ranks) as one flat
+    float32 vector on ``device`` (one all-reduce)."""
     flat = FlatParameters(list(tensors), device)
     total = flat.gather()
-    if _world() > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        total.div_(_world())
+    if _world(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        total.div_(_world(group))
     return flat, total
 
 
-def average_into(tensors: Sequence[Tensor], device: torch.device) -> None:
-    """Sets ``tensors`` to the replicas' average (one all-reduce)."""
+def average_into(tensors: Sequence[Tensor], device: torch.device, group: Optional[Any] = None) -> None:
+    """Sets ``tensors`` to their average over ``group`` (one all-reduce)."""
     if tensors:
-        flat, avg = mean(tensors, device)
+        flat, avg = mean(tensors, device, group)
         flat.scatter(avg)
 
 
 @contextmanager
-def swapped_in(tensors: Sequence[Tensor], device: torch.device, keep_on: torch.device) -> Iterator[None]:
-    """Puts the replicas' average into ``tensors`` and this replica's own values back afterwards,
-    exactly, whatever the dtype (a copy is kept on ``keep_on``)."""
+def swapped_in(
+    tensors: Sequence[Tensor], device: torch.device, keep_on: torch.device, group: Optional[Any] = None
+) -> Iterator[None]:
+    """Puts the average over ``group`` into ``tensors`` and this replica's own values back
+    afterwards, exactly, whatever the dtype (a copy is kept on ``keep_on``)."""
     own = FlatParameters(list(tensors), keep_on)
     saved = own.gather()
-    average_into(tensors, device)
+    average_into(tensors, device, group)
     try:
         yield
     finally:
         own.scatter(saved)
 
 
-def spread(params: Sequence[Tensor], device: torch.device) -> float:
+def spread(
+    params: Sequence[Tensor], device: torch.device, group: Optional[Any] = None, replicas: Optional[int] = None
+) -> float:
     """RMS distance of the replicas' parameters from their mean (two all-reduces): the papers'
-    weight-spread diagnostic."""
-    flat, avg = mean(params, device)
+    weight-spread diagnostic. ``params`` are averaged over ``group``; the squared distances of all
+    ranks are summed and divided by ``replicas`` (default: the number of ranks, right when every
+    rank holds its replica's whole model)."""
+    flat, avg = mean(params, device, group)
     squared = (flat.gather().to(avg.device) - avg).pow(2).sum().reshape(1)
     if _world() > 1:
         dist.all_reduce(squared, op=dist.ReduceOp.SUM)
-    return (squared / _world()).sqrt().item()
+    return (squared / (replicas or _world())).sqrt().item()
 
 
 def state_dict(state: dict[str, Any], device: torch.device) -> dict[str, Any]:

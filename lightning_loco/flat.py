@@ -13,9 +13,11 @@ parameter.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_loco.staging import StagingPool
 
@@ -31,8 +33,9 @@ class FlatParameters:
     def __init__(self, params: Iterable[Tensor], device: torch.device | str) -> None:
         self.params: list[Tensor] = list(params)
         self.device = torch.device(device)
-        self.shapes: list[torch.Size] = [p.shape for p in self.params]
-        self.numels: list[int] = [p.numel() for p in self.params]
+        tensors = self._tensors()
+        self.shapes: list[torch.Size] = [p.shape for p in tensors]
+        self.numels: list[int] = [p.numel() for p in tensors]
         self.offsets: list[int] = [0]
         for n in self.numels:
             self.offsets.append(self.offsets[-1] + n)
@@ -41,6 +44,10 @@ class FlatParameters:
     # Tests set this to send CPU parameters through the staging buffer too (the path of CUDA
     # parameters), since a machine without CUDA has no other way to run it.
     stage_cpu_params = False
+
+    def _tensors(self) -> list[Tensor]:
+        """The tensors copied into and out of the flat vector: the parameters themselves."""
+        return self.params
 
     def _staged(self) -> bool:
         """Whether copies go through the staging buffer: the flat copies live on the CPU and the
@@ -59,7 +66,7 @@ class FlatParameters:
             return self._gather_staged()
         out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+            for p, a, b in zip(self._tensors(), self.offsets, self.offsets[1:]):
                 out[a:b].copy_(p.detach().reshape(-1))
         return out
 
@@ -68,7 +75,7 @@ class FlatParameters:
         (each parameter cast to float32 on its device first), one wait, one host copy out."""
         staged = self.staging.take(self.numel)
         with torch.no_grad():
-            for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+            for p, a, b in zip(self._tensors(), self.offsets, self.offsets[1:]):
                 staged[a:b].copy_(p.detach().reshape(-1).float(), non_blocking=self.staging.pinned)
         if self.staging.pinned:
             torch.cuda.synchronize()  # the copies of every device the parameters are on
@@ -86,7 +93,7 @@ class FlatParameters:
             staged.copy_(flat)
             flat = staged
         with torch.no_grad():
-            for p, shape, a, b in zip(self.params, self.shapes, self.offsets, self.offsets[1:]):
+            for p, shape, a, b in zip(self._tensors(), self.shapes, self.offsets, self.offsets[1:]):
                 p.copy_(flat[a:b].view(shape), non_blocking=staged is not None and self.staging.pinned)
         if staged is not None:
             self.staging.give_back(staged)  # the copies may still be queued: its next use waits for them
@@ -94,6 +101,36 @@ class FlatParameters:
     def views(self, flat: Tensor) -> list[Tensor]:
         """Views of ``flat`` shaped like each parameter (they share ``flat``'s storage)."""
         return [flat[a:b].view(shape) for shape, a, b in zip(self.shapes, self.offsets, self.offsets[1:])]
+
+
+class ShardedParameters(FlatParameters):
+    """:class:`FlatParameters` over this rank's local shards of FSDP2's ``DTensor`` parameters
+    (plain tensors among them are taken whole).
+
+    The local shards are looked up at every copy (``to_local()`` is a view of the shard FSDP2 keeps),
+    never cached: FSDP2 may swap a parameter's local tensor when it initialises lazily.
+
+    Args:
+        params: the parameters (``DTensor`` or plain), in a fixed order.
+        device: where the flat copies live.
+        after_scatter: called after new values were written: FSDP2 must drop the unsharded copies it
+            may still hold (after a forward without backward), so that the next forward gathers the
+            new shards.
+    """
+
+    def __init__(
+        self, params: Iterable[Tensor], device: torch.device | str, after_scatter: Optional[Callable[[], None]] = None
+    ) -> None:
+        self.after_scatter = after_scatter
+        super().__init__(params, device)
+
+    def _tensors(self) -> list[Tensor]:
+        return [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+
+    def scatter(self, flat: Tensor) -> None:
+        super().scatter(flat)
+        if self.after_scatter is not None:
+            self.after_scatter()
 
 
 def parameter_views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[torch.nn.Parameter]:

@@ -75,7 +75,7 @@ def post(
                 raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
             payload = payload + residual  # a new tensor: never the live weights
         check_payload(payload, codec, who)
-        parts = segments(payload.numel(), getattr(transport, "ranks_per_replica", 1),
+        parts = segments(payload.numel(), getattr(transport, "slices_per_replica", 1),
                          transport.num_replicas if round_.collective else 1)
         lost = payload - roundtrip_segments(payload, codec, parts)
         if residual is not None:

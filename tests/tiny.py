@@ -50,7 +50,7 @@ def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[li
 
 class TinyRegressor(L.LightningModule):
     def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: bool = False,
-                 inf_loss_at: Any = None, batch_size: int = 4) -> None:
+                 inf_loss_at: Any = None, batch_size: int = 4, momentum: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Linear(IN_FEATURES, 3)
@@ -61,6 +61,7 @@ class TinyRegressor(L.LightningModule):
         self.scheduler = scheduler
         self.inf_loss_at = inf_loss_at  # (rank, step): a loss whose gradients overflow there
         self.batch_size = batch_size
+        self.momentum = momentum  # of the inner SGD (its state is a momentum buffer per parameter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.norm(self.body(x))))
@@ -93,19 +94,48 @@ class TinyRegressor(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.automatic_optimization:
-            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, **self._momentum())
             if self.scheduler:
                 schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
                 return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
             return optimizer
-        return [torch.optim.SGD(self.body.parameters(), lr=self.lr), torch.optim.SGD(self.head.parameters(), lr=self.lr)]
+        return [torch.optim.SGD(self.body.parameters(), lr=self.lr, **self._momentum()),
+                torch.optim.SGD(self.head.parameters(), lr=self.lr, **self._momentum())]
+
+    def _momentum(self) -> dict[str, float]:
+        return {"momentum": self.momentum} if self.momentum else {}  # none given: SGD as it always was
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)
 
 
+class TinyModelParallel(TinyRegressor):
+    """The regressor written for Lightning's ``ModelParallelStrategy``: ``configure_model`` shards its
+    layers with FSDP2 over ``self.device_mesh["data_parallel"]``. ``mismatch``: replica 1 (global
+    ranks 2 and 3 with two ranks per replica) shards ``body.weight`` along its second dimension."""
+
+    def __init__(self, *args: Any, mismatch: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mismatch = mismatch
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        mesh = self.device_mesh["data_parallel"]
+        placement = None
+        if self.mismatch and self.global_rank >= 2:
+            placement = lambda p: Shard(1) if p.dim() == 2 else Shard(0)  # noqa: E731
+        fully_shard(self.body, mesh=mesh, shard_placement_fn=placement)
+        fully_shard(self.head, mesh=mesh)
+
+
 def flat(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+    """The module's parameters as one vector (sharded ones gathered inside their replica)."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().float().reshape(-1)
+                      for p in module.parameters()])
 
 
 def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
@@ -289,10 +319,15 @@ class Recorder(L.Callback):
             }
             for r in replicas
         ]
-        self.record["optimizer_states"] = [opt.state_dict() for opt in trainer.optimizers]
+        from lightning_loco.sharding import local_tree
+
+        self.record["optimizer_states"] = [local_tree(opt.state_dict()) for opt in trainer.optimizers]
         self.record["reports"] = [dataclasses.asdict(r) for r in getattr(strategy, "outer_step_reports", [])]
         if isinstance(strategy.model, torch.nn.parallel.DistributedDataParallel):
             self.record["ddp_group_ranks"] = dist.get_process_group_ranks(strategy.model.process_group)
+        if getattr(strategy, "sharding", None) is not None:  # the groups FSDP's collectives run on
+            self.record["fsdp_group_ranks"] = sorted({tuple(dist.get_process_group_ranks(p.device_mesh.get_group()))
+                                                      for p in pl_module.parameters()})
         os.makedirs(self.out_dir, exist_ok=True)
         torch.save(self.record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
         if self.record.get("track_release"):
@@ -335,7 +370,13 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     if "strategy_kwargs" in config or start_method != "popen":
         cls = strategy_class(strategy)
         timeout = timedelta(seconds=config.get("pg_timeout_s", 60))
-        strategy = cls(timeout=timeout, start_method=start_method, **config.get("strategy_kwargs", {}))
+        kwargs = dict(config.get("strategy_kwargs", {}))
+        if config.get("fsdp_bf16"):  # FSDP2's mixed precision: bf16 parameters in compute, float32 reduction
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["fsdp_kwargs"] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32)}
+        strategy = cls(timeout=timeout, start_method=start_method, **kwargs)
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
     for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "step_sleep_s_by_rank", "track_release", "save_to",
@@ -381,9 +422,11 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = TinyRegressor(lr=config.get("lr", 0.05), manual=config.get("manual", False),
-                          batchnorm=config.get("batchnorm", False), scheduler=config.get("scheduler", False),
-                          inf_loss_at=config.get("inf_loss_at"), batch_size=config.get("batch_size", 4))
+    options = {"mismatch": config["model_parallel"] == "mismatch"} if config.get("model_parallel") else {}
+    model = (TinyModelParallel if options else TinyRegressor)(
+        lr=config.get("lr", 0.05), manual=config.get("manual", False), batchnorm=config.get("batchnorm", False),
+        scheduler=config.get("scheduler", False), inf_loss_at=config.get("inf_loss_at"),
+        batch_size=config.get("batch_size", 4), momentum=config.get("momentum", 0.0), **options)
     if "hide_replica_files_on_rank" in config and os.environ.get("LOCAL_RANK", "0") == str(
         config["hide_replica_files_on_rank"]
     ):

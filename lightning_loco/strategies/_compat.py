@@ -34,6 +34,8 @@ log = logging.getLogger("lightning_loco")
 PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
     ("lightning.pytorch.overrides.distributed", "_sync_module_states", "broadcast rank 0's initial weights"),
     ("lightning.fabric.utilities.optimizer", "_optimizers_to_device", "move inner optimizer state to the device"),
+    ("lightning.fabric.utilities.init", "_materialize_distributed_module",
+     "materialize meta-device parameters of a sharded replica"),
     ("lightning.fabric.utilities.distributed", "_destroy_dist_connection", "destroy the gloo group at exit"),
     ("lightning.fabric.strategies.registry", "_StrategyRegistry", "register the strategy names"),
     ("lightning.pytorch.strategies.ddp", "DDPStrategy._configure_launcher", "check N before processes start"),
@@ -240,3 +242,11 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
+
+
+def materialize_sharded_module(module: Any, device: Any) -> None:
+    """Allocates and initialises (``reset_parameters``) a sharded module built on the meta device, as
+    Lightning's ``ModelParallelStrategy`` does; a no-op when nothing is on the meta device."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)

@@ -4,7 +4,8 @@
 the process group and the ``DistributedSampler`` stay Lightning's. Every real optimizer step
 (``optimizer_step`` fires once per update, after accumulation, clipping and the precision plugin)
 reaches :class:`~lightning_loco.driver.OuterStepDriver`. Setup and the consensus are in
-``setup.py``, checkpoint hooks in ``checkpointing.py``, private Lightning symbols in ``_compat.py``.
+``setup.py``, FSDP2 inside a replica in ``sharded.py``, checkpoint hooks in ``checkpointing.py``,
+private Lightning symbols in ``_compat.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -32,13 +34,15 @@ from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterSlot, OuterStepDriver
 from lightning_loco.reports import OuterStepReport
 from lightning_loco.elastic.config import elastic_config, elastic_seams
-from lightning_loco.flat import FlatParameters
 from lightning_loco.plugins import DriverPlugin, no_plugin
 from lightning_loco.overlap import check_overlap
 from lightning_loco.pacing import check_pacing
 from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.sharding import Block, sharding_config
 from lightning_loco.strategies import _compat
 from lightning_loco.strategies.checkpointing import ReplicaCheckpoints
+from lightning_loco.strategies.sharded import ReplicaSharding
+from lightning_loco.strategies.views import ReplicaViews
 from lightning_loco.strategies.setup import (
     ReplicaSetup,
     check_final_outer_step,
@@ -60,7 +64,7 @@ log = logging.getLogger("lightning_loco")
 TransportFactory = Callable[..., Transport]
 
 
-class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
+class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
     """Replicas that train apart and meet every ``sync_every`` optimizer steps. Each algorithm's
     strategy passes its ``algorithm`` and ``sync_every``; these arguments are common to all:
 
@@ -88,6 +92,21 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             gradients at every step over the replica's own process group; between replicas only the
             outer step travels, each rank moving 1/k of the model. Use the devices per node for one
             replica per node. The world size must be a multiple of k.
+        replica_sharding: None (default: every rank of a replica holds the whole model, DDP inside) or
+            "fsdp": FSDP2 shards the model, its gradients and inner optimizer state over the replica's
+            k ranks, and the outer step runs on each rank's local shards (outer state and bytes sent
+            1/k per rank; rank j exchanges with rank j of its partners, nothing is gathered). The
+            module's ``configure_model`` may call ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``
+            as for Lightning's ``ModelParallelStrategy`` (the mesh is the replica's k ranks); without
+            one, the automatic policy shards every ``fsdp_blocks`` module, then every direct child
+            of the LightningModule that holds parameters. Every replica must shard alike (checked at
+            setup). Launch with popen (the default), torchrun or SLURM. See docs/launching.md.
+        fsdp_blocks: with replica_sharding="fsdp" and no sharding in ``configure_model``: the module
+            classes (or class names) sharded one unit each, e.g. ``(TransformerBlock,)`` (default ():
+            each direct child of the LightningModule is one unit).
+        fsdp_kwargs: keyword arguments of the automatic policy's ``fully_shard`` calls, e.g.
+            ``{"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}``
+            (the outer state stays float32) or ``{"reshard_after_forward": False}``.
         average_at_end: at the end of ``fit``, set every replica to the replicas' average (one
             all-reduce), so the model in memory is the consensus model. The papers define no final
             model; this is our choice. False keeps each replica's own weights.
@@ -116,7 +135,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         outer_state_device: where the float32 outer state lives. None: the model's device; "cpu"
             keeps it off the accelerator.
         transport_factory: builds the transport of the outer steps, with the keyword arguments of
-            ``TorchDistributedTransport`` (default: that class). For network models and tests.
+            ``TorchDistributedTransport`` (default: that class; ``sharded=True`` too with
+            replica_sharding). For network models and tests.
         lighthouse: ``HOST:PORT`` of a Lighthouse (``lightning-loco lighthouse``) for elastic replicas:
             this Trainer is then one replica, its own job, and replicas that die or join do not stop the
             others (needs ``pip install lightning-loco[elastic]``; see ``docs/elastic.md``). None
@@ -155,6 +175,9 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
         sync_seconds: Optional[float] = None,
         ranks_per_replica: int = 1,
+        replica_sharding: Optional[Literal["fsdp"]] = None,
+        fsdp_blocks: Sequence[Block] = (),
+        fsdp_kwargs: Optional[dict[str, Any]] = None,
         average_at_end: bool = True,
         final_outer_step: Literal["average", "outer"] = "average",
         wire_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
@@ -193,6 +216,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
             algorithm_name=algorithm.name, overlap_steps=overlap_steps, ranks_per_replica=ranks_per_replica,
             topology=getattr(algorithm, "topology", None),
         )
+        self.sharding = sharding_config(replica_sharding, fsdp_blocks, fsdp_kwargs, elastic=self.elastic is not None,
+                                        start_method=start_method)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -204,6 +229,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self.sync_seconds = sync_seconds
         self.pacing_clock: Callable[[], float] = time.perf_counter  # the inner phases' clock (tests replace it)
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
+        self.replica_sharding, self.fsdp_blocks, self.fsdp_kwargs = replica_sharding, fsdp_blocks, fsdp_kwargs
         self.final_outer_step = final_outer_step
         self.wire_dtype, self.compression = wire_dtype, compression
         self.compression_block_size, self.error_feedback = compression_block_size, error_feedback
@@ -233,45 +259,6 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=cls.description, override=True)
 
-    @property
-    def outer_state_device(self) -> torch.device:
-        return self._outer_state_device if self._outer_state_device is not None else self.root_device
-
-    @property
-    def num_replicas(self) -> int:
-        return self.world_size // self.ranks_per_replica
-
-    @property
-    def replica_index(self) -> int:
-        return self.global_rank // self.ranks_per_replica
-
-    @property
-    def outer_slots(self) -> list[OuterSlot]:
-        """This replica's outer state, one slot per optimizer (empty outside ``fit``)."""
-        return self.driver.slots if self.driver is not None else []
-
-    @property
-    def outer_steps(self) -> int:
-        """Rounds started by the first optimizer, resumed ones included; after ``fit``, the count it
-        ended with (0 before training)."""
-        return self.outer_slots[0].outer_steps if self.outer_slots else self._final_outer_steps
-
-    @property
-    def nominal_step(self) -> Optional[float]:
-        """With ``sync_seconds``, the run's progress in nominal inner steps (t·H plus the share of the
-        current phase done): what a step-based learning-rate schedule should follow, the same on
-        every replica at the same wall time. None otherwise: the step count is the progress."""
-        if self.driver is None or self.driver.pacing is None:
-            return None
-        return self.driver.nominal_step()
-
-    @property
-    def last_outer_step(self) -> Optional[OuterStepReport]:
-        return self.outer_step_reports[-1] if self.outer_step_reports else None
-
-    def _comm_device(self) -> torch.device:
-        return self.root_device if self._get_process_group_backend() == "nccl" else torch.device("cpu")
-
     # ------------------------------------------------------------------ training
 
     @override
@@ -285,7 +272,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         transport = self.transport_factory(
             device=self._comm_device(), process_group=self._groups.overlap_group() if self.overlap_steps else None,
             ranks_per_replica=self.ranks_per_replica, replica_group=self._groups.replica,
-            slice_group=self._groups.slice, **elastic,
+            slice_group=self._groups.slice, **elastic, **self._transport_options(),
         )
         self.driver = OuterStepDriver(
             self.algorithm, transport, self.sync_every, self.overlap_steps, self.overlap_merge,
@@ -297,7 +284,7 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
-            self.driver.add(FlatParameters(params_of(optimizer), self.outer_state_device))
+            self.driver.add(self._flat_parameters(params_of(optimizer)))
         self.outer_step_reports, self.rounds_started = self.driver.reports, self.driver.rounds_started
         if self._resumed_outer is not None:
             try:
@@ -316,7 +303,8 @@ class OuterStepStrategy(ReplicaSetup, ReplicaCheckpoints, DDPStrategy):
         self._warn_if_no_outer_step(trainer)
 
     def _agree_overlap(self, tau: int) -> int:
-        """A replica's ranks agree: the largest τ (they land together), or under ``sync_seconds`` a round when any is due."""
+        """A replica's ranks agree (they land together; sharded, they hold one model between them): the
+        largest τ, or under ``sync_seconds`` a round when any is due."""
         assert self._groups is not None
         return self._groups.replica_max(tau, self._comm_device())
 

@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_loco import checkpoints, consensus
+from lightning_loco import checkpoints, consensus, sharding
 
 
 class ReplicaCheckpoints:
@@ -34,24 +34,39 @@ class ReplicaCheckpoints:
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
-        Collective: Lightning calls it on every rank."""
+        Collective: Lightning calls it on every rank. Sharded replicas: every rank writes its own
+        shards, and the main file holds the full consensus model and no inner optimizer state."""
         save_id = self.broadcast(uuid.uuid4().hex[:12])
-        averaged = consensus.state_dict(checkpoint["state_dict"], self._comm_device())
+        averaged = self._checkpoint_consensus(checkpoint["state_dict"])
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
         replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
                                               self.algorithm.name, outer)
         if self.sync_seconds is not None:  # replicas at different step counts: each keeps its own loops' progress
             replica["loops"] = checkpoint.get("loops")
         sidecar_dir = checkpoints.sidecar_dir(filepath, save_id)
-        if self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
+        sharded = self.sharding is not None
+        shard = self.global_rank % self.ranks_per_replica if sharded else None
+        if sharded:  # each rank its own shards, as plain tensors
+            replica = {**sharding.local_tree(replica), "shard": shard}
+            checkpoints.write_replica(sidecar_dir, self.replica_index, replica, shard)
+        elif self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
             checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
         self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
         if self.is_global_zero:
-            meta = checkpoints.main_meta(filepath, save_id, self.algorithm.name, self.num_replicas)
+            meta = checkpoints.main_meta(filepath, save_id, self.algorithm.name, self.num_replicas,
+                                         shards=self.ranks_per_replica if sharded else None)
             checkpoints.write_manifest(sidecar_dir, filepath, checkpoint, meta)  # the save is complete
             main = {**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta}
+            if sharded:
+                main["optimizer_states"] = []  # sharded: in the replica files only
             self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
             checkpoints.remove_sidecars(filepath, keep=sidecar_dir)
+
+    def _replica_shard(self) -> dict[str, int]:
+        """``read_own_replica``'s arguments for this rank's file in a sharded replica (none otherwise)."""
+        if self.sharding is None:
+            return {}
+        return {"shard": self.global_rank % self.ranks_per_replica, "shards": self.ranks_per_replica}
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -71,7 +86,7 @@ class ReplicaCheckpoints:
             checkpoint_path, checkpoint = self._newest_instead_of_last(checkpoint_path, checkpoint, weights_only)
         payload = checkpoints.read_own_replica(
             checkpoint, checkpoint_path, self.replica_index, self.num_replicas, self.algorithm.name,
-            agree=consensus.first_error,
+            agree=consensus.first_error, **self._replica_shard(),
         )
         self._resumed_outer = None
         if payload is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -170,12 +170,13 @@ class ReplicaSetup:
         if self._restore_signal_handler is None:  # Trainer registers its signal handlers after setup
             self._restore_signal_handler = _compat.local_sigterm_handler(trainer)
         self.accelerator.setup(trainer)
+        self._prepare_model()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         trained = self._trained_module is not None and self._trained_module() is self.lightning_module
         if not trained:
-            _compat.sync_module_states(self.model)  # as DistributedDataParallel would: rank 0's weights
+            self._sync_initial_weights()  # as DistributedDataParallel would: rank 0's weights
         elif fitting:
             log.info("%s: starting this fit from the average of the replicas.", type(self).__name__)
             self.average_replicas()
@@ -189,6 +190,12 @@ class ReplicaSetup:
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _prepare_model(self) -> None:
+        """Called by ``setup`` before the precision plugin and the device move (sharding's turn)."""
+
+    def _sync_initial_weights(self) -> None:
+        _compat.sync_module_states(self.model)
 
     def _check_optimizers(self) -> None:
         owner: dict[int, int] = {}
@@ -226,17 +233,33 @@ class ReplicaSetup:
         module = self.lightning_module
         return list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()]
 
+    def _consensus_parts(self) -> list[tuple[list[torch.Tensor], Optional[Any]]]:
+        """The tensors the consensus averages, each with its group (None: all ranks)."""
+        return [(self._module_tensors(), None)]
+
+    def _weights_changed(self) -> None:
+        """Called after the consensus wrote into the model (sharding's turn)."""
+
     def average_replicas(self) -> None:
         """Sets every replica to the replicas' average: parameters and floating-point buffers, one
-        all-reduce. Collective: every rank must call it."""
-        consensus.average_into(self._module_tensors(), self._comm_device())
+        all-reduce (two with sharded replicas). Collective: every rank must call it."""
+        for tensors, group in self._consensus_parts():
+            consensus.average_into(tensors, self._comm_device(), group)
+        self._weights_changed()
 
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:
         """Swaps the replicas' average into the model, and this replica's own weights back afterwards
         (exactly, whatever the dtype). Collective: every rank must enter it."""
-        with consensus.swapped_in(self._module_tensors(), self._comm_device(), self.outer_state_device):
-            yield
+        device, keep_on = self._comm_device(), self.outer_state_device
+        try:
+            with ExitStack() as stack:
+                for tensors, group in self._consensus_parts():
+                    stack.enter_context(consensus.swapped_in(tensors, device, keep_on, group))
+                self._weights_changed()
+                yield
+        finally:
+            self._weights_changed()
 
     def replica_spread(self) -> float:
         """RMS distance of the replicas' parameters from their mean (two all-reduces; every rank must

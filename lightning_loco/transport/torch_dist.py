@@ -12,6 +12,8 @@ training goes on, and ``PendingSum.wait()`` returns the sum (timing, stats and t
 
 A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
+With ``sharded`` (FSDP2 inside the replica) each rank's buffer is already its own part of the model:
+it moves the whole of it and nothing is gathered.
 
 CUDA payloads on gloo (several processes sharing a GPU, or gloo chosen on GPUs) cross to the host
 through pinned buffers of a :class:`~lightning_loco.staging.StagingPool`, reused from one
@@ -162,6 +164,9 @@ class TorchDistributedTransport(Transport):
         replica_group: with k > 1, the process group of this rank's replica.
         slice_group: with k > 1, the process group of the ranks holding the same slice as this one
             (local rank j of every replica), for all-reduces.
+        sharded: the k ranks of a replica hold different buffers, each its own shards of the model
+            (FSDP2 inside the replica): each rank is its own slice, exchanged whole with its
+            counterparts, and the replica's ranks gather nothing.
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class TorchDistributedTransport(Transport):
         ranks_per_replica: int = 1,
         replica_group: Optional[Any] = None,
         slice_group: Optional[Any] = None,
+        sharded: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised torch.distributed process group")
@@ -183,6 +189,7 @@ class TorchDistributedTransport(Transport):
         self.process_group = process_group
         self.ranks_per_replica = k = ranks_per_replica
         self.replica_group, self.slice_group = replica_group, slice_group
+        self.sharded = bool(sharded)
         rank = dist.get_rank()
         self.replica, self.local_rank = divmod(rank, k)
         self.num_replicas = world // k
@@ -194,6 +201,11 @@ class TorchDistributedTransport(Transport):
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
     stage_cpu_payloads = False
+
+    @property
+    def slices_per_replica(self) -> int:
+        """How many slices a replica's buffer is cut into, one per rank (1: each rank moves it whole)."""
+        return 1 if self.sharded else self.ranks_per_replica
 
     def _staged(self, payload: Tensor) -> bool:
         """Whether ``payload`` crosses to the host through staging buffers: it lives on an accelerator
@@ -238,13 +250,13 @@ class TorchDistributedTransport(Transport):
 
     def _slice(self, buf: Tensor) -> Tensor:
         """This rank's slice of a flat buffer (k equal slices, the last ones shorter if need be)."""
-        if self.ranks_per_replica == 1:
+        if self.slices_per_replica == 1:
             return buf
         return torch.tensor_split(buf, self.ranks_per_replica)[self.local_rank]
 
     def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
         """The whole buffer from every rank's slice (an all-gather inside the replica)."""
-        if self.ranks_per_replica == 1:
+        if self.slices_per_replica == 1:
             return part
         sizes = [t.numel() for t in torch.tensor_split(like, self.ranks_per_replica)]
         width = max(sizes)
