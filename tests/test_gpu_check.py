@@ -337,6 +337,13 @@ def test_cpu_dry_run(tmp_path):
     assert [run["overlap_steps"] for run in nccl["runs"].values()] == [[0, 0, 0], [1, 1, 0]]
 
 
+def test_cpu_dry_run_of_the_sharded_part(tmp_path):
+    """Part 6 (FSDP2 inside a replica, a mesh of one shard): every one of its ten checks holds on the CPU."""
+    result = _dry_run(tmp_path, "6")
+    rows = [row for row in result["rows"] if row["part"] == "6"]
+    assert len(rows) == 10 and all(row["status"] == "ok" for row in rows), rows
+
+
 @pytest.mark.slow
 def test_cpu_dry_run_of_part_4_in_its_own_process(tmp_path):
     """Part 4 in a process of its own, as every part runs on a GPU, with its two processes (spawned,

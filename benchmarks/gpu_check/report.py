@@ -125,6 +125,15 @@ def _nccl(res: dict[str, Any], on_gpu: bool, add: Add) -> None:
         and (t.get("new_threads") == 0 or not on_gpu))
 
 
+def _sharded(res: dict[str, Any], on_gpu: bool, add: Add) -> None:
+    for row in res["rows"]:  # each a check that holds on the CPU too: judged in the dry run as well
+        add(6, row["check"], row["result"], "holds", row["ok"] == "ok")
+    if on_gpu:
+        for name in ("diloco", "noloco"):
+            if f"{name}_peak_cuda_gb" in res:
+                add(6, f"{name}: peak CUDA memory (GB)", fmt(res[f"{name}_peak_cuda_gb"], ".2f"))
+
+
 PART_ROWS: dict[int, Callable[[dict[str, Any], bool, Add], None]] = {
-    1: _overhead, 2: _host_sync, 3: _memory, 4: _two_processes, 5: _nccl,
+    1: _overhead, 2: _host_sync, 3: _memory, 4: _two_processes, 5: _nccl, 6: _sharded,
 }

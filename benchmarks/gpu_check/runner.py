@@ -14,10 +14,11 @@ from benchmarks.gpu_check.memory import part_memory
 from benchmarks.gpu_check.nccl import part_nccl
 from benchmarks.gpu_check.overhead import part_overhead
 from benchmarks.gpu_check.settings import PARTS, TOTAL_BUDGET_S, Budget, Setting, say
+from benchmarks.gpu_check.sharded import part_sharded
 from benchmarks.gpu_check.two_processes import part_two_processes
 
 RUNNERS: dict[int, Callable[[Setting, Budget], dict[str, Any]]] = {
-    1: part_overhead, 2: part_host_sync, 3: part_memory, 4: part_two_processes, 5: part_nccl,
+    1: part_overhead, 2: part_host_sync, 3: part_memory, 4: part_two_processes, 5: part_nccl, 6: part_sharded,
 }
 
 

@@ -18,6 +18,7 @@ PARTS: dict[int, tuple[str, float]] = {
     3: ("peak memory", 60.0),
     4: ("two processes on one GPU (gloo)", 90.0),
     5: ("NCCL on one GPU", 45.0),
+    6: ("FSDP2 inside a replica, one shard", 60.0),
 }
 # The CPU dry run has no budgets, only limits that stop a hang: far beyond what a run takes on a
 # loaded machine (seconds), so that reaching one means that something hangs, not that it was slow.
