@@ -1,7 +1,7 @@
 """Memory per rank with FSDP2 inside each replica against DDP inside, at k = 2 and 4 ranks per replica.
 
     python -m benchmarks.sharded_memory            # 50 M parameters; 4 and 8 processes on the CPU (~10 min)
-    python -m benchmarks.sharded_memory --quick    # ~1 M parameters (~2 min), results to a temporary folder
+    python -m benchmarks.sharded_memory --quick    # ~1 M parameters, k = 2 only, results to a temporary folder
 
 Each configuration is one NoLoCo run through a real ``Trainer`` on the CPU (gloo), AdamW inside,
 H = 2, a few steps, started with Lightning's popen launcher:
@@ -174,7 +174,7 @@ def measure(mode: str, k: int, replicas: int, width: int, depth: int, steps: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~1 M parameters")
+    parser.add_argument("--quick", action="store_true", help="~1 M parameters, k = 2 only")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -184,7 +184,8 @@ def main() -> None:
         return
     width, depth, steps = (128, 8, 4) if args.quick else (1024, 6, 4)  # 8·width² + 5·width per block
     rows = []
-    for k, replicas, mode in CONFIGS:
+    configs = [c for c in CONFIGS if c[0] == 2] if args.quick else CONFIGS  # quick: k = 2 only (4 processes a run)
+    for k, replicas, mode in configs:
         rows.append(measure(mode, k, replicas, width, depth, steps))
         print(f"{mode} k={k} x {replicas}: {rows[-1]['state_mb']:.1f} MB of state per rank", flush=True)
     for row in rows:
