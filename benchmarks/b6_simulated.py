@@ -33,7 +33,6 @@ rule, a phase that never ends past T (``floor``), for comparison. Writes ``b6_ev
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings

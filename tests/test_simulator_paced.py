@@ -60,6 +60,11 @@ def simulator(make, speeds=SPEEDS, sync_every=8, sync_seconds=6.0, max_steps=24,
                              sync_seconds=sync_seconds, **kwargs)
 
 
+def fields(report):
+    return (report.outer_step, report.inner_step, report.phase_steps, report.compute_seconds, report.peers,
+            report.final)
+
+
 @pytest.mark.parametrize("name", ["noloco", "gasloc", "diloco"])
 def test_a_paced_simulated_run_is_the_drivers_paced_run(name):
     speeds, H, T, max_steps = SPEEDS, 8, 6.0, 24  # H_i = 6, 6, 3, 1; ⌈24 / 8⌉ = 3 rounds
@@ -73,7 +78,6 @@ def test_a_paced_simulated_run_is_the_drivers_paced_run(name):
         h = expected_h(speeds[i], H, T)
         mine, theirs = driver.reports, replica.driver.reports
         assert [r.phase_steps for r in mine] == [h] * 3  # H_i follows the replica's speed
-        fields = lambda r: (r.outer_step, r.inner_step, r.phase_steps, r.compute_seconds, r.peers, r.final)  # noqa: E731
         assert [fields(r) for r in mine] == [fields(r) for r in theirs]  # the same rounds, groups and phases
         assert [r.peers for r in mine] == [schedule(t, n).peers_of(i) for t in range(3)]
         assert_same(sim.flats[i].gather(), replica.flat.gather(), f"replica {i}'s weights at the end")
@@ -140,6 +144,23 @@ def test_fixed_h_with_modelled_step_times_is_bitwise_the_plain_run_and_waits_for
     assert [timed.time.compute_share(i) for i in range(4)] == [0.25, 0.25, 0.5, 1.0]
     assert [r.compute_share for r in timed.drivers[0].reports] == [0.25] * 3
     assert timed.time.wall_seconds == 3 * 4 * 4.0
+
+
+def test_fixed_h_rounds_are_h_steps_of_every_replica_and_the_last_ends_at_max_steps():
+    def make():
+        shards = [[targets(i, 0, SLOT_SHAPES[0])] for i in range(4)]
+        return TrainingSimulator(Pull(), shards, NoLoCo(), sync_every=4, optimizers=plain_optimizer, loss=pull_loss,
+                                 batched=False, max_steps=10, step_seconds=list(SPEEDS))
+
+    by_rounds, by_steps = make(), make()
+    seen = []
+    by_rounds.run_rounds(callback=lambda s: seen.append((s.step_count, s.rounds_done)))
+    by_steps.run(10)
+    assert seen == [(4, 1), (8, 2), (10, 3)]  # ⌈10 / 4⌉ rounds: the last one two steps long
+    for a, b in zip(by_rounds.weights(), by_steps.weights()):
+        assert_same(a, b, "run_rounds() against step() by step")
+    with pytest.raises(ValueError, match="the run is 3 rounds"):
+        by_rounds.run_rounds(1)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -160,10 +160,10 @@ class PacedRounds:
 
     @property
     def rounds_done(self) -> int:
-        """Rounds run so far (with fixed H and no algorithm: blocks of H steps)."""
-        if self.drivers:
+        """Rounds run so far; with fixed H, blocks of H steps begun (the last one ends at ``max_steps``)."""
+        if self.sync_seconds is not None:
             return self.drivers[0].slots[0].outer_steps
-        return self.step_count // self.sync_every
+        return -(-self.step_count // self.sync_every)
 
     def run_rounds(self, rounds: int | None = None, callback: Any = None) -> None:
         """``rounds`` rounds, or (``None``) the rest of the run's ⌈max_steps / H⌉; ``callback(self)``
@@ -180,7 +180,8 @@ class PacedRounds:
         for _ in range(rounds):
             if self.sync_seconds is None:
                 end = self.step_count + self.sync_every
-                for _ in range(self.sync_every if self.max_steps is None else min(end, self.max_steps) - self.step_count):
+                end = end if self.max_steps is None else min(end, self.max_steps)
+                while self.step_count < end:
                     self.step()
             else:
                 self._paced_round()
