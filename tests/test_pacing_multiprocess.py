@@ -142,9 +142,9 @@ def test_the_ranks_of_a_replica_take_the_same_rounds_steps_and_learning_rates(tm
     # which makes its whole replica slow. The schedule follows nominal progress, read on each rank: the
     # ranks of a replica must agree on their rounds, their H_i and their learning rates, step by step.
     H, max_steps = 8, 32  # four rounds
-    kwargs = {"sync_every": H, "sync_seconds": 0.15, "ranks_per_replica": 2}
+    kwargs = {"sync_every": H, "sync_seconds": 0.3, "ranks_per_replica": 2}
     recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=4, max_steps=max_steps,
-                       step_sleep_s_by_rank=[0.0, 0.0, 0.0, 0.05], nominal_schedule=[H, max_steps])
+                       step_sleep_s_by_rank=[0.0, 0.0, 0.0, 0.1], nominal_schedule=[H, max_steps])
     for rec in recs:
         assert [t for t, _, _ in rounds_of(rec)] == [0, 1, 2, 3]  # the same rounds everywhere
         assert [final for _, _, final in rounds_of(rec)] == [False, False, False, True]  # the same last one
