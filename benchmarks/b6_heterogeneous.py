@@ -25,6 +25,9 @@ Two parts:
    when the paced run of R rounds ends, and the 4R-round paced run's loss when fixed H's run ends
    (equal wall time, both ways).
 
+Part 3, N = 16 replicas in the training simulator on modelled step times, is
+:mod:`benchmarks.b6_simulated` (``python -m benchmarks.b6_simulated``).
+
 The machine these numbers come from has 2 cores shared by 4 replicas: runs are short (R = 5 rounds of
 H = 50, the example's H) and the fast replicas' steps are slowed by sharing the cores.
 Writes ``benchmarks/results/b6_heterogeneous.json`` and ``docs/img/b6_heterogeneous.png`` (a

@@ -89,6 +89,8 @@ class OuterStepDriver:
         clock: the clock of the inner phases (injectable for tests).
         agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).
+        agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
+            rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class OuterStepDriver:
         sync_seconds: Optional[float] = None,
         clock: Callable[[], float] = time.perf_counter,
         agree_due: Optional[Callable[[int], int]] = None,
+        agree_seconds: Optional[Callable[[float], float]] = None,
     ) -> None:
         check_overlap(overlap_steps, overlap_merge, sync_every)
         check_pacing(sync_seconds, overlap_steps)
@@ -122,7 +125,8 @@ class OuterStepDriver:
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
         self.track_norms = False  # norms and peer distance: one anchor copy per round
         self.clock = clock
-        self.pacing = None if sync_seconds is None else Pacing(sync_every, sync_seconds, clock, agree_due)
+        self.pacing = None if sync_seconds is None else Pacing(sync_every, sync_seconds, clock, agree_due,
+                                                               agree_seconds)
         self.plugin = plugin if plugin is not None else DriverPlugin()
         self.plugin.attach(self)
 

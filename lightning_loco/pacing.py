@@ -83,6 +83,7 @@ class Phase:
     ended: Optional[tuple[int, float]] = None  # (inner steps, compute seconds) of the phase the latest round ended
     spent: float = 0.0  # seconds the latest round's start took (its landing's are added in the report)
     decision: Optional[tuple[int, bool]] = None  # (step count, due): a round is decided once per inner step
+    agreed: float = 0.0  # the phase's seconds at its latest decision, as the replica's ranks agreed on them
 
     def steps(self, inner_steps: int) -> int:
         return inner_steps - self.start_step
@@ -97,7 +98,7 @@ class Phase:
 
     def restart(self, now: float) -> None:
         """The round's work is done: the next phase's compute counts from ``now``."""
-        self.clock_start, self.excluded = now, 0.0
+        self.clock_start, self.excluded, self.agreed = now, 0.0, 0.0
 
     def state_dict(self, now: float) -> dict[str, Any]:
         return {"start_step": self.start_step, "seconds": self.seconds(now)}
@@ -106,7 +107,7 @@ class Phase:
         """Continues a saved phase (its compute so far counts); without one, a phase starts now."""
         self.start_step = inner_steps if saved is None else int(saved["start_step"])
         self.clock_start, self.excluded = now - (0.0 if saved is None else float(saved["seconds"])), 0.0
-        self.decision = None
+        self.decision, self.agreed = None, 0.0 if saved is None else float(saved["seconds"])
 
 
 class Pacing:
@@ -121,13 +122,19 @@ class Pacing:
         clock: seconds on this replica's own clock (injectable, so that tests are deterministic).
         agree: with replicas of several ranks, makes the ranks of a replica agree (given 0 or 1, returns
             the largest over the replica's ranks): a rank whose clock says "due" makes all of them post.
+        agree_seconds: with replicas of several ranks, in place of ``agree``: given this rank's phase
+            seconds, returns the largest over the replica's ranks. Every rank then decides on the same
+            seconds (a round is due when it is due on the slowest clock, which is when any rank is due:
+            :func:`phase_due` grows with the seconds) and :meth:`nominal_step` follows them too, so
+            that the ranks' learning rates, and hence their weights, stay the same.
     """
 
     def __init__(self, sync_every: int, sync_seconds: float, clock: Callable[[], float],
-                 agree: Optional[Callable[[int], int]] = None) -> None:
+                 agree: Optional[Callable[[int], int]] = None,
+                 agree_seconds: Optional[Callable[[float], float]] = None) -> None:
         check_pacing(sync_seconds)
         self.sync_every, self.sync_seconds = sync_every, float(sync_seconds)
-        self.clock, self.agree = clock, agree
+        self.clock, self.agree, self.agree_seconds = clock, agree, agree_seconds
         self.max_steps: Optional[int] = None  # the run's nominal length, when it ends on a round
         self.rounds: Optional[int] = None  # R = ⌈max_steps / H⌉
 
@@ -140,11 +147,14 @@ class Pacing:
         once per step, on the clock at the first call (the step's compute is done by then)."""
         if phase.decision is not None and phase.decision[0] == steps:
             return phase.decision[1]
-        due = phase_due(phase.steps(steps), phase.seconds(self.clock()), self.sync_every, self.sync_seconds)
+        seconds = phase.seconds(self.clock())
+        if self.agree_seconds is not None:
+            seconds = phase.agreed = self.agree_seconds(seconds)
+        due = phase_due(phase.steps(steps), seconds, self.sync_every, self.sync_seconds)
         if self.max_steps is not None:
             assert self.rounds is not None
             due = outer_steps < self.rounds and (due or steps >= self.max_steps)
-        if self.agree is not None:
+        if self.agree is not None and self.agree_seconds is None:
             due = bool(self.agree(int(due)))
         phase.decision = (steps, due)
         return due
@@ -160,6 +170,9 @@ class Pacing:
     def nominal_step(self, phase: Phase, outer_steps: int, inner_steps: int) -> float:
         """The run's progress in nominal inner steps: t·H plus the share of the current phase done
         (its steps out of H or its compute out of T, whichever is further). What a learning-rate
-        schedule should follow, where a replica's own step count runs slow or fast."""
-        share = max(phase.steps(inner_steps) / self.sync_every, phase.seconds(self.clock()) / self.sync_seconds)
+        schedule should follow, where a replica's own step count runs slow or fast. With
+        ``agree_seconds``, the phase's seconds are those its ranks agreed on at the latest step (each
+        rank's own clock would give each a learning rate of its own)."""
+        seconds = phase.agreed if self.agree_seconds is not None else phase.seconds(self.clock())
+        share = max(phase.steps(inner_steps) / self.sync_every, seconds / self.sync_seconds)
         return self.sync_every * (outer_steps + min(1.0, share))

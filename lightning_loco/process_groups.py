@@ -80,11 +80,12 @@ class ProcessGroups:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         dist.all_reduce(torch.zeros(1, device=device), group=group)
 
-    def replica_max(self, value: float, device: "torch.device") -> int:
-        """The largest ``value`` among the ranks of this replica (one small all-reduce on its group)."""
-        agreed = torch.tensor([float(value)], device=device)
+    def replica_max(self, value: float, device: "torch.device") -> float:
+        """The largest ``value`` among the ranks of this replica (one small all-reduce on its group, in
+        float64: seconds on a clock as well as counts)."""
+        agreed = torch.tensor([float(value)], dtype=torch.float64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.replica)
-        return int(agreed.item())
+        return agreed.item()
 
     def destroy(self, lingering: list[threading.Thread]) -> None:
         """Destroys the groups; the overlap group is left to the process exit while one of

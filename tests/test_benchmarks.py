@@ -319,3 +319,18 @@ def test_b6_quick(tmp_path):
         assert all(0 < p["val_loss"] < 6 for p in curve)  # real losses from the replicas' weights
         assert 0 < run["fast_share"] <= 1 and len(run["h_i"]) == 4
     assert result["runs"]["noloco"]["fixed"][0]["h_i"] == [4, 4, 4, 4]  # one H for all
+
+
+@pytest.mark.slow
+def test_b6_simulated_quick(tmp_path):
+    out = bench(tmp_path, "b6_simulated")
+    result = json.loads((tmp_path / "b6_simulated.json").read_text())
+    (row,) = result["rows"]
+    assert row["algorithm"] == "noloco" and "B6 part 3" in out
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert runs["fixed"]["h_i"] == [4, 4, 4, 4] and runs["paced"]["h_i"] == [4, 4, 2, 1]  # step times 1, 1, 2, 4 s
+    assert runs["paced"]["fast_share"] == 1.0  # T = 4 s: every phase ends on T, nobody waits
+    assert [p["train_seconds"] for p in runs["paced"]["curve"]] == [0.0, 4.0, 8.0]  # modelled seconds
+    assert runs["fixed"]["curve"][-1]["train_seconds"] == 2 * 4 * 4.0  # one H: the 4x replica's pace
+    assert len(runs["paced_long"]["curve"]) == 1 + 4 * 2  # 4R rounds
+    assert all(0 < p["val_loss"] < 6 for run in runs.values() for p in run["curve"])  # real losses

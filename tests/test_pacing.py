@@ -233,6 +233,28 @@ def test_the_ranks_of_a_replica_post_when_any_of_them_is_due():
         assert [x.phase_steps for x in r.driver.reports] == [2]
 
 
+def test_the_ranks_of_a_replica_agree_on_their_phase_seconds_for_rounds_and_nominal_progress():
+    clock, asked = Clock(), []
+
+    def agree_seconds(seconds: float) -> float:
+        asked.append(seconds)
+        return seconds + 1.0  # another rank of the replica: its clock says one second more
+
+    pacing = Pacing(sync_every=10, sync_seconds=5.0, clock=clock, agree=lambda due: 1 / 0, agree_seconds=agree_seconds)
+    phase = Phase()
+    clock.now = 1.0
+    assert not pacing.due(phase, outer_steps=0, steps=2)  # agreed 2 s: (2 + ½)·1 s < 5 s
+    assert pacing.nominal_step(phase, 0, 2) == 10 * 2.0 / 5.0  # the agreed seconds, not this clock's 1 s
+    clock.now = 1.5
+    assert pacing.nominal_step(phase, 0, 2) == 4.0  # between decisions: the latest agreed seconds
+    clock.now = 3.5
+    assert pacing.due(phase, outer_steps=0, steps=4)  # agreed 4.5 s: (4 + ½)·1.125 s ≥ 5 s; alone it is not
+    assert asked == [1.0, 3.5]  # once per step, with this rank's own seconds; ``agree`` is not asked
+    phase.end(4, 3.5)
+    phase.restart(3.5)
+    assert pacing.nominal_step(phase, outer_steps=1, inner_steps=4) == 10.0  # a new phase: nothing agreed yet
+
+
 def test_nominal_progress_follows_the_phase_not_the_step_count():
     clock = Clock()
     pacing = Pacing(sync_every=10, sync_seconds=5.0, clock=clock)

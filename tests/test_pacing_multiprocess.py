@@ -134,3 +134,28 @@ def test_the_example_gpt_schedule_follows_nominal_progress_under_sync_seconds():
     assert schedule(3) == schedule(1000) == alone[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     model._trainer.strategy.nominal_step = 110.0
     assert schedule(3) == pytest.approx(0.1)  # the end of the run: lr/10 on every replica
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_replica_take_the_same_rounds_steps_and_learning_rates(tmp_path):
+    # Two replicas of two ranks each (DDP inside a replica); one rank of replica 1 sleeps after every step,
+    # which makes its whole replica slow. The schedule follows nominal progress, read on each rank: the
+    # ranks of a replica must agree on their rounds, their H_i and their learning rates, step by step.
+    H, max_steps = 8, 32  # four rounds
+    kwargs = {"sync_every": H, "sync_seconds": 0.3, "ranks_per_replica": 2}
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=4, max_steps=max_steps,
+                       step_sleep_s_by_rank=[0.0, 0.0, 0.0, 0.1], nominal_schedule=[H, max_steps])
+    for rec in recs:
+        assert [t for t, _, _ in rounds_of(rec)] == [0, 1, 2, 3]  # the same rounds everywhere
+        assert [final for _, _, final in rounds_of(rec)] == [False, False, False, True]  # the same last one
+        assert rec["outer_states"][0]["outer_steps"] == 4
+    for a, b in ((0, 1), (2, 3)):  # the ranks of each replica
+        assert rounds_of(recs[a]) == rounds_of(recs[b])  # the same H_i every round
+        assert len(recs[a]["weights"]) == len(recs[b]["weights"])
+        for step, (x, y) in enumerate(zip(recs[a]["weights"], recs[b]["weights"])):
+            assert torch.equal(x, y), f"ranks {a} and {b} apart after step {step + 1}"
+        assert recs[a]["lrs"] == recs[b]["lrs"]
+    fast, slow = recs[0], recs[2]
+    assert sum(h for _, h, _ in rounds_of(slow)) < sum(h for _, h, _ in rounds_of(fast))  # the slow replica's H_i
+    assert all(h < H for _, h, _ in rounds_of(slow)[:-1])
+    assert fast["lrs"] != [0.05]  # the schedule moved (the warm-up and decay ran on nominal steps)

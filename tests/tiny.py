@@ -57,7 +57,8 @@ def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[li
 
 class TinyRegressor(L.LightningModule):
     def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: bool = False,
-                 inf_loss_at: Any = None, batch_size: int = 4, momentum: float = 0.0) -> None:
+                 inf_loss_at: Any = None, batch_size: int = 4, momentum: float = 0.0,
+                 nominal_schedule: Any = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Linear(IN_FEATURES, 3)
@@ -69,6 +70,7 @@ class TinyRegressor(L.LightningModule):
         self.inf_loss_at = inf_loss_at  # (rank, step): a loss whose gradients overflow there
         self.batch_size = batch_size
         self.momentum = momentum  # of the inner SGD (its state is a momentum buffer per parameter)
+        self.nominal_schedule = nominal_schedule  # (warm-up, max_steps): the example GPT's schedule, on nominal steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.norm(self.body(x))))
@@ -102,6 +104,12 @@ class TinyRegressor(L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.automatic_optimization:
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, **self._momentum())
+            if self.nominal_schedule:
+                from lightning_loco.examples.gpt import warmup_cosine
+
+                schedule = warmup_cosine(optimizer, *self.nominal_schedule,
+                                         nominal=lambda: getattr(self.trainer.strategy, "nominal_step", None))
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
             if self.scheduler:
                 schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
                 return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -566,7 +574,8 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     model = (TinyModelParallel if options else TinyRegressor)(
         lr=config.get("lr", 0.05), manual=config.get("manual", False), batchnorm=config.get("batchnorm", False),
         scheduler=config.get("scheduler", False), inf_loss_at=config.get("inf_loss_at"),
-        batch_size=config.get("batch_size", 4), momentum=config.get("momentum", 0.0), **options)
+        batch_size=config.get("batch_size", 4), momentum=config.get("momentum", 0.0),
+        nominal_schedule=config.get("nominal_schedule"), **options)
     if "hide_replica_files_on_rank" in config and os.environ.get("LOCAL_RANK", "0") == str(
         config["hide_replica_files_on_rank"]
     ):

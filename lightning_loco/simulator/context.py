@@ -177,6 +177,11 @@ class ReplicaContext:
         strategy.optimizers = [optimizer]
         strategy.lr_scheduler_configs = [LRSchedulerConfig(scheduler, interval="step")] if scheduler is not None else []
 
+    def follow_nominal(self, step: float) -> None:
+        """What ``self.trainer.strategy.nominal_step`` reads in the module: the run's progress in nominal
+        steps under ``sync_seconds``, as on a paced strategy (the example GPT's schedule follows it)."""
+        self.trainer.strategy.nominal_step = step  # type: ignore[attr-defined]
+
     def precision_context(self) -> contextlib.AbstractContextManager[None]:
         """The precision plugin's context for a training step (bfloat16 autocast under "bf16-mixed")."""
         return self.trainer.precision_plugin.train_step_context()

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, ring_all_reduce_bytes, wire_format
+from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.algorithms.base import OuterAlgorithm
@@ -20,31 +20,21 @@ from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
     ReplicaContext,
     check_precision,
-    logging_discarded,
     parse_optimizers,
     training_step_loss,
     unattached_copy,
 )
 from lightning_loco.simulator.data import Batch, Shard
+from lightning_loco.simulator.measure import Evaluation, LossFn, Measurements
+from lightning_loco.simulator.timing import ModelledTime, PacedRounds, check_modelled_time
 from lightning_loco.transport.in_process import InProcessNetwork
 
-LossFn = Callable[[nn.Module, Batch], Tensor]
+__all__ = ["Evaluation", "TrainingSimulator"]
+
 OptimizersFn = Callable[[nn.Module], Any]
 
 
-@dataclass
-class Evaluation:
-    """Validation of the simulated replicas."""
-
-    replica_losses: list[float]  # each replica's own weights
-    consensus_loss: float  # the replicas' average weights
-
-    @property
-    def mean_replica_loss(self) -> float:
-        return sum(self.replica_losses) / len(self.replica_losses)
-
-
-class TrainingSimulator:
+class TrainingSimulator(Measurements, PacedRounds):
     """N replicas of a real module trained in one process, with the strategies' own outer step.
 
     Each replica has its own copy of the module, with a Lightning Trainer of its own attached (so its
@@ -55,6 +45,12 @@ class TrainingSimulator:
     driver, algorithm, schedule, payload, apply and group-order summation as the Lightning strategies,
     so a simulated run follows a multi-process run of the same seeds and shards step by step
     (``tests/test_simulator.py``).
+
+    Replicas of different speeds: with ``step_seconds`` every replica runs on a virtual clock that
+    moves by its modelled step time at each step and, at an exchange, to the time the last member of
+    its group posted (:mod:`.timing`). With ``sync_seconds`` as well, each replica takes its own H_i
+    steps per round on that clock, as the strategies do on a real one (``docs/heterogeneous.md``);
+    :meth:`run_rounds` runs such rounds (:meth:`step` steps every replica together).
 
     Args:
         module: the model; every replica starts from a copy of its current weights (as every rank
@@ -90,6 +86,12 @@ class TrainingSimulator:
         wire_dtype, compression, compression_block_size, error_feedback: the wire format of the
             outer steps, as on the strategies (:mod:`lightning_loco.codecs`); ``bytes_sent`` counts the
             encoded bytes.
+        step_seconds: each replica's modelled time per optimizer step (virtual seconds): its clock,
+            the drivers' reports and ``sync_seconds`` follow it; :attr:`time` holds the clocks.
+        sync_seconds: T, as on the strategies: each replica posts its next round once its inner phase
+            is as near T modelled seconds as its steps allow (at least one step, at most H). Needs
+            ``step_seconds``, ``max_steps`` (the run is ⌈max_steps / H⌉ rounds on every replica) and
+            takes the loop over replicas (the batched path steps every replica together).
     """
 
     def __init__(
@@ -114,6 +116,8 @@ class TrainingSimulator:
         compression: str | None = None,
         compression_block_size: int = DEFAULT_BLOCK_SIZE,
         error_feedback: bool | None = None,
+        step_seconds: Sequence[float] | None = None,
+        sync_seconds: float | None = None,
     ) -> None:
         if not shards:
             raise ValueError("need one shard (an iterable of batches) per replica, got none")
@@ -129,6 +133,7 @@ class TrainingSimulator:
                 or accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be an integer >= 1, got {accumulate_grad_batches!r}")
         check_precision(precision)
+        check_modelled_time(algorithm, len(shards), overlap_steps, max_steps, batched, step_seconds, sync_seconds)
         pseudo_gradient = algorithm.payload_is_pseudo_gradient if algorithm is not None else False
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback, pseudo_gradient)
         self.wire = wire
@@ -136,7 +141,8 @@ class TrainingSimulator:
         self.num_replicas, self.algorithm, self.sync_every = n, algorithm, sync_every
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
         self.accumulate_grad_batches, self.precision = accumulate_grad_batches, precision
-        self.max_steps = max_steps
+        self.max_steps, self.sync_seconds = max_steps, sync_seconds
+        self.time = None if step_seconds is None else ModelledTime(step_seconds, algorithm)  # type: ignore[arg-type]
         self.loss_fn = loss or training_step_loss
         self._custom_loss = loss is not None
         self._template = unattached_copy(module)  # for the consensus model; never attached to a Trainer
@@ -167,7 +173,9 @@ class TrainingSimulator:
                 driver = OuterStepDriver(
                     algorithm, self.network.transport(i), sync_every, overlap_steps, overlap_merge,
                     label=f"Simulated replica {i}", final_outer_step=final_outer_step,
-                    wire=wire if wire.lossy else None,
+                    wire=wire if wire.lossy else None, sync_seconds=sync_seconds,
+                    clock=time.perf_counter if self.time is None else self.time.clocks[i],
+                    plugin=None if self.time is None else self.time.plugin(i),
                 )
                 driver.track_norms = track_norms
                 driver.add(self.flats[i])
@@ -176,7 +184,7 @@ class TrainingSimulator:
         self._batched_mode = batched
         self._batched: BatchedGradients | None = None
         self._batched_ran = False  # the batched path has run a step: its errors are errors from now on
-        if batched is not False:
+        if batched is not False and sync_seconds is None:
             try:
                 self._batched = BatchedGradients(self.replicas, self._template, self._loss, self.contexts[0],
                                                  accumulate_grad_batches)
@@ -203,21 +211,22 @@ class TrainingSimulator:
     # ------------------------------------------------------------------ training
 
     def _loop_grads(self, draws: list[list[tuple[Batch, int, int]]]) -> list[float]:
-        losses = []
-        for i, (replica, drawn) in enumerate(zip(self.replicas, draws)):
-            torch.set_rng_state(self.rng_states[i])
-            for p in self.params[i]:
-                p.grad = None
-            total = 0.0
-            for batch, batch_idx, epoch in drawn:
-                with torch.enable_grad():
-                    with self.contexts[i].training_step(batch, epoch):
-                        loss = self._loss(replica, batch, batch_idx)
-                    (loss / self.accumulate_grad_batches).backward()
-                total += loss.item()
-            losses.append(total / len(drawn))
-            self.rng_states[i] = torch.get_rng_state()
-        return losses
+        return [self._replica_grads(i, drawn) for i, drawn in enumerate(draws)]
+
+    def _replica_grads(self, i: int, drawn: list[tuple[Batch, int, int]]) -> float:
+        """Replica ``i``'s gradients over its micro-batches, on its own RNG stream; its mean loss."""
+        torch.set_rng_state(self.rng_states[i])
+        for p in self.params[i]:
+            p.grad = None
+        total = 0.0
+        for batch, batch_idx, epoch in drawn:
+            with torch.enable_grad():
+                with self.contexts[i].training_step(batch, epoch):
+                    loss = self._loss(self.replicas[i], batch, batch_idx)
+                (loss / self.accumulate_grad_batches).backward()
+            total += loss.item()
+        self.rng_states[i] = torch.get_rng_state()
+        return total / len(drawn)
 
     def _batched_grads(self, draws: list[list[tuple[Batch, int, int]]]) -> list[float] | None:
         """The batched path's step, ``None`` where the loop takes it (this step, or from now on after
@@ -244,6 +253,8 @@ class TrainingSimulator:
         step where one is due. ``last``: training ends after this step (as the step reaching
         ``max_steps``), so a round landing now is the final one; training may still go on after it,
         from the outer step's own weights. Returns each replica's mean training loss over its batches."""
+        if self.sync_seconds is not None:
+            raise ValueError("under sync_seconds every replica takes its own steps per round: call run_rounds()")
         for driver in self.drivers:  # a final landing, and training goes on after all
             driver.restore_outer_weights()
         last = last or (self.max_steps is not None and self.step_count + 1 == self.max_steps)
@@ -259,6 +270,8 @@ class TrainingSimulator:
                 torch.nn.utils.clip_grad_norm_(self.params[i], self.gradient_clip_val)
             self.optimizers[i].step()
             self.contexts[i].optimizer_stepped()
+            if self.time is not None:
+                self.time.stepped(i)
         self._after_inner_step(last)
         for scheduler in self.schedulers:
             if scheduler is not None:
@@ -288,7 +301,14 @@ class TrainingSimulator:
                 driver.after_inner_step(0, last)
             return
         # A round is due or in flight: replicas wait for their peers, so each runs in its own thread.
-        for future in [self._pool.submit(driver.after_inner_step, 0, last) for driver in self.drivers]:
+        self._exchange([last] * self.num_replicas)
+
+    def _exchange(self, last: list[bool]) -> None:
+        """Every replica's ``after_inner_step`` for a step that starts (or lands) a round, each in its own
+        thread, as the replicas wait for their groups."""
+        if self.time is not None:
+            self.time.arrive()
+        for future in [self._pool.submit(d.after_inner_step, 0, end) for d, end in zip(self.drivers, last)]:
             future.result()
 
     def run(self, steps: int, every: int = 0, callback: Callable[[TrainingSimulator], None] | None = None) -> None:
@@ -308,90 +328,3 @@ class TrainingSimulator:
         for future in [self._pool.submit(driver.land_all) for driver in self.drivers]:
             future.result()
         self._pool.shutdown()
-
-    # ------------------------------------------------------------------ measurements
-
-    @property
-    def logged(self) -> list[dict[str, float]]:
-        """Per replica, the last value of everything its ``training_step`` logged with ``self.log`` or
-        ``self.log_dict`` (its Trainer's ``callback_metrics``: ``name``, or ``name_step`` and
-        ``name_epoch`` for values logged on both)."""
-        return [context.logged for context in self.contexts]
-
-    def weights(self) -> list[Tensor]:
-        """Every replica's flat float32 weights (in its optimizer's parameter order)."""
-        return [flat.gather() for flat in self.flats]
-
-    def outer_weights(self) -> list[Tensor] | None:
-        """After a final landing (``final_outer_step="average"``): the weights the papers' plain outer
-        step gave each replica instead, which training that goes on starts from. Else ``None``."""
-        kept = [d.slots[0].outer_weights for d in self.drivers]
-        if not kept or any(w is None for w in kept):
-            return None
-        return [w.clone() for w in kept]  # type: ignore[union-attr]
-
-    def spread(self) -> float:
-        """RMS distance of the replicas' weights from their mean (the strategies' ``replica_spread``)."""
-        w = torch.stack(self.weights())
-        return (w - w.mean(0)).pow(2).sum(1).mean().sqrt().item()
-
-    def bytes_sent(self) -> list[int]:
-        """Payload bytes each replica has sent so far (DDP: a ring all-reduce of the gradients per
-        step; independent replicas: none)."""
-        if self.drivers:
-            return [sum(r.bytes_sent for r in d.reports) for d in self.drivers]
-        if self.gradient_averaging:
-            n, numel = self.num_replicas, sum(p.numel() for p in self.params[0])
-            return [ring_all_reduce_bytes(numel * 4, n) * self.step_count] * n
-        return [0] * self.num_replicas
-
-    def consensus_module(self) -> nn.Module:
-        """A copy of the module holding the replicas' average weights."""
-        return self._module_with(torch.stack(self.weights()).mean(0))
-
-    def _module_with(self, flat: Tensor) -> nn.Module:
-        module = copy.deepcopy(self._template)
-        own = {id(p): name for name, p in self.replicas[0].named_parameters()}
-        target = dict(module.named_parameters())
-        FlatParameters([target[own[id(p)]] for p in self.params[0]], "cpu").scatter(flat)
-        return module
-
-    def _replica_copy(self, i: int) -> nn.Module:
-        """Replica ``i``'s weights and buffers in a copy of the module: evaluation leaves the replica's
-        own state (its metrics' accumulated values, what it logged) as training left it."""
-        module = copy.deepcopy(self._template)
-        module.load_state_dict(self.replicas[i].state_dict())
-        return module
-
-    @torch.no_grad()
-    def evaluate(
-        self,
-        batches: Iterable[Batch],
-        loss: LossFn | None = None,
-        weights: Sequence[Tensor] | None = None,
-        replicas: Sequence[int] | None = None,
-    ) -> Evaluation:
-        """Mean loss over ``batches`` of each replica and of the consensus (average of all replicas)
-        model; of ``weights`` (flat, one per replica, e.g. :meth:`outer_weights`) instead of the live
-        ones when given. ``replicas``: evaluate only these replicas (the consensus still averages all).
-        The models are copies, and what their ``training_step`` logs (the default loss) is discarded:
-        evaluating leaves training's state, logged values and metrics as they were."""
-        loss_fn = loss or self.loss_fn
-        batches = list(batches)
-        chosen = list(range(self.num_replicas)) if replicas is None else list(replicas)
-        if weights is None:
-            models = [*(self._replica_copy(i) for i in chosen), self.consensus_module()]
-        else:
-            mean = torch.stack(list(weights)).mean(0)
-            models = [*(self._module_with(weights[i]) for i in chosen), self._module_with(mean)]
-        for i, model in zip([*chosen, 0], models):  # a training_step may read self.trainer
-            self.contexts[i].attach(model)
-        results = []
-        with logging_discarded(models):
-            for model in models:
-                was_training = model.training
-                model.eval()
-                total = sum(float(loss_fn(model, b)) for b in batches)
-                model.train(was_training)
-                results.append(total / max(1, len(batches)))
-        return Evaluation(replica_losses=results[:-1], consensus_loss=results[-1])

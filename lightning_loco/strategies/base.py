@@ -280,7 +280,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
             wire=self.wire if self.wire.lossy else None, plugin=self._plugin_factory(transport),
             sync_seconds=self.sync_seconds, clock=self.pacing_clock,
-            agree_due=self._agree_overlap if self.ranks_per_replica > 1 else None,
+            agree_seconds=self._agree_seconds if self.ranks_per_replica > 1 else None,
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
@@ -304,9 +304,15 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
 
     def _agree_overlap(self, tau: int) -> int:
         """A replica's ranks agree (they land together; sharded, they hold one model between them): the
-        largest τ, or under ``sync_seconds`` a round when any is due."""
+        largest τ."""
         assert self._groups is not None
-        return self._groups.replica_max(tau, self._comm_device())
+        return int(self._groups.replica_max(tau, self._comm_device()))
+
+    def _agree_seconds(self, seconds: float) -> float:
+        """Under ``sync_seconds`` a replica's ranks agree on their phase's seconds (the largest), so that
+        they start rounds together and their schedules read the same nominal progress."""
+        assert self._groups is not None
+        return self._groups.replica_max(seconds, self._comm_device())
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
