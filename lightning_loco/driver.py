@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_loco import fragments as streaming
 from lightning_loco import rounds
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.codecs import WireFormat
@@ -41,13 +42,14 @@ from lightning_loco.overlap import (
     OverlapSteps,
     auto_cap,
     check_overlap,
+    choose_overlap,
     correction_norm,
     merge_at_landing,
 )
 from lightning_loco.pacing import Pacing, check_pacing, compute_share
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.reports import OuterStepReport, peer_distance
-from lightning_loco.slots import OuterSlot
+from lightning_loco.slots import OuterSlot, load_slots
 from lightning_loco.transport.base import Transport
 
 FINAL_OUTER_STEPS = ("average", "outer")
@@ -91,6 +93,8 @@ class OuterStepDriver:
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).
         agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
             rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
+        fragments: F, streaming fragments (:mod:`lightning_loco.fragments`): each optimizer's parameters
+            as F fragments, fragment f with its own rounds at inner steps f·H/F + kH. 1 (default): whole.
     """
 
     def __init__(
@@ -109,8 +113,10 @@ class OuterStepDriver:
         clock: Callable[[], float] = time.perf_counter,
         agree_due: Optional[Callable[[int], int]] = None,
         agree_seconds: Optional[Callable[[float], float]] = None,
+        fragments: int = 1,
     ) -> None:
         check_overlap(overlap_steps, overlap_merge, sync_every)
+        streaming.check_fragments(fragments, sync_every, overlap_steps, sync_seconds=sync_seconds)
         check_pacing(sync_seconds, overlap_steps)
         check_final_outer_step(final_outer_step)
         algorithm.check_num_replicas(transport.num_replicas)
@@ -120,7 +126,9 @@ class OuterStepDriver:
         self.final_outer_step = final_outer_step
         self.wire = wire
         self.label = label or f"Replica {transport.replica}"
-        self.slots: list[OuterSlot] = []
+        self.fragments = fragments
+        self.slots: list[OuterSlot] = []  # every optimizer's F fragments, in order (F = 1: one per optimizer)
+        self.optimizer_slots: list[list[OuterSlot]] = []  # optimizer index → its fragments' slots
         self.reports: list[OuterStepReport] = []
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
         self.track_norms = False  # norms and peer distance: one anchor copy per round
@@ -131,28 +139,40 @@ class OuterStepDriver:
         self.plugin.attach(self)
 
     def add(self, flat: FlatParameters) -> OuterSlot:
-        """Adds an optimizer's parameters; its outer state starts at their current values."""
-        state = self.algorithm.init_state(flat.gather(), flat.shapes)
-        auto = None
-        if self.overlap_steps == "auto":
-            auto = AutoOverlap(auto_cap(self.sync_every, self.algorithm.name))
-        slot = OuterSlot(flat=flat, state=state, auto=auto)
-        slot.phase.restart(self.clock())
-        self.slots.append(slot)
-        return slot
+        """Adds an optimizer's parameters (as F fragments: :func:`lightning_loco.fragments.layout`); the
+        outer state starts at their current values. Returns the slot of its first fragment."""
+        F, H = self.fragments, self.sync_every
+        self.optimizer_slots.append([])
+        for f, part in enumerate(streaming.split(flat, F)):
+            algorithm = streaming.fragment_algorithm(self.algorithm, f)
+            auto = AutoOverlap(auto_cap(H // F, algorithm.name)) if self.overlap_steps == "auto" else None
+            slot = OuterSlot(flat=part, state=algorithm.init_state(part.gather(), part.shapes), auto=auto,
+                             algorithm=algorithm, fragment=f, fragments=F, offset=streaming.offset(f, H, F))
+            slot.phase.restart(self.clock())
+            self.slots.append(slot)
+            self.optimizer_slots[-1].append(slot)
+        return self.optimizer_slots[-1][0]
+
+    def params_of(self, index: int) -> list[torch.Tensor]:
+        """Optimizer ``index``'s parameters, every fragment's, in order."""
+        return [p for slot in self.optimizer_slots[index] for p in slot.flat.params]
 
     # ------------------------------------------------------------------ the inner-step hook
 
     def round_due(self, index: int) -> bool:
         """Whether the next inner step of optimizer ``index`` starts a round (with ``sync_seconds``:
         decided on the clock now, so call it once that step's compute is done)."""
-        slot = self.slots[index]
-        return self._due(slot, slot.inner_steps + 1)
+        return any(self._due(slot, slot.inner_steps + 1) for slot in self.optimizer_slots[index])
 
     def _due(self, slot: OuterSlot, steps: int) -> bool:
         if self.pacing is None:
-            return steps % self.sync_every == 0
+            return (steps - slot.offset) % self.sync_every == 0
         return self.pacing.due(slot.phase, slot.outer_steps, steps)
+
+    def _flushes(self, slot: OuterSlot, last: bool) -> bool:
+        """With F > 1, whether this last step of training starts a round of ``slot`` that is not due, so
+        that every fragment ends on a round (F = 1: the run ends as it does)."""
+        return last and self.fragments > 1 and not self._due(slot, slot.inner_steps)
 
     @property
     def ends_by_driver_steps(self) -> bool:
@@ -164,7 +184,7 @@ class OuterStepDriver:
         """Whether training ends after the next inner step of optimizer ``index``, for a run of
         ``max_steps``: with ``sync_seconds`` when it starts round ⌈max_steps / H⌉ − 1 (the same round
         on every replica); otherwise when the driver's count reaches ``max_steps``."""
-        slot = self.slots[index]
+        slot = self.optimizer_slots[index][0]
         if self.pacing is None:
             return slot.inner_steps + 1 >= max_steps
         if self.pacing.max_steps != max_steps:
@@ -175,15 +195,19 @@ class OuterStepDriver:
     def nominal_step(self, index: int = 0) -> float:
         """Progress in nominal inner steps (what a learning-rate schedule should follow): the count of
         inner steps, or with ``sync_seconds`` t·H plus the share of the current phase done."""
-        slot = self.slots[index]
+        slot = self.optimizer_slots[index][0]
         if self.pacing is None:
             return float(slot.inner_steps)
         return self.pacing.nominal_step(slot.phase, slot.outer_steps, slot.inner_steps)
 
     def after_inner_step(self, index: int, last: bool = False) -> None:
         """Counts one inner step of optimizer ``index``; lands and starts rounds when they are due.
-        ``last``: training ends after this step, so a round landing now is the final one."""
-        slot = self.slots[index]
+        ``last``: training ends after this step, so a round landing now is the final one (with F > 1,
+        every fragment not in flight starts a round now: ``_flushes``)."""
+        for slot in self.optimizer_slots[index]:
+            self._after_step(index, slot, last)
+
+    def _after_step(self, index: int, slot: OuterSlot, last: bool) -> None:
         slot.inner_steps += 1
         slot.outer_weights = None  # training went on after a landing taken for the last one
         final = last and self.final_outer_step == "average"
@@ -192,8 +216,8 @@ class OuterStepDriver:
         if slot.in_flight is not None:
             slot.in_flight.poll()
             if slot.inner_steps >= slot.in_flight.land_step:
-                self._land(index, slot, final)
-        if self._due(slot, slot.inner_steps):
+                self._land(index, slot, final and not self._flushes(slot, last))
+        if self._due(slot, slot.inner_steps) or (self._flushes(slot, last) and slot.in_flight is None):
             tau = self._overlap_for(slot)
             self._start(index, slot, tau)
             if tau == 0:
@@ -205,26 +229,18 @@ class OuterStepDriver:
     def _overlap_for(self, slot: OuterSlot) -> int:
         if slot.auto is None:
             return int(self.overlap_steps)
-        tau = slot.auto.choose()
-        if self.agree_overlap is not None:
-            tau = self.agree_overlap(tau)
-        if slot.auto.cannot_hide and not slot.auto.warned:
-            slot.auto.warned = True
-            warnings.warn(
-                f"{self.label}: overlap_steps='auto' needs about {slot.auto.needed} inner steps to hide the outer "
-                f"step's exchange but is capped at {slot.auto.cap} "
-                f"({'H/2' if self.algorithm.name == 'noloco' else 'H/4'} with H={self.sync_every}); the rest of "
-                "the exchange is waited for at each landing. A larger sync_every hides more.",
-                stacklevel=3,
-            )
-        return tau
+        assert slot.algorithm is not None
+        return choose_overlap(slot.auto, self.agree_overlap, self.label, slot.algorithm.name,
+                              self.sync_every // self.fragments)
 
     # ------------------------------------------------------------------ rounds
 
     def _start(self, index: int, slot: OuterSlot, tau: int) -> None:
         """Posts round t. With τ > 0 the live weights become the local prediction (predict_correct)
         and training goes on; the round lands ``tau`` steps later."""
-        algorithm, t = self.algorithm, slot.outer_steps
+        algorithm, t = slot.algorithm, slot.outer_steps
+        assert algorithm is not None
+        part = f", fragment {slot.fragment}" if self.fragments > 1 else ""
         ended = self.clock()
         slot.phase.end(slot.inner_steps, ended)
         self.plugin.before_round(index, t)
@@ -243,7 +259,7 @@ class OuterStepDriver:
             slot.residual = torch.zeros(algorithm.payload_numel(slot.state), device=slot.state.anchor.device)
         posted = rounds.post(
             algorithm, slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
-            residual=slot.residual, who=f"{self.label}, optimizer {index}, outer step {t}",
+            residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
             measure_error=self.track_norms,
         )
         if tau:
@@ -270,9 +286,11 @@ class OuterStepDriver:
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
         started, landed = time.perf_counter(), self.clock()
-        pending = flight.pending
+        pending, algorithm = flight.pending, slot.algorithm
+        assert algorithm is not None
         total = pending.wait()
-        if pending.alone and len(flight.group) > 1 and self._collective(flight.outer_step):
+        collective = algorithm.schedule(flight.outer_step, self.transport.num_replicas).collective
+        if pending.alone and len(flight.group) > 1 and collective:
             # Finished alone, a collective round would move this replica's anchor apart from the others':
             # it is dropped (outer state unchanged), and the next round's payload covers both stretches.
             self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, Outcome.DROPPED, final))
@@ -280,8 +298,8 @@ class OuterStepDriver:
         distance = None
         if flight.own_payload is not None:
             distance = peer_distance(flight.own_payload, total, len(flight.group))
-        final_weights = self.algorithm.final_weights(slot.state, total, len(flight.group)) if final else None
-        new_anchor = self.algorithm.apply(slot.state, total, len(flight.group))
+        final_weights = algorithm.final_weights(slot.state, total, len(flight.group)) if final else None
+        new_anchor = algorithm.apply(slot.state, total, len(flight.group))
         tau = slot.inner_steps - flight.start_step  # fewer than planned if fit ended first
         exchange = correction = None
         if flight.merge == "none":
@@ -315,16 +333,13 @@ class OuterStepDriver:
                 pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
                 overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
                 final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
-                peer_ids=self.plugin.peer_ids(flight.group),
+                peer_ids=self.plugin.peer_ids(flight.group), fragment=slot.fragment,
             )
         )
         if flight.merge != "none":  # overlapped: the landing's time is not the next phase's compute
             slot.phase.excluded += self.clock() - landed
         outcome = Outcome.ALONE if pending.alone else Outcome.EXCHANGED
         self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, outcome, final))
-
-    def _collective(self, outer_step: int) -> bool:
-        return self.algorithm.schedule(outer_step, self.transport.num_replicas).collective
 
     def before_training(self) -> None:
         """Called once before the first inner step, after a resumed state is loaded (the plug-in's turn:
@@ -381,19 +396,8 @@ class OuterStepDriver:
         return [slot.state_dict(now) for slot in self.slots]
 
     def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None:
-        """Restores counters, outer state, rounds in flight and the outer step's live weights after a
-        final landing (applied by :meth:`restore_outer_weights` once training goes on) saved by
-        :meth:`state_dict`.
-
-        Raises ``ValueError`` when the optimizers' parameters do not match what was saved."""
-        if not saved:
-            return  # saved before training started: fresh outer state
-        if len(saved) != len(self.slots) or any(s["numel"] != slot.flat.numel for s, slot in zip(saved, self.slots)):
-            raise ValueError(
-                f"The checkpoint's outer state covers {[s['numel'] for s in saved]} parameters per optimizer, "
-                f"this model's optimizers {[slot.flat.numel for slot in self.slots]}: the model or its "
-                "optimizers changed. Start a new run from the checkpoint's consensus model instead."
-            )
-        feedback = self.wire is not None and self.wire.error_feedback
-        for slot, entry in zip(self.slots, saved):
-            slot.load_state_dict(entry, self.transport, feedback, self.clock())
+        """Restores what :meth:`state_dict` saved (:func:`lightning_loco.slots.load_slots`): counters,
+        outer state, rounds in flight and the outer step's live weights after a final landing (applied
+        by :meth:`restore_outer_weights` once training goes on). Raises ``ValueError`` when the
+        optimizers' parameters or the fragments do not match what was saved."""
+        load_slots(self.slots, saved, self.transport, self.wire is not None and self.wire.error_feedback, self.clock)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -149,6 +150,26 @@ class AutoOverlap:
     @property
     def cannot_hide(self) -> bool:
         return self.needed is not None and self.needed > self.cap
+
+
+def choose_overlap(auto: AutoOverlap, agree: Optional[Callable[[int], int]], label: str, algorithm_name: str,
+                   stride: int) -> int:
+    """τ for the next round under ``overlap_steps="auto"``: ``auto``'s choice, agreed over the replica's
+    ranks by ``agree`` when given; warns once when the cap (H/2 or H/4 of ``stride``, the inner steps
+    between rounds) cannot hide the exchange."""
+    tau = auto.choose()
+    if agree is not None:
+        tau = agree(tau)
+    if auto.cannot_hide and not auto.warned:
+        auto.warned = True
+        warnings.warn(
+            f"{label}: overlap_steps='auto' needs about {auto.needed} inner steps to hide the outer "
+            f"step's exchange but is capped at {auto.cap} "
+            f"({'H/2' if algorithm_name == 'noloco' else 'H/4'} with H={stride}); the rest of "
+            "the exchange is waited for at each landing. A larger sync_every hides more.",
+            stacklevel=4,
+        )
+    return tau
 
 
 def correction_norm(correction: Tensor) -> float:

@@ -9,13 +9,15 @@ tensors and plain values a replica's checkpoint file holds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_loco.algorithms.base import OuterState
+from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.flat import FlatParameters
+from lightning_loco.fragments import check_saved
 from lightning_loco.overlap import AutoOverlap, InFlight
 from lightning_loco.pacing import Phase
 
@@ -38,6 +40,12 @@ class OuterSlot:
     # sent so far, added to the next one. Outer state: saved and restored with the rest.
     residual: Optional[Tensor] = None
     phase: Phase = field(default_factory=Phase)  # inner steps and compute since the previous round
+    # Streaming fragments (lightning_loco.fragments): the algorithm that runs this slot (its own peer
+    # schedule), which of the optimizer's F fragments it is, and the inner step of its first round.
+    algorithm: Optional[OuterAlgorithm] = None
+    fragment: int = 0
+    fragments: int = 1
+    offset: int = 0
 
     def state_dict(self, now: float) -> dict[str, Any]:
         """Counters, the inner phase so far (``now`` on the driver's clock), outer state, a round in
@@ -53,8 +61,9 @@ class OuterSlot:
             out["outer_weights"] = self.outer_weights
         if self.residual is not None:
             out["residual"] = self.residual
+        if self.fragments > 1:
+            out["fragments"] = self.fragments
         return out
-
 
     def load_state_dict(self, entry: dict[str, Any], transport: Any, error_feedback: bool, now: float) -> None:
         """Restores what :meth:`state_dict` saved; ``transport`` resolves a saved round in flight, and
@@ -69,3 +78,21 @@ class OuterSlot:
         self.phase.load_state_dict(entry.get("phase"), self.inner_steps, now)  # its compute so far counts
         flight = entry.get("in_flight")
         self.in_flight = None if flight is None else InFlight.from_state_dict(flight, transport, device)
+
+
+def load_slots(slots: Sequence[OuterSlot], saved: Sequence[dict[str, Any]], transport: Any, error_feedback: bool,
+               clock: Callable[[], float]) -> None:
+    """Restores every slot from the entries their ``state_dict`` saved, in order (nothing when ``saved``
+    is empty: saved before training started, fresh outer state). Raises ``ValueError`` when the
+    optimizers' parameters or the number of fragments do not match what was saved."""
+    if not saved:
+        return
+    check_saved(saved, slots[0].fragments if slots else 1)
+    if len(saved) != len(slots) or any(s["numel"] != slot.flat.numel for s, slot in zip(saved, slots)):
+        raise ValueError(
+            f"The checkpoint's outer state covers {[s['numel'] for s in saved]} parameters per optimizer, "
+            f"this model's optimizers {[slot.flat.numel for slot in slots]}: the model or its "
+            "optimizers changed. Start a new run from the checkpoint's consensus model instead."
+        )
+    for slot, entry in zip(slots, saved):
+        slot.load_state_dict(entry, transport, error_feedback, clock())
