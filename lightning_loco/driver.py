@@ -130,7 +130,7 @@ class OuterStepDriver:
         self.slots: list[OuterSlot] = []  # every optimizer's F fragments, in order (F = 1: one per optimizer)
         self.optimizer_slots: list[list[OuterSlot]] = []  # optimizer index → its fragments' slots
         self.reports: list[OuterStepReport] = []
-        self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
+        self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as fragment 0's rounds start
         self.track_norms = False  # norms and peer distance: one anchor copy per round
         self.clock = clock
         self.pacing = None if sync_seconds is None else Pacing(sync_every, sync_seconds, clock, agree_due,
@@ -229,8 +229,7 @@ class OuterStepDriver:
     def _overlap_for(self, slot: OuterSlot) -> int:
         if slot.auto is None:
             return int(self.overlap_steps)
-        assert slot.algorithm is not None
-        return choose_overlap(slot.auto, self.agree_overlap, self.label, slot.algorithm.name,
+        return choose_overlap(slot.auto, self.agree_overlap, self.label, self.algorithm.name,
                               self.sync_every // self.fragments)
 
     # ------------------------------------------------------------------ rounds
@@ -238,14 +237,14 @@ class OuterStepDriver:
     def _start(self, index: int, slot: OuterSlot, tau: int) -> None:
         """Posts round t. With τ > 0 the live weights become the local prediction (predict_correct)
         and training goes on; the round lands ``tau`` steps later."""
-        algorithm, t = slot.algorithm, slot.outer_steps
-        assert algorithm is not None
+        algorithm, t = slot.algorithm or self.algorithm, slot.outer_steps
         part = f", fragment {slot.fragment}" if self.fragments > 1 else ""
         ended = self.clock()
         slot.phase.end(slot.inner_steps, ended)
         self.plugin.before_round(index, t)
         started = time.perf_counter()
-        self.rounds_started.append((index, t))
+        if slot.fragment == 0:  # one entry per H steps and optimizer, as with F = 1
+            self.rounds_started.append((index, t))
         weights = slot.flat.gather()  # the snapshot S
         before = norm = None
         if self.track_norms:
@@ -286,8 +285,7 @@ class OuterStepDriver:
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
         started, landed = time.perf_counter(), self.clock()
-        pending, algorithm = flight.pending, slot.algorithm
-        assert algorithm is not None
+        pending, algorithm = flight.pending, slot.algorithm or self.algorithm
         total = pending.wait()
         collective = algorithm.schedule(flight.outer_step, self.transport.num_replicas).collective
         if pending.alone and len(flight.group) > 1 and collective:

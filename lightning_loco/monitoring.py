@@ -165,15 +165,16 @@ class OuterStepMonitor(L.Callback):
         for index, t in starts:  # rounds start at the same step on every replica: all ranks get here together
             if index == 0 and self.spread_every and (t + 1) % self.spread_every == 0:
                 spread = {"outer/replica_spread": strategy.replica_spread()}
+        optimizers = len(strategy.outer_slots) // strategy.fragments  # a slot per optimizer and fragment
         for report in reports:
-            metrics = self._metrics(report, len(strategy.outer_slots))
+            metrics = self._metrics(report, optimizers, strategy.fragments)
             if report.optimizer_index == 0:
                 metrics.update(spread)  # with τ = 0 the spread belongs to this report's round
                 spread = {}
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
             name = strategy.elastic.replica_id if strategy.elastic is not None else strategy.replica_index
-            self._log_peers(trainer, report, name, len(strategy.outer_slots))
+            self._log_peers(trainer, report, name, optimizers)
         if spread:
             for logger in trainer.loggers:
                 logger.log_metrics(spread, step=trainer.global_step)
@@ -184,10 +185,11 @@ class OuterStepMonitor(L.Callback):
             pl_module.log("sync_s", last.seconds, prog_bar=True, logger=False)
 
     @staticmethod
-    def _metrics(report: OuterStepReport, num_optimizers: int) -> dict[str, float]:
+    def _metrics(report: OuterStepReport, num_optimizers: int, fragments: int = 1) -> dict[str, float]:
         suffix = f"_opt{report.optimizer_index}" if num_optimizers > 1 else ""
         values = {
             "step": report.outer_step,
+            "fragment": report.fragment if fragments > 1 else None,  # which fragment this round moved
             "seconds": report.seconds,
             "comm_seconds": report.comm_seconds,
             "bytes_sent": report.bytes_sent,

@@ -1,9 +1,9 @@
 """What the driver reports of each finished round, and the free spread signal it carries.
 
-An :class:`OuterStepReport` is left by every round that landed on this replica (one per optimizer, fragment and
-round): its peers, bytes, the time it cost training, the inner phase that led to it (its inner steps
-H_i, its compute, and the share of wall time that compute had), and, when norms are tracked (the
-monitor asks for them), the norms and the peer distance. :mod:`lightning_loco.monitoring` logs them.
+An :class:`OuterStepReport` is left by every round that landed on this replica (one per optimizer,
+fragment and round): its peers, bytes, the time it cost training, the inner phase that led to it (its
+inner steps H_i, its compute, and the share of wall time that compute had), and, when norms are
+tracked (the monitor asks for them), the norms and the peer distance. :mod:`lightning_loco.monitoring` logs them.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class OuterStepReport:
     phase_steps: Optional[int] = None  # H_i: its inner steps (H unless sync_seconds paces the rounds)
     compute_seconds: Optional[float] = None  # its compute: wall time since the previous round, rounds' time left out
     compute_share: Optional[float] = None  # compute_seconds / (compute_seconds + seconds): 1 when nobody is waited for
-    fragment: int = 0  # which of the optimizer's fragments the round moved (lightning_loco.fragments; F = 1: 0)
+    fragment: int = 0  # which of the optimizer's fragments the round moved (lightning_loco.fragments)
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:

@@ -141,6 +141,20 @@ def test_replica_groups_quick(tmp_path):
     assert (tmp_path / "replica_groups.png").exists()
 
 
+def test_fragment_bytes_quick(tmp_path):
+    out = bench(tmp_path, "fragment_bytes", timeout=120)
+    result = json.loads((tmp_path / "fragment_bytes.json").read_text())
+    rows = {(r["algorithm"], r["fragments"]): r for r in result["rows"]}
+    assert sorted({f for _, f in rows}) == [1, 2, 4, 8] and {a for a, _ in rows} == {"noloco", "gasloc", "diloco"}
+    for (name, F), row in rows.items():
+        assert row["exchanges"] == 2 * F  # F rounds per H steps, over 2H steps
+        assert row["bytes_per_H"] == rows[(name, 1)]["bytes_per_H"]  # the same bytes, spread over F rounds
+        # the peak is the largest fragment's share of one exchange: 1/F where whole parameters allow
+        assert row["share"] == pytest.approx(row["largest_fragment_share"], rel=1e-3)
+        assert 1 / F <= row["share"] < 1.2 / F
+    assert "peak / F=1" in out
+
+
 @pytest.mark.slow
 def test_b3_quick(tmp_path):
     bench(tmp_path, "b3_uneven_bandwidth", "--mode", "modelled")

@@ -305,7 +305,8 @@ def test_fragments_of_a_forced_pair_are_independent_runs_on_the_fragments(name, 
         cut = boundaries(F)[f]
         for i in range(n):
             for s in range(steps):
-                assert_same(group[i].trace[s][cut[0]:cut[1]], alone[i].trace[s], f"fragment {f}, replica {i}, step {s + 1}")
+                where = f"fragment {f}, replica {i}, step {s + 1}"
+                assert_same(group[i].trace[s][cut[0]:cut[1]], alone[i].trace[s], where)
             fragment = group[i].driver.slots[f]
             assert_same(fragment.state.anchor, alone[i].driver.slots[0].state.anchor, f"anchor of fragment {f}")
             assert fragment.outer_steps == alone[i].driver.slots[0].outer_steps == (steps - f * H // F) // H + (f > 0)

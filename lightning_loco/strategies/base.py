@@ -34,6 +34,7 @@ from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterSlot, OuterStepDriver
 from lightning_loco.reports import OuterStepReport
 from lightning_loco.elastic.config import elastic_config, elastic_seams
+from lightning_loco.fragments import check_fragments
 from lightning_loco.plugins import DriverPlugin, no_plugin
 from lightning_loco.overlap import check_overlap
 from lightning_loco.pacing import check_pacing
@@ -74,6 +75,11 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             measures the exchange and the inner steps and picks the smallest τ that hides the
             exchange, at most H/2 for NoLoCo and H/4 otherwise; runs with "auto" are not bitwise
             reproducible.
+        fragments: F, streaming fragments: each optimizer's parameters split into F contiguous
+            fragments of whole parameters (balanced by size), fragment f with its own rounds at inner
+            steps f·H/F + kH, its own outer state and peers, so that an exchange carries 1/F of the model
+            every H/F steps. 1 (default): the whole model every H steps. F must divide ``sync_every``,
+            and ``overlap_steps`` < H/F; see docs/fragments.md.
         overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
             (default: start the τ steps from the local prediction of the outer step, add the
             correction at the landing) or "delayed" (apply the outer step's change at the landing).
@@ -173,6 +179,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         *,
         overlap_steps: Union[int, Literal["auto"]] = 0,
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
+        fragments: int = 1,
         sync_seconds: Optional[float] = None,
         ranks_per_replica: int = 1,
         replica_sharding: Optional[Literal["fsdp"]] = None,
@@ -206,6 +213,8 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
                    "number of devices per node makes every node one replica.")
         check_overlap(overlap_steps, overlap_merge, sync_every)
         check_pacing(sync_seconds, overlap_steps)
+        check_fragments(fragments, sync_every, overlap_steps, sync_seconds=sync_seconds, elastic=lighthouse is not None,
+                        replica_sharding=replica_sharding)
         check_final_outer_step(final_outer_step)
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback,
                            pseudo_gradient=algorithm.payload_is_pseudo_gradient)
@@ -225,7 +234,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.algorithm, self.sync_every = algorithm, sync_every
-        self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
+        self.overlap_steps, self.overlap_merge, self.fragments = overlap_steps, overlap_merge, fragments
         self.sync_seconds = sync_seconds
         self.pacing_clock: Callable[[], float] = time.perf_counter  # the inner phases' clock (tests replace it)
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
@@ -280,7 +289,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
             wire=self.wire if self.wire.lossy else None, plugin=self._plugin_factory(transport),
             sync_seconds=self.sync_seconds, clock=self.pacing_clock,
-            agree_seconds=self._agree_seconds if self.ranks_per_replica > 1 else None,
+            agree_seconds=self._agree_seconds if self.ranks_per_replica > 1 else None, fragments=self.fragments,
         )
         self.driver.track_norms = self.track_norms
         for optimizer in self.optimizers:
@@ -318,13 +327,13 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         index = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
-        if self.driver is None or index is None or index >= len(self.driver.slots):
+        if self.driver is None or index is None or index >= len(self.driver.optimizer_slots):
             raise RuntimeError(
                 f"{type(self).__name__} has no outer state for this optimizer: optimizer steps must happen "
                 "during trainer.fit, on an optimizer returned by configure_optimizers."
             )
         if self.driver.round_due(index):
-            self._check_fixed_parameters(index, optimizer, self.driver.slots[index].flat.params)
+            self._check_fixed_parameters(index, optimizer, self.driver.params_of(index))
         trainer = self.lightning_module.trainer
         driver_steps = self.driver.ends_by_driver_steps and trainer.max_steps >= 0
         if driver_steps:

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_loco import consensus
 from lightning_loco.driver import check_final_outer_step  # noqa: F401  (with the other argument checks)
+from lightning_loco.fragments import next_round_step
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.strategies import _compat
 
@@ -220,7 +221,7 @@ class ReplicaSetup:
     def _warn_if_no_outer_step(self, trainer: "pl.Trainer") -> None:
         remaining, h = trainer.max_steps - trainer.global_step, self.sync_every  # type: ignore[attr-defined]
         slots = self.outer_slots  # type: ignore[attr-defined]
-        if trainer.max_steps >= 0 and all(s.inner_steps + remaining < h * (s.outer_steps + 1) for s in slots):
+        if trainer.max_steps >= 0 and all(s.inner_steps + remaining < next_round_step(s, h) for s in slots):
             rank_zero_warn(
                 f"No outer step will happen in this fit: {max(remaining, 0)} optimizer step(s) are left before "
                 f"max_steps={trainer.max_steps}, fewer than the next outer step needs (sync_every={h}), "

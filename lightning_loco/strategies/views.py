@@ -37,7 +37,8 @@ class ReplicaViews:
 
     @property
     def outer_slots(self) -> list[OuterSlot]:
-        """This replica's outer state, one slot per optimizer (empty outside ``fit``)."""
+        """This replica's outer state, one slot per optimizer and fragment (optimizer 0's fragments first;
+        empty outside ``fit``)."""
         return self.driver.slots if self.driver is not None else []
 
     @property
