@@ -416,3 +416,49 @@ def test_one_fragment_starts_no_extra_round_at_the_last_step():
     group = replicas(lambda: NoLoCo(seed=3), 2, 4, fragments=1)
     threaded(group, 6, last_at=6)
     assert [x.inner_step for x in group[0].driver.reports] == [4]
+
+
+# ---------------------------------------------------------------------------- 7. several optimizers, "auto"
+
+
+def test_each_optimizer_has_its_own_fragments():
+    """Two optimizers with F = 2 in one driver train as each optimizer alone in a driver of its own."""
+    n, H, F, steps = 2, 4, 2, 11
+    network = InProcessNetwork(n, timeout=10.0)
+    both = []
+    for i in range(n):
+        driver = OuterStepDriver(NoLoCo(seed=1), network.transport(i), H, overlap_steps=1, fragments=F)
+        optimizers = [Replica(i, InProcessNetwork(n), NoLoCo(), H, params=initial()[a:b], aims=targets(i)[a:b])
+                      for a, b in ((0, 4), (4, 8))]
+        for r in optimizers:  # one driver for both optimizers, in place of each one's own
+            r.driver = driver
+            driver.add(r.flat)
+        both.append(optimizers)
+    for _ in range(steps):
+        for optimizers in both:
+            for index, r in enumerate(optimizers):
+                r.steps += 1
+                with torch.no_grad():
+                    for p, target in zip(r.params, r.targets):
+                        p.sub_((p - target).mul_(inner_lr(r.steps)))
+                r.driver.after_inner_step(index)
+    assert [len(s) for s in both[0][0].driver.optimizer_slots] == [F, F]
+    assert both[0][0].driver.params_of(1) == both[0][1].params
+    for index, (a, b) in enumerate(((0, 4), (4, 8))):
+        network = InProcessNetwork(n, timeout=10.0)
+        alone = [Replica(i, network, NoLoCo(seed=1), H, params=initial()[a:b], aims=targets(i)[a:b], overlap_steps=1,
+                         fragments=F) for i in range(n)]
+        lockstep(alone, steps)
+        for i in range(n):
+            assert_same(both[i][index].flat.gather(), alone[i].flat.gather(), f"optimizer {index} of replica {i}")
+            mine = [(x.fragment, x.outer_step, x.inner_step) for x in both[i][0].driver.reports
+                    if x.optimizer_index == index]
+            assert mine == [(x.fragment, x.outer_step, x.inner_step) for x in alone[i].driver.reports]
+
+
+@pytest.mark.parametrize("name,cap", [("noloco", 2), ("diloco", 1)])
+def test_auto_overlap_is_capped_by_the_steps_between_fragments(name, cap):
+    driver = OuterStepDriver(NoLoCo() if name == "noloco" else DiLoCo(), InProcessNetwork(2).transport(0), 16,
+                             overlap_steps="auto", fragments=4)
+    driver.add(FlatParameters([torch.nn.Parameter(torch.zeros(3)) for _ in range(4)], CPU))
+    assert [slot.auto.cap for slot in driver.slots] == [cap] * 4  # H/2 or H/4 of H/F = 4 steps
