@@ -10,6 +10,8 @@ of the algorithm on that optimizer's parameters:
 * τ > 0 (``overlap_steps``): the round is posted and training goes on; it lands τ steps later and
   is merged into the live weights (:mod:`lightning_loco.overlap`).
 
+With ``fragments=F`` each of the F fragments of an optimizer's parameters is a slot of its own.
+
 The round that ends training can land without the outer step's momentum extrapolation
 (``final_outer_step="average"``): told by ``after_inner_step(index, last=True)`` or by ``land_all``
 (the end of training) that nothing will follow, the driver updates the outer state as usual and

@@ -263,6 +263,7 @@ def test_as_many_fragments_as_steps_are_one_fragment_round_per_step(name):
             assert_same(r.trace[s - 1], weights[i], f"replica {i} after step {s}")
     for i, r in enumerate(group):
         assert [slot.outer_steps for slot in r.driver.slots] == [3, 4, 3, 3]
+        assert r.driver.rounds_started == [(0, t) for t in range(3)]  # once per H steps: fragment 0's rounds
         for f, slot in enumerate(r.driver.slots):
             assert_same(slot.state.anchor, sims[f].anchors[i], f"anchor of fragment {f} of replica {i}")
         assert [(x.fragment, x.outer_step, x.inner_step) for x in r.driver.reports] == [

@@ -43,8 +43,8 @@ class ReplicaViews:
 
     @property
     def outer_steps(self) -> int:
-        """Rounds started by the first optimizer, resumed ones included; after ``fit``, the count it
-        ended with (0 before training)."""
+        """Rounds started by the first optimizer (by its first fragment, with ``fragments``), resumed ones
+        included; after ``fit``, the count it ended with (0 before training)."""
         return self.outer_slots[0].outer_steps if self.outer_slots else self._final_outer_steps
 
     @property
