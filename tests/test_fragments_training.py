@@ -68,6 +68,7 @@ def test_the_command_line_takes_fragments(in_process, capsys):
 
 @pytest.mark.parametrize("algorithm,kwargs", [
     ("noloco", {}),
+    ("gasloc", {}),
     ("diloco", {"compression": "int8", "compression_block_size": 4}),  # error feedback per fragment
 ])
 def test_exact_resume_with_a_fragments_round_in_flight_and_every_fragment_lands_at_the_end(tmp_path, algorithm,
@@ -113,3 +114,23 @@ def test_fragments_between_replicas_of_two_ranks(tmp_path):
     # apart after step 6 (fragment 0 last met at step 4); the pair's mean on every fragment after the last
     assert not torch.equal(recs[0]["weights"][5], recs[2]["weights"][5])
     assert torch.equal(recs[0]["weights"][-1], recs[2]["weights"][-1])
+
+
+def test_each_fragment_meets_its_own_peers_over_gloo(tmp_path):
+    """Four replicas, NoLoCo in pairs, two fragments with τ = 1: every round's pairs are mutual across
+    the replicas, each fragment follows its own schedule, and the fragments' pairs differ somewhere."""
+    from lightning_loco.algorithms import NoLoCo
+    from lightning_loco.fragments import fragment_algorithm
+
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "fragments": F,
+                                                                     "overlap_steps": 1, "seed": 3},
+                       devices=4, max_steps=4 * H)
+    met = {}
+    for r, rec in enumerate(recs):
+        for x in rec["reports"]:
+            met[(x["fragment"], x["outer_step"], r)] = tuple(x["peers"])
+    schedules = [fragment_algorithm(NoLoCo(seed=3), f) for f in range(F)]
+    for (f, t, r), peers in met.items():
+        assert peers == schedules[f].schedule(t, 4).peers_of(r)
+        assert all(met[(f, t, j)] == tuple(sorted({r} | set(peers) - {j})) for j in peers)  # mutual
+    assert any(met[(0, t, 0)] != met[(1, t, 0)] for t in range(3))
