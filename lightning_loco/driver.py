@@ -95,8 +95,7 @@ class OuterStepDriver:
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).
         agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
             rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
-        fragments: F, streaming fragments (:mod:`lightning_loco.fragments`): each optimizer's parameters
-            as F fragments, fragment f with its own rounds at inner steps f·H/F + kH. 1 (default): whole.
+        fragments: F, fragments of each optimizer's parameters with rounds at f·H/F + kH (1: whole).
     """
 
     def __init__(
@@ -171,11 +170,6 @@ class OuterStepDriver:
             return (steps - slot.offset) % self.sync_every == 0
         return self.pacing.due(slot.phase, slot.outer_steps, steps)
 
-    def _flushes(self, slot: OuterSlot, last: bool) -> bool:
-        """With F > 1, whether this last step of training starts a round of ``slot`` that is not due, so
-        that every fragment ends on a round (F = 1: the run ends as it does)."""
-        return last and self.fragments > 1 and not self._due(slot, slot.inner_steps)
-
     @property
     def ends_by_driver_steps(self) -> bool:
         """Whether the driver, not Lightning's count of steps, says when training ends: under
@@ -205,7 +199,7 @@ class OuterStepDriver:
     def after_inner_step(self, index: int, last: bool = False) -> None:
         """Counts one inner step of optimizer ``index``; lands and starts rounds when they are due.
         ``last``: training ends after this step, so a round landing now is the final one (with F > 1,
-        every fragment not in flight starts a round now: ``_flushes``)."""
+        every fragment not in flight starts a round now, so that every fragment ends on a round)."""
         for slot in self.optimizer_slots[index]:
             self._after_step(index, slot, last)
 
@@ -215,11 +209,13 @@ class OuterStepDriver:
         final = last and self.final_outer_step == "average"
         if slot.auto is not None and slot.last_step_end is not None:
             slot.auto.observe_step(time.perf_counter() - slot.last_step_end)
+        due = self._due(slot, slot.inner_steps)
+        flush = last and self.fragments > 1 and not due  # F > 1: a round of every fragment at the end
         if slot.in_flight is not None:
             slot.in_flight.poll()
             if slot.inner_steps >= slot.in_flight.land_step:
-                self._land(index, slot, final and not self._flushes(slot, last))
-        if self._due(slot, slot.inner_steps) or (self._flushes(slot, last) and slot.in_flight is None):
+                self._land(index, slot, final and not flush)
+        if due or (flush and slot.in_flight is None):
             tau = self._overlap_for(slot)
             self._start(index, slot, tau)
             if tau == 0:

@@ -75,11 +75,8 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             measures the exchange and the inner steps and picks the smallest τ that hides the
             exchange, at most H/2 for NoLoCo and H/4 otherwise; runs with "auto" are not bitwise
             reproducible.
-        fragments: F, streaming fragments: each optimizer's parameters split into F contiguous
-            fragments of whole parameters (balanced by size), fragment f with its own rounds at inner
-            steps f·H/F + kH, its own outer state and peers, so that an exchange carries 1/F of the model
-            every H/F steps. 1 (default): the whole model every H steps. F must divide ``sync_every``,
-            and ``overlap_steps`` < H/F; see docs/fragments.md.
+        fragments: F, streaming fragments: one of F fragments of the model (whole parameters) has a round
+            every H/F steps, with its own outer state and peers (F divides H, τ < H/F; 1: the whole model).
         overlap_merge: how a landing round meets the τ steps taken meanwhile: "predict_correct"
             (default: start the τ steps from the local prediction of the outer step, add the
             correction at the landing) or "delayed" (apply the outer step's change at the landing).
