@@ -75,7 +75,8 @@ def test_each_example_config_trains(tmp_path, name):
         for subcommand in ("validate", "test"):
             proc = cli(subcommand, "--config", CONFIGS / f"{name}.yaml", "--ckpt_path", ckpt, "--trainer.devices=2",
                        "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2",
-                       f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.batch_size=4")
+                       f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.batch_size=4",
+                       "--trainer.strategy.init_args.start_method=fork")  # the fit above covers popen
             assert ("val_loss" if subcommand == "validate" else "test_loss") in proc.stdout
             assert SYNC_DIST_ADVICE not in proc.stderr
             if subcommand == "validate":  # the replicas' mean and the checkpoint's consensus model
@@ -96,7 +97,7 @@ def test_print_config_round_trip(tmp_path):
     assert "outer_lr: 0.7" in printed and "group_size: 2" in printed  # defaults are spelled out
     config = tmp_path / "printed.yaml"
     config.write_text(printed)
-    cli("fit", "--config", config, *small(tmp_path, "noloco"))
+    cli("fit", "--config", config, *small(tmp_path, "noloco"), "--trainer.strategy.init_args.start_method=fork")
     assert (tmp_path / "shakespeare" / "noloco" / "version_0" / "config.yaml").exists()
 
 
