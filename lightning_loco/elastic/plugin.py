@@ -119,14 +119,20 @@ class ElasticPlugin(DriverPlugin):
         """One log line for a round this replica took without the partners the schedule gave it."""
         t, view = landing.outer_step, self.membership.view
         failures = [f for f in self.transport.failures if f["outer_step"] == t]
-        if failures:
+        late = [x for x in self.transport.late if x["outer_step"] == t]
+        timeout = self.transport.config.straggler_timeout
+        if late and late[-1]["gave_up"]:
+            why = f"{late[-1]['peers']} not at the exchange within straggler_timeout={timeout:g} s (still members)"
+        elif late:
+            why = f"{late[-1]['peers']} gave up waiting for this replica (straggler_timeout={timeout:g} s)"
+        elif failures:
             why = f"the exchange with {failures[-1]['peers']} failed"
         elif view is not None and view.pg is None:
             why = "this membership has no process group (its rendezvous failed)"
         else:
             why = "an exchange of this membership failed earlier, and its process group is closed"
         dropped = landing.outcome is Outcome.DROPPED
-        what = "dropped (the all-reduce did not complete; the outer state is unchanged)" if dropped else "taken alone"
+        what = "dropped (not applied: the outer state is unchanged)" if dropped else "taken alone"
         log.info("Replica %r: outer step %d %s, without %s: %s.", self.transport.config.replica_id, t, what,
                  list(self.peer_ids(landing.group)), why)
 
