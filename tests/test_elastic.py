@@ -419,6 +419,30 @@ def test_a_late_replica_is_left_out_of_a_round_and_nobody_stops(tmp_path: Path, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm, wire", [("noloco", {"wire_dtype": "bfloat16"}),
+                                             ("diloco", {"compression": "int8"})], ids=["noloco-bf16", "diloco-int8"])
+def test_lossy_wire_formats_over_real_elastic_groups(tmp_path: Path, lighthouse: str, algorithm: str,
+                                                      wire: dict[str, str]) -> None:
+    """bf16 and int8 (DiLoCo: with error feedback) over gloo between two replica processes: every round is
+    exchanged, DiLoCo's members end with one anchor (the chunked all-reduce is bitwise the same on both), and
+    the losses fall."""
+    launcher = replicas(tmp_path, lighthouse, algorithm=algorithm, max_steps=30, sync_every=2, step_sleep=0.0, **wire)
+    try:
+        procs = {rid: launcher.start(rid) for rid in ("r0", "r1")}
+        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
+    finally:
+        launcher.close()
+    assert codes == {"r0": 0, "r1": 0}, launcher.logs()
+    r0, r1 = launcher.record("r0"), launcher.record("r1")
+    for record in (r0, r1):
+        assert record["failures"] == [] and record["outer_steps"] == 15
+        assert not any(r["alone"] for r in record["rounds"])
+        assert falls(record["losses"], fresh_loss(record["replica_id"]))
+    if algorithm == "diloco":
+        assert r0["final_weights"] == r1["final_weights"]
+
+
+@pytest.mark.slow
 def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse: str) -> None:
     """DiLoCo, four replicas: r3 is killed in an inner phase, r2 kills itself inside the all-reduce of its
     fourth round. r0 and r1 finish with the same anchor (their final weights are equal), the rounds whose

@@ -96,8 +96,8 @@ class DieInExchange(L.Callback):
                     os.kill(os.getpid(), signal.SIGKILL)
             return pending
 
-        transport.start_group_sum = lambda payload, group: die_if_due(post(payload, group))
-        transport.start_all_reduce_sum = lambda payload: die_if_due(post_all(payload))
+        transport.start_group_sum = lambda payload, group, **codec: die_if_due(post(payload, group, **codec))
+        transport.start_all_reduce_sum = lambda payload, **codec: die_if_due(post_all(payload, **codec))
         transport._wrapped = True
 
 
@@ -133,6 +133,8 @@ def main() -> None:
                         help="seconds an exchange waits for a live partner that is late (default: off)")
     parser.add_argument("--slow-at", type=int, default=None, help="sleep --slow-seconds before this outer step")
     parser.add_argument("--slow-seconds", type=float, default=0.0)
+    parser.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--compression", choices=["int8"], default=None)
     parser.add_argument("--ckpt-path", default=None, help="resume from this replica's own checkpoint")
     parser.add_argument("--save-ckpt", default=None, help="save a checkpoint here when fit ends")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
@@ -146,7 +148,7 @@ def main() -> None:
     started = args.launched_at or time.time()
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal,
-                   straggler_timeout=args.straggler_timeout)
+                   straggler_timeout=args.straggler_timeout, wire_dtype=args.wire_dtype, compression=args.compression)
     strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, **elastic)
     model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress", args.optimizer,
                       args.max_steps)

@@ -9,6 +9,7 @@
   replica's state to joiners);
 * before each round, checks that the round has a membership and tags the exchange with the outer step;
 * after each round lands, records it (its group as replica ids, whether it was taken alone or dropped);
+  a dropped round leaves the error-feedback residual as it was before the round;
 * at the end, leaves the membership (the heartbeats stop).
 
 **What a joiner takes.** The driver's state (anchor, outer state, counters), the live weights, and the
@@ -57,6 +58,7 @@ class ElasticPlugin(DriverPlugin):
         self.committed = 0  # rounds of the current membership that completed (compared by DiLoCo's members)
         self.collective = False
         self._switch_pending = False  # a switch waits for the loop owner's next between_steps
+        self._residual: Any = None  # the error-feedback residual as the round in flight found it
 
     @property
     def membership(self) -> Any:
@@ -103,6 +105,9 @@ class ElasticPlugin(DriverPlugin):
             raise RuntimeError(f"outer step {outer_step} has no membership (the current one starts at "
                                f"{None if view is None else view.first_round})")
         self.transport.outer_step = outer_step
+        slot = self.driver.slots[0]
+        feedback = self.driver.wire is not None and self.driver.wire.error_feedback
+        self._residual = slot.residual.clone() if feedback and slot.residual is not None else None
         group = self.driver.algorithm.schedule(outer_step, self.transport.num_replicas).group_of(self.transport.replica)
         self.rounds.append({"outer_step": outer_step, "quorum_id": view.quorum_id, "time": time.time(),
                             "group": list(self.transport.member_ids(group))})
@@ -110,6 +115,12 @@ class ElasticPlugin(DriverPlugin):
     def after_landing(self, landing: Landing) -> None:
         self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED, dropped=landing.outcome is Outcome.DROPPED)
         self.committed += landing.outcome is Outcome.EXCHANGED
+        residual = self.driver.slots[0].residual
+        if landing.outcome is Outcome.DROPPED and residual is not None:  # the dropped payload's loss is not kept
+            if self._residual is None:
+                residual.zero_()
+            else:
+                residual.copy_(self._residual)
         if landing.outcome is not Outcome.EXCHANGED and len(landing.group) > 1:
             self._say_alone(landing)
         if not landing.final:
