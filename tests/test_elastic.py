@@ -410,10 +410,11 @@ def test_a_late_replica_is_left_out_of_a_round_and_nobody_stops(tmp_path: Path, 
         assert all(m["members"] == ["r0", "r1"] for m in record["memberships"])
         rounds = {r["outer_step"]: r for r in record["rounds"]}
         assert rounds[4]["alone"] and rounds[4]["dropped"] == (algorithm == "diloco")
-        assert not rounds[14]["alone"]  # it takes part again
+        assert not all(rounds[t]["alone"] for t in range(6, 15))  # they meet again (the switches resync them)
     assert (4, ["r1"], True) in [(x["outer_step"], x["peers"], x["gave_up"]) for x in r0["late"]]
     assert (4, ["r0"], False) in [(x["outer_step"], x["peers"], x["gave_up"]) for x in r1["late"]]
-    assert [(r["outer_step"], r["alone"]) for r in r0["rounds"]] == [(r["outer_step"], r["alone"]) for r in r1["rounds"]]
+    pattern = [[(r["outer_step"], r["alone"]) for r in record["rounds"]] for record in (r0, r1)]
+    assert pattern[0] == pattern[1]  # a round is the pair's on both or on neither
     if algorithm == "diloco":
         assert r0["final_weights"] == pytest.approx(r1["final_weights"], abs=1e-6)
 

@@ -29,12 +29,13 @@ def alone_step(runner):
 
 
 def late_in_round_one(make, caplog):
-    """a and b meet in round 0; b reaches round 1 only after a's round 1 landed; both meet again in round 2.
+    """a and b meet in round 0; b reaches round 1 only after a's round 1 landed; both start round 2 once b's
+    round 1 landed, and meet again there.
     Returns the runners and what each would have computed alone in round 1."""
     hub = Hub()
     script = [Script(quorum_id=1, switch=0, members=("a", "b"))]
     a, b = (elastic_runner(hub, r, i, script, make(), straggler_timeout=STRAGGLER_TIMEOUT) for i, r in enumerate("ab"))
-    a_landed = threading.Event()
+    a_landed, b_landed = threading.Event(), threading.Event()
     expected: dict[str, torch.Tensor] = {}
 
     def run_a() -> None:
@@ -43,6 +44,7 @@ def late_in_round_one(make, caplog):
         expected["a"] = alone_step(a)
         a.driver.after_inner_step(0)  # round 1: b is not there; a gives up after straggler_timeout
         a_landed.set()
+        assert b_landed.wait(30)  # so that round 2 starts together, however loaded the machine
         a.run(H)
 
     def run_b() -> None:
@@ -53,6 +55,7 @@ def late_in_round_one(make, caplog):
         expected["b"] = alone_step(b)
         b.driver.after_inner_step(0)  # round 1, late: a gave up on it, so b takes it alone too, at once
         expected["b_after_1"] = b.param.detach().clone()
+        b_landed.set()
         b.run(H)
 
     with caplog.at_level(logging.INFO, logger="lightning_loco"):

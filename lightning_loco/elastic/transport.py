@@ -160,7 +160,8 @@ class ElasticTransport(Transport):
             raise PeerFailed([-1], RuntimeError("the membership's process group is closed"))
         return view.pg
 
-    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor], decision: bool = False) -> list[PeerWork]:
+    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor],
+                  decision: bool = False) -> list[PeerWork]:
         """Posts point-to-point receives, then sends, with members j of the current membership; each exchange
         of a round has its own tag (the outer step, and the exchange's place in the round)."""
         pg = self._group()
