@@ -65,10 +65,11 @@ class ElasticPending(Pending):
         return own.clone() if self.group_size == 1 else own * self.group_size
 
     def _receive(self) -> Tensor:
-        together = not self.alone
-        if together:
+        result: Optional[Tensor] = None
+        if not self.alone:
             straggler_timeout = self.transport.config.straggler_timeout
             try:
+                together = True
                 if straggler_timeout is not None and self.peers:
                     together, without, gave_up = settle(self, straggler_timeout)
                     if not together:
@@ -77,11 +78,11 @@ class ElasticPending(Pending):
                     wait_all(self.works)
                 result = self.finish() if together else None
             except PeerFailed as failure:  # this partner failed; the others' transfers still complete
-                together, self.error = False, failure.error
+                result, self.error = None, failure.error
                 self.transport.partner_failed(self.peers if -1 in failure.peers else failure.peers, failure.error)
-        self.alone = not together
+        self.alone = result is None  # taken alone from the start, or now
         self.works = []
-        return self._alone() if self.alone else result
+        return self._alone() if result is None else result
 
     def abandon(self, timeout: float) -> bool:
         finished = self.done()
