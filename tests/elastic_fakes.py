@@ -7,7 +7,9 @@ donates) instead of asking a Lighthouse; its views carry a :class:`FakeGroup`, a
 it fail, as gloo's do when a peer's connection breaks. Replicas run in threads of their own.
 
 The real :class:`~lightning_loco.elastic.transport.ElasticTransport` and
-:class:`~lightning_loco.elastic.plugin.ElasticPlugin` run on top unchanged.
+:class:`~lightning_loco.elastic.plugin.ElasticPlugin` run on top unchanged. :class:`Runner` is one
+replica of a tiny problem with its driver (:func:`elastic_runner` builds an elastic one), and
+:func:`in_threads` runs replicas in threads of their own.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_loco.algorithms import NoLoCo
+from lightning_loco.driver import OuterStepDriver
 from lightning_loco.elastic import heal
+from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import View
+from lightning_loco.elastic.plugin import ElasticPlugin
+from lightning_loco.elastic.transport import ElasticTransport
+from lightning_loco.flat import FlatParameters
 
 
 class Hub:
@@ -62,8 +70,9 @@ class FakeWork:
         self._done = False
 
     def is_completed(self) -> bool:
+        """Done, or failed (as gloo's works complete with an error when a peer's connection breaks)."""
         with self.hub.cond:
-            return self._done or self.ready()
+            return self._done or self.ready() or bool(self.broken())
 
     def wait(self, timeout: Any = None) -> bool:
         with self.hub.cond:
@@ -195,3 +204,70 @@ class FakeMembership:
 
 def flat_of(values: Sequence[float]) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.tensor(list(values), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- replicas of a tiny problem, driven in threads
+
+
+CPU = torch.device("cpu")
+H = 3
+
+
+class Runner:
+    """One replica: a parameter pulled towards its own target by plain steps, and its driver. ``size``: a
+    parameter of that many values and its target drawn from a generator seeded by ``index`` (default: three
+    fixed values)."""
+
+    def __init__(self, index: int, transport, plugin=None, algorithm=None, wire=None, size: int = 0) -> None:
+        self.param = flat_of([float(index), 1.0 - index, 0.5 * index])
+        self.target = torch.tensor([2.0 + index, -1.0, 3.0 * index])
+        if size:
+            g = torch.Generator().manual_seed(index)
+            self.param = torch.nn.Parameter(torch.randn(size, generator=g))
+            self.target = torch.randn(size, generator=g)
+        algorithm = algorithm if algorithm is not None else NoLoCo()
+        self.driver = OuterStepDriver(algorithm, transport, H, plugin=plugin, final_outer_step="outer", wire=wire)
+        self.driver.add(FlatParameters([self.param], CPU))
+        self.driver.before_training()
+
+    def inner_step(self) -> None:
+        with torch.no_grad():
+            self.param.sub_(0.25 * (self.param - self.target))
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.inner_step()
+            self.driver.after_inner_step(0)
+
+
+def elastic_runner(hub: Hub, replica_id: str, index: int, script, algorithm=None, wire=None,
+                   straggler_timeout=None, size: int = 0) -> Runner:
+    config = ElasticConfig(lighthouse="127.0.0.1:1", replica_id=replica_id, straggler_timeout=straggler_timeout)
+    transport = ElasticTransport(config, membership=FakeMembership(hub, replica_id, script))
+    return Runner(index, transport, ElasticPlugin(transport), algorithm, wire, size)
+
+
+def in_threads(*jobs) -> None:
+    errors: list[BaseException] = []
+
+    def guard(job):
+        try:
+            job()
+        except BaseException as err:  # noqa: BLE001  (handed to the test)
+            errors.append(err)
+
+    threads = [threading.Thread(target=guard, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a replica thread hung"
+    if errors:
+        raise errors[0]
+
+
+def build_in_threads(*builders):
+    """Builds runners in threads (a joiner's ``before_training`` waits for its donor)."""
+    built: dict[int, Runner] = {}
+    in_threads(*[lambda i=i, b=b: built.__setitem__(i, b()) for i, b in enumerate(builders)])
+    return [built[i] for i in range(len(builders))]

@@ -389,6 +389,61 @@ def test_resume_from_own_checkpoint_instead_of_healing(tmp_path: Path, lighthous
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["noloco", "diloco"])
+def test_a_late_replica_is_left_out_of_a_round_and_nobody_stops(tmp_path: Path, lighthouse: str,
+                                                                 algorithm: str) -> None:
+    """Two replicas with straggler_timeout: r1 sleeps well past it before its outer step 4. r0 gives up on it
+    and takes that round alone (DiLoCo: drops it); r1 takes it alone too when it gets there; nobody fails,
+    leaves the membership or stops early, and both take the same rounds to the end (DiLoCo: one anchor)."""
+    launcher = replicas(tmp_path, lighthouse, algorithm=algorithm, max_steps=30, sync_every=2, step_sleep=0.05,
+                        straggler_timeout=2.0)
+    try:
+        procs = {rid: launcher.start(rid, **({"slow_at": 4, "slow_seconds": 6.0} if rid == "r1" else {}))
+                 for rid in ("r0", "r1")}
+        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
+    finally:
+        launcher.close()
+    assert codes == {"r0": 0, "r1": 0}, launcher.logs()
+    r0, r1 = launcher.record("r0"), launcher.record("r1")
+    for record in (r0, r1):
+        assert record["failures"] == [] and record["global_step"] == 30 and record["outer_steps"] == 15
+        assert all(m["members"] == ["r0", "r1"] for m in record["memberships"])
+        rounds = {r["outer_step"]: r for r in record["rounds"]}
+        assert rounds[4]["alone"] and rounds[4]["dropped"] == (algorithm == "diloco")
+        assert not all(rounds[t]["alone"] for t in range(6, 15))  # they meet again (the switches resync them)
+    assert (4, ["r1"], True) in [(x["outer_step"], x["peers"], x["gave_up"]) for x in r0["late"]]
+    assert (4, ["r0"], False) in [(x["outer_step"], x["peers"], x["gave_up"]) for x in r1["late"]]
+    pattern = [[(r["outer_step"], r["alone"]) for r in record["rounds"]] for record in (r0, r1)]
+    assert pattern[0] == pattern[1]  # a round is the pair's on both or on neither
+    if algorithm == "diloco":
+        assert r0["final_weights"] == pytest.approx(r1["final_weights"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm, wire", [("noloco", {"wire_dtype": "bfloat16"}),
+                                             ("diloco", {"compression": "int8"})], ids=["noloco-bf16", "diloco-int8"])
+def test_lossy_wire_formats_over_real_elastic_groups(tmp_path: Path, lighthouse: str, algorithm: str,
+                                                      wire: dict[str, str]) -> None:
+    """bf16 and int8 (DiLoCo: with error feedback) over gloo between two replica processes: every round is
+    exchanged, DiLoCo's members end with one anchor (the chunked all-reduce is bitwise the same on both), and
+    the losses fall."""
+    launcher = replicas(tmp_path, lighthouse, algorithm=algorithm, max_steps=30, sync_every=2, step_sleep=0.0, **wire)
+    try:
+        procs = {rid: launcher.start(rid) for rid in ("r0", "r1")}
+        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
+    finally:
+        launcher.close()
+    assert codes == {"r0": 0, "r1": 0}, launcher.logs()
+    r0, r1 = launcher.record("r0"), launcher.record("r1")
+    for record in (r0, r1):
+        assert record["failures"] == [] and record["outer_steps"] == 15
+        assert not any(r["alone"] for r in record["rounds"])
+        assert falls(record["losses"], fresh_loss(record["replica_id"]))
+    if algorithm == "diloco":
+        assert r0["final_weights"] == r1["final_weights"]
+
+
+@pytest.mark.slow
 def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse: str) -> None:
     """DiLoCo, four replicas: r3 is killed in an inner phase, r2 kills itself inside the all-reduce of its
     fourth round. r0 and r1 finish with the same anchor (their final weights are equal), the rounds whose

@@ -8,80 +8,18 @@ from __future__ import annotations
 
 import copy
 import csv
-import threading
 import warnings
 
 import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from elastic_fakes import FakeMembership, Hub, Script, flat_of
+from elastic_fakes import H, FakeMembership, Hub, Runner, Script, elastic_runner, in_threads
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin, checksum
-from lightning_loco.elastic.transport import ElasticTransport
-from lightning_loco.flat import FlatParameters
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.transport import InProcessNetwork
-
-CPU = torch.device("cpu")
-H = 3
-
-
-class Runner:
-    """One replica: a parameter pulled towards its own target by plain steps, and its driver."""
-
-    def __init__(self, index: int, transport, plugin=None, algorithm=None) -> None:
-        self.param = flat_of([float(index), 1.0 - index, 0.5 * index])
-        self.target = torch.tensor([2.0 + index, -1.0, 3.0 * index])
-        algorithm = algorithm if algorithm is not None else NoLoCo()
-        self.driver = OuterStepDriver(algorithm, transport, H, plugin=plugin, final_outer_step="outer")
-        self.driver.add(FlatParameters([self.param], CPU))
-        self.driver.before_training()
-
-    def inner_step(self) -> None:
-        with torch.no_grad():
-            self.param.sub_(0.25 * (self.param - self.target))
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            self.inner_step()
-            self.driver.after_inner_step(0)
-
-
-def elastic_runner(hub: Hub, replica_id: str, index: int, script, algorithm=None) -> Runner:
-    config = ElasticConfig(lighthouse="127.0.0.1:1", replica_id=replica_id)
-    transport = ElasticTransport(config, membership=FakeMembership(hub, replica_id, script))
-    return Runner(index, transport, ElasticPlugin(transport), algorithm)
-
-
-def in_threads(*jobs) -> None:
-    errors: list[BaseException] = []
-
-    def guard(job):
-        try:
-            job()
-        except BaseException as err:  # noqa: BLE001  (handed to the test)
-            errors.append(err)
-
-    threads = [threading.Thread(target=guard, args=(job,)) for job in jobs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(t.is_alive() for t in threads), "a replica thread hung"
-    if errors:
-        raise errors[0]
-
-
-def build_in_threads(*builders):
-    """Builds runners in threads (a joiner's ``before_training`` waits for its donor)."""
-    built: dict[int, Runner] = {}
-    in_threads(*[lambda i=i, b=b: built.__setitem__(i, b()) for i, b in enumerate(builders)])
-    return [built[i] for i in range(len(builders))]
-
 
 @pytest.mark.parametrize("make", [NoLoCo, DiLoCo], ids=["noloco", "diloco"])
 def test_elastic_rounds_equal_the_static_drivers_bitwise(make):

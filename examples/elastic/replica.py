@@ -5,7 +5,7 @@
 Each replica is its own process and its own Lightning Trainer (devices=1). It writes
 ``OUT/ID.json`` when ``fit`` ends: its loss at every step, its step and learning rate at every step,
 its rounds (outer step, group by replica id, alone or not), the memberships it took up, the state it
-healed from, and timings. ``OUT/ID.progress`` holds the step it is at, for whoever wants to kill it at a
+healed from, the rounds taken alone for a late partner, and timings. ``OUT/ID.progress`` holds the step it is at, for whoever wants to kill it at a
 given point (``demo.py``, the tests). ``--optimizer adamw`` trains with the shipped GPT's AdamW and
 warm-up + cosine schedule; ``--csv`` logs the loss and learning rate to ``OUT/csv/ID/PID/metrics.csv``.
 """
@@ -96,9 +96,22 @@ class DieInExchange(L.Callback):
                     os.kill(os.getpid(), signal.SIGKILL)
             return pending
 
-        transport.start_group_sum = lambda payload, group: die_if_due(post(payload, group))
-        transport.start_all_reduce_sum = lambda payload: die_if_due(post_all(payload))
+        transport.start_group_sum = lambda payload, group, **codec: die_if_due(post(payload, group, **codec))
+        transport.start_all_reduce_sum = lambda payload, **codec: die_if_due(post_all(payload, **codec))
         transport._wrapped = True
+
+
+class SlowAt(L.Callback):
+    """Sleeps ``seconds`` once, in the inner phase of outer step ``at``: this replica reaches that round's
+    exchange late (a straggler), alive all the while."""
+
+    def __init__(self, at: int, seconds: float) -> None:
+        self.at, self.seconds, self.slept = at, seconds, False
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self.slept and trainer.strategy.outer_steps == self.at:
+            self.slept = True
+            time.sleep(self.seconds)
 
 
 def main() -> None:
@@ -116,6 +129,12 @@ def main() -> None:
     parser.add_argument("--die-in-exchange-at", type=int, default=None,
                         help="kill this process right after it posts its N-th exchange with others")
     parser.add_argument("--no-heal", action="store_true", help="take only the step count when joining")
+    parser.add_argument("--straggler-timeout", type=float, default=None,
+                        help="seconds an exchange waits for a live partner that is late (default: off)")
+    parser.add_argument("--slow-at", type=int, default=None, help="sleep --slow-seconds before this outer step")
+    parser.add_argument("--slow-seconds", type=float, default=0.0)
+    parser.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--compression", choices=["int8"], default=None)
     parser.add_argument("--ckpt-path", default=None, help="resume from this replica's own checkpoint")
     parser.add_argument("--save-ckpt", default=None, help="save a checkpoint here when fit ends")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
@@ -128,11 +147,14 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|LOCAL_RANK).*")
     started = args.launched_at or time.time()
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
-                   join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal)
+                   join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal,
+                   straggler_timeout=args.straggler_timeout, wire_dtype=args.wire_dtype, compression=args.compression)
     strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, **elastic)
     model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress", args.optimizer,
                       args.max_steps)
     callbacks: list[L.Callback] = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
+    if args.slow_at is not None:
+        callbacks.append(SlowAt(args.slow_at, args.slow_seconds))
     logger: Any = False
     if args.csv:
         logger = L.pytorch.loggers.CSVLogger(args.out / "csv", name=args.replica_id, version=str(os.getpid()))
@@ -158,7 +180,7 @@ def main() -> None:
         "replica_id": args.replica_id, "started": started, "ended": time.time(), "losses": model.losses,
         "rounds": driver.plugin.rounds, "memberships": membership.history, "healed_from": driver.plugin.healed_from,
         "exported": driver.plugin.exported,
-        "failures": driver.transport.failures, "quorum_waits": membership.waits,
+        "failures": driver.transport.failures, "late": driver.transport.late, "quorum_waits": membership.waits,
         "round_seconds": [r.seconds for r in driver.reports], "comm_seconds": [r.comm_seconds for r in driver.reports],
         "outer_steps": driver.slots[0].outer_steps, "steps": model.steps, "global_step": trainer.global_step,
         "final_weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),

@@ -11,6 +11,8 @@ each membership. Built here around it:
   refreshed in the background, and the state a joining replica heals from;
 * :mod:`~lightning_loco.elastic.transport`: a ``Transport`` over the members of the current membership,
   where a partner that fails leaves this replica to finish the round alone;
+* :mod:`~lightning_loco.elastic.straggler`: a round with a live partner that is late
+  (``straggler_timeout``), left out of that round alike by every member;
 * :mod:`~lightning_loco.elastic.plugin`: the driver's plug-in that switches memberships between rounds
   (:mod:`lightning_loco.plugins`), heals joiners and keeps the records of each round.
 

@@ -44,7 +44,7 @@ def _check_address(address: Any) -> None:
         )
 
 
-def _check_seconds(name: str, value: Any, default: float, advice: str) -> None:
+def _check_seconds(name: str, value: Any, default: Optional[float], advice: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a number of seconds > 0, got {value!r} (default {default}). {advice}")
 
@@ -64,6 +64,10 @@ class ElasticConfig:
             background at one switch and used at the next, K outer steps later.
         heal: a joining replica takes the weights and outer state of a live one (True) or keeps its own,
             taking only the counters (False: a replica resumed from its own checkpoint).
+        straggler_timeout: seconds an exchange waits for a live partner that is late before it takes the
+            round without it (the late one takes it alone too, and both take part in the next round); None
+            (off): a live partner is waited for up to ``outer_step_timeout``. See
+            :mod:`~lightning_loco.elastic.straggler`.
     """
 
     lighthouse: str
@@ -72,6 +76,7 @@ class ElasticConfig:
     join_timeout: float = 600.0
     membership_every: int = 1
     heal: bool = True
+    straggler_timeout: Optional[float] = None
 
     @property
     def url(self) -> str:
@@ -90,6 +95,7 @@ def elastic_config(
     join_timeout: float,
     membership_every: int,
     heal: bool = True,
+    straggler_timeout: Optional[float] = None,
     *,
     algorithm_name: str,
     overlap_steps: Any,
@@ -112,6 +118,16 @@ def elastic_config(
     _check_seconds("join_timeout", join_timeout, 600.0,
                    "It bounds how long a replica waits to be admitted and healed; make it longer than a few "
                    "outer steps.")
+    if straggler_timeout is not None:
+        _check_seconds("straggler_timeout", straggler_timeout, None,  # type: ignore[arg-type]
+                       "It bounds how long an exchange waits for a live partner that is late; None (the default) "
+                       "waits up to outer_step_timeout.")
+        if not straggler_timeout < outer_step_timeout:
+            raise ValueError(
+                f"straggler_timeout={straggler_timeout} must be below outer_step_timeout={outer_step_timeout}: past "
+                "outer_step_timeout a partner counts as failed (its membership's group is closed). Lower "
+                "straggler_timeout, or leave it None."
+            )
     if isinstance(membership_every, bool) or not isinstance(membership_every, int) or membership_every < 1:
         raise ValueError(
             f"membership_every must be an integer >= 1, got {membership_every!r} (default 1: a membership refresh "
@@ -120,8 +136,9 @@ def elastic_config(
         )
     if overlap_steps != 0:
         raise ValueError(
-            f"overlap_steps={overlap_steps!r} with lighthouse=...: elastic mode switches memberships between "
-            "rounds and needs synchronous rounds. Use overlap_steps=0 (the default)."
+            f"overlap_steps={overlap_steps!r} with lighthouse=...: elastic mode switches memberships and heals "
+            "joiners between rounds, where an overlapped round would still be in flight (with partners that may "
+            "have left, and a state no joiner can take half-sent). Use overlap_steps=0 (the default)."
         )
     if ranks_per_replica != 1:
         raise ValueError(
@@ -138,13 +155,15 @@ def elastic_config(
         lighthouse=lighthouse, replica_id=replica_id or default_replica_id(),
         outer_step_timeout=float(outer_step_timeout),
         join_timeout=float(join_timeout), membership_every=membership_every, heal=bool(heal),
+        straggler_timeout=None if straggler_timeout is None else float(straggler_timeout),
     )
 
 
-def elastic_seams(config: ElasticConfig, transport_factory: Any, lossy: bool, wire_dtype: Any = "float32",
-                  compression: Any = None, sync_seconds: Any = None) -> tuple[Any, Any]:
+def elastic_seams(config: ElasticConfig, transport_factory: Any, sync_seconds: Any = None) -> tuple[Any, Any]:
     """The strategies' transport factory and driver plug-in factory for elastic replicas, after checking
-    what elastic mode cannot combine with (raises ``ValueError`` saying what to pass instead)."""
+    what elastic mode cannot combine with (raises ``ValueError`` saying what to pass instead). Every wire
+    format works: the elastic transport encodes as the static one does
+    (:mod:`~lightning_loco.transport.coded`)."""
     if sync_seconds is not None:
         raise ValueError(
             f"sync_seconds={sync_seconds} and lighthouse=... cannot be combined yet: a replica that heals takes a "
@@ -154,11 +173,6 @@ def elastic_seams(config: ElasticConfig, transport_factory: Any, lossy: bool, wi
         raise ValueError(
             "transport_factory and lighthouse=... are exclusive: elastic replicas bring their own transport "
             "(over the live members). Pass one of them."
-        )
-    if lossy:
-        raise ValueError(
-            f"wire_dtype={wire_dtype!r}, compression={compression!r}: elastic replicas (lighthouse=...) send "
-            "float32 only for now. Leave wire_dtype='float32' and compression=None with a lighthouse."
         )
     from lightning_loco.elastic.plugin import ElasticPlugin
     from lightning_loco.elastic.transport import ElasticTransportFactory

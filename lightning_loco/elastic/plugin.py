@@ -9,6 +9,7 @@
   replica's state to joiners);
 * before each round, checks that the round has a membership and tags the exchange with the outer step;
 * after each round lands, records it (its group as replica ids, whether it was taken alone or dropped);
+  a dropped round leaves the error-feedback residual as it was before the round;
 * at the end, leaves the membership (the heartbeats stop).
 
 **What a joiner takes.** The driver's state (anchor, outer state, counters), the live weights, and the
@@ -57,6 +58,7 @@ class ElasticPlugin(DriverPlugin):
         self.committed = 0  # rounds of the current membership that completed (compared by DiLoCo's members)
         self.collective = False
         self._switch_pending = False  # a switch waits for the loop owner's next between_steps
+        self._residual: Any = None  # the error-feedback residual as the round in flight found it
 
     @property
     def membership(self) -> Any:
@@ -103,6 +105,9 @@ class ElasticPlugin(DriverPlugin):
             raise RuntimeError(f"outer step {outer_step} has no membership (the current one starts at "
                                f"{None if view is None else view.first_round})")
         self.transport.outer_step = outer_step
+        slot = self.driver.slots[0]
+        feedback = self.driver.wire is not None and self.driver.wire.error_feedback
+        self._residual = slot.residual.clone() if feedback and slot.residual is not None else None
         group = self.driver.algorithm.schedule(outer_step, self.transport.num_replicas).group_of(self.transport.replica)
         self.rounds.append({"outer_step": outer_step, "quorum_id": view.quorum_id, "time": time.time(),
                             "group": list(self.transport.member_ids(group))})
@@ -110,6 +115,12 @@ class ElasticPlugin(DriverPlugin):
     def after_landing(self, landing: Landing) -> None:
         self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED, dropped=landing.outcome is Outcome.DROPPED)
         self.committed += landing.outcome is Outcome.EXCHANGED
+        residual = self.driver.slots[0].residual
+        if landing.outcome is Outcome.DROPPED and residual is not None:  # the dropped payload's loss is not kept
+            if self._residual is None:
+                residual.zero_()
+            else:
+                residual.copy_(self._residual)
         if landing.outcome is not Outcome.EXCHANGED and len(landing.group) > 1:
             self._say_alone(landing)
         if not landing.final:
@@ -119,14 +130,20 @@ class ElasticPlugin(DriverPlugin):
         """One log line for a round this replica took without the partners the schedule gave it."""
         t, view = landing.outer_step, self.membership.view
         failures = [f for f in self.transport.failures if f["outer_step"] == t]
-        if failures:
+        late = [x for x in self.transport.late if x["outer_step"] == t]
+        timeout = self.transport.config.straggler_timeout
+        if late and late[-1]["gave_up"]:
+            why = f"{late[-1]['peers']} not at the exchange within straggler_timeout={timeout:g} s (still members)"
+        elif late:
+            why = f"{late[-1]['peers']} gave up waiting for this replica (straggler_timeout={timeout:g} s)"
+        elif failures:
             why = f"the exchange with {failures[-1]['peers']} failed"
         elif view is not None and view.pg is None:
             why = "this membership has no process group (its rendezvous failed)"
         else:
             why = "an exchange of this membership failed earlier, and its process group is closed"
         dropped = landing.outcome is Outcome.DROPPED
-        what = "dropped (the all-reduce did not complete; the outer state is unchanged)" if dropped else "taken alone"
+        what = "dropped (not applied: the outer state is unchanged)" if dropped else "taken alone"
         log.info("Replica %r: outer step %d %s, without %s: %s.", self.transport.config.replica_id, t, what,
                  list(self.peer_ids(landing.group)), why)
 

@@ -2,7 +2,9 @@
 
 Replica indices are ranks in the current membership's sorted list of replica ids, so the algorithms'
 schedules draw each round's groups over the live members. Exchanges are point-to-point sends and receives
-on the membership's torchft process group, tagged with the outer step.
+on the membership's torchft process group, tagged with the outer step (DiLoCo's float32 round is one
+all-reduce). Lossy wire formats (bf16, fp16, int8 with or without error feedback) travel as on the static
+launch, through the same code (:mod:`~lightning_loco.transport.coded`).
 
 A partner that fails (it died, its link broke, or it sent nothing within ``outer_step_timeout``) does not
 stop this replica: the round is finished alone. ``wait()`` then returns the sum as if every member of
@@ -15,6 +17,10 @@ talks to it. So a replica that sees a failure aborts the membership's group, clo
 any member waiting on it fails at once instead of at its timeout, and does the same. The rest of the
 membership's rounds are taken alone, and the next membership comes with a new process group; the
 Lighthouse drops a dead replica from it.
+
+A partner that is alive but late (``straggler_timeout``) is left out of that round only, and the group
+stays open: see :mod:`~lightning_loco.elastic.straggler`. A round taken alone with a lossy codec applies
+this replica's payload as the codec delivers it, so that an error-feedback residual stays true.
 """
 
 from __future__ import annotations
@@ -28,51 +34,55 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_loco.codecs import ring_all_reduce_bytes
+from lightning_loco.codecs import Codec, ring_all_reduce_bytes
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import Membership, show_info_lines
+from lightning_loco.elastic.straggler import PeerFailed, PeerWork, settle, wait_all
 from lightning_loco.elastic.waiting import no_stop
+from lightning_loco.transport import coded
 from lightning_loco.transport.base import Pending, Transport, TransportStats, sum_in_group_order
 
 
 class ElasticPending(Pending):
-    """An exchange on the membership's process group; a failure makes it a round taken alone (``alone``:
-    ``wait()`` gives ``group_size × own payload``, and nothing is counted in the stats)."""
+    """An exchange on the membership's process group; a failure, or a late partner under
+    ``straggler_timeout``, makes it a round taken alone (``alone``: ``wait()`` gives ``group_size × own
+    payload``, the payload as the codec delivers it, and nothing is counted in the stats)."""
 
-    def __init__(self, transport: "ElasticTransport", works: list[tuple[int, list[Any]]], payload: Tensor,
-                 finish: Callable[[], Tensor],
-                 group_size: int, nbytes: int, peers: tuple[int, ...], alone: bool = False) -> None:
+    def __init__(self, transport: "ElasticTransport", works: list[PeerWork], payload: Optional[Tensor],
+                 finish: Callable[[], Tensor], group_size: int, nbytes: int, peers: tuple[int, ...],
+                 alone: bool = False, codec: Optional[Codec] = None) -> None:
         super().__init__(transport, nbytes, peers)
         self.works, self.payload, self.finish, self.group_size = works, payload, finish, group_size
-        self.alone = alone
+        self.alone, self.codec = alone, codec
         self.error: Optional[BaseException] = None
 
     def _complete(self) -> bool:
-        return all(w.is_completed() for _, works in self.works for w in works)
+        return all(w.is_completed() for w in self.works)
 
     def _alone(self) -> Tensor:
-        return self.payload.clone() if self.group_size == 1 else self.payload * self.group_size
+        assert self.payload is not None
+        own = self.payload if self.codec is None else self.codec.roundtrip(self.payload)
+        return own.clone() if self.group_size == 1 else own * self.group_size
 
     def _receive(self) -> Tensor:
-        if self.alone:
-            result = self._alone()
-        else:
-            failed: list[int] = []
-            for peer, works in self.works:
-                try:
-                    for work in works:
-                        work.wait()
-                except RuntimeError as err:  # this partner failed; the others' transfers still complete
-                    self.error = err
-                    failed.append(peer)
-            if failed:
-                self.alone = True
-                self.transport.partner_failed(self.peers if -1 in failed else failed, self.error)
-                result = self._alone()
-            else:
-                result = self.finish()
+        result: Optional[Tensor] = None
+        if not self.alone:
+            straggler_timeout = self.transport.config.straggler_timeout
+            try:
+                together = True
+                if straggler_timeout is not None and self.peers:
+                    together, without, gave_up = settle(self, straggler_timeout)
+                    if not together:
+                        self.transport.partner_late(without, gave_up)
+                else:
+                    wait_all(self.works)
+                result = self.finish() if together else None
+            except PeerFailed as failure:  # this partner failed; the others' transfers still complete
+                result, self.error = None, failure.error
+                self.transport.partner_failed(self.peers if -1 in failure.peers else failure.peers, failure.error)
+        self.alone = result is None  # taken alone from the start, or now
         self.works = []
-        return result
+        return self._alone() if result is None else result
 
     def abandon(self, timeout: float) -> bool:
         finished = self.done()
@@ -87,7 +97,12 @@ class ElasticTransport(Transport):
     ``membership``: the agreement this transport follows (default: a :class:`Membership` over the
     Lighthouse of ``config``). Anything with its ``view``, ``due``, ``at_switch``, ``failed`` and
     ``close`` serves: tests pass an in-process one, whose views carry an in-process process group.
-    ``check_stop`` goes to the default membership (see :class:`Membership`)."""
+    ``check_stop`` goes to the default membership (see :class:`Membership`).
+
+    Lossy wire formats travel as on the static launch (:mod:`~lightning_loco.transport.coded`, through
+    :meth:`_exchange`, :meth:`_pending`, :meth:`_slice` and :meth:`_gather_slices`)."""
+
+    slices_per_replica = 1  # one process per replica: its payload is whole
 
     def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None,
                  membership: Optional[Any] = None, check_stop: Callable[[str], None] = no_stop) -> None:
@@ -97,6 +112,9 @@ class ElasticTransport(Transport):
         self.stats = TransportStats()
         self.outer_step = 0  # the round being posted: the exchanges' tag
         self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed
+        self.late: list[dict[str, Any]] = []  # rounds taken alone because a partner was late (straggler_timeout)
+        self._phase = 0  # exchanges posted so far in this round (a codec's all-reduce posts two)
+        self._lingering: list[tuple[Any, PeerWork]] = []  # left to a late partner, with their process group
 
     @property
     def replica(self) -> int:
@@ -124,72 +142,124 @@ class ElasticTransport(Transport):
             stacklevel=3,
         )
 
+    def partner_late(self, peers: Sequence[int], gave_up: bool) -> None:
+        """Records a round taken alone under ``straggler_timeout``: this replica gave up on ``peers`` (late),
+        or they gave up on it. The membership's group stays: they meet again next round."""
+        self.late.append({"outer_step": self.outer_step, "peers": list(self.member_ids(peers)), "gave_up": gave_up,
+                          "time": time.time()})
+
+    def linger(self, works: Sequence[PeerWork]) -> None:
+        """Keeps operations that a late partner completes when it reaches their round (their buffers must live
+        until then)."""
+        view = self.membership.view
+        self._lingering += [(view.pg if view is not None else None, w) for w in works]
+
+    def _group(self) -> Any:
+        """The current membership's process group; :class:`PeerFailed` if it has none or a failure broke it."""
+        view = self.membership.view
+        if view is None or view.pg is None or not view.ok:
+            raise PeerFailed([-1], RuntimeError("the membership's process group is closed"))
+        return view.pg
+
+    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor],
+                  decision: bool = False) -> list[PeerWork]:
+        """Posts point-to-point receives, then sends, with members j of the current membership; each exchange
+        of a round has its own tag (the outer step, and the exchange's place in the round)."""
+        pg = self._group()
+        phase = 15 if decision else self._phase
+        self._phase += not decision
+        tag = (self.outer_step % (1 << 26)) * 16 + phase
+        try:
+            works = [PeerWork(j, pg.recv([buf], j, tag)) for j, buf in receives.items()]
+            return works + [PeerWork(j, pg.send([buf], j, tag)) for j, buf in sends.items()]
+        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+            raise PeerFailed(sorted(set(sends) | set(receives)), err) from err
+
+    def _pending(self, works: list[PeerWork], finish: Callable[[], Tensor], nbytes: int,
+                 peers: tuple[int, ...]) -> ElasticPending:
+        return ElasticPending(self, works, None, finish, len(peers) + 1, nbytes, peers)
+
+    def _slice(self, buf: Tensor) -> Tensor:
+        return buf
+
+    def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
+        return part
+
+    def _start(self, payload: Tensor, others: tuple[int, ...], size: int, codec: Optional[Codec],
+               post: Callable[[], ElasticPending]) -> ElasticPending:
+        """Posts a round's exchange with ``post`` on the membership's group, or makes it a round alone: the
+        group is closed (until the next membership) or posting failed (gloo may fail at once when a peer is
+        already gone)."""
+        view = self.membership.view
+        alone = ElasticPending(self, [], payload, payload.clone, size, 0, others, alone=True, codec=codec)
+        if view is None or view.pg is None or not view.ok:
+            return alone
+        self._lingering = [(pg, w) for pg, w in self._lingering if pg is view.pg and not w.is_completed()]
+        self._phase = 0
+        try:
+            pending = post()
+        except PeerFailed as failure:
+            alone.error = failure.error
+            self.partner_failed(others, failure.error)
+            return alone
+        pending.payload, pending.group_size, pending.codec = payload, size, codec
+        return pending
+
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
         return ElasticPending(self, [], total, lambda: total, 1, 0, peers).completed_with(total)
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int]) -> ElasticPending:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> ElasticPending:
         if self.replica not in group:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         others = tuple(j for j in group if j != self.replica)
-        view = self.membership.view
         if not others:
             return ElasticPending(self, [], payload, payload.clone, 1, 0, ())
-        pg = view.pg if view is not None and view.ok else None
-        if pg is None:  # no process group, or one a failure broke: every round alone until the next membership
-            return ElasticPending(self, [], payload, payload.clone, len(group), 0, others, alone=True)
-        send = payload.detach().to(self.device).contiguous()
-        received = {j: torch.empty_like(send) for j in others}
-        tag = self.outer_step % (1 << 30)
-        pending = ElasticPending(self, [], payload, lambda: payload, len(group),
-                                 send.numel() * send.element_size() * len(others), others)
-        try:
-            recvs = {j: pg.recv([received[j]], j, tag) for j in others}
-            works = [(j, [recvs[j], pg.send([send], j, tag)]) for j in others]
-        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
-            pending.alone, pending.error = True, err
-            self.partner_failed(others, err)
-            return pending
+        codec = codec if codec is not None and codec.lossy else None
 
-        def finish() -> Tensor:
-            received[self.replica] = send
-            return sum_in_group_order(received, group).to(payload.device)
+        def post() -> ElasticPending:
+            if codec is not None:
+                return coded.start_group_sum(self, payload, group, list(others), codec)  # type: ignore[arg-type]
+            send = payload.detach().to(self.device).contiguous()
+            received = {j: torch.empty_like(send) for j in others}
+            works = self._exchange(dict.fromkeys(others, send), received)
 
-        pending.works, pending.finish = works, finish
-        return pending
+            def finish() -> Tensor:
+                received[self.replica] = send
+                return sum_in_group_order(received, group).to(payload.device)
 
-    def start_all_reduce_sum(self, payload: Tensor) -> ElasticPending:
+            return self._pending(works, finish, send.numel() * send.element_size() * len(others), others)
+
+        return self._start(payload, others, len(group), codec, post)
+
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> ElasticPending:
         """One all-reduce over the current membership (DiLoCo); the sum lands in ``payload``. If it fails the
-        pending is ``alone`` and the driver drops the round (see
-        :class:`~lightning_loco.plugins.Outcome`)."""
+        pending is ``alone`` and the driver drops the round (see :class:`~lightning_loco.plugins.Outcome`).
+        A lossy ``codec``: the static launch's all-to-all of encoded chunks and all-gather."""
         n = self.num_replicas
         others = tuple(j for j in range(n) if j != self.replica)
         if not others:
             return ElasticPending(self, [], payload, lambda: payload, 1, 0, ())
-        view = self.membership.view
-        pg = view.pg if view is not None and view.ok else None
-        if pg is None:
-            return ElasticPending(self, [], payload, lambda: payload, n, 0, others, alone=True)
-        buf = payload.detach().to(self.device)
-        pending = ElasticPending(self, [], payload, lambda: payload, n,
-                                 ring_all_reduce_bytes(buf.numel() * buf.element_size(), n), others)
-        try:
+        codec = codec if codec is not None and codec.lossy else None
+
+        def post() -> ElasticPending:
+            if codec is not None:
+                return coded.start_all_reduce_sum(self, payload, codec)  # type: ignore[arg-type]
+            buf = payload.detach().to(self.device)
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.SUM
-            work = pg.allreduce([buf], options)
-        except RuntimeError as err:
-            pending.alone, pending.error = True, err
-            self.partner_failed(others, err)
-            return pending
+            work = PeerWork(-1, self._group().allreduce([buf], options))
 
-        def finish() -> Tensor:
-            if buf.data_ptr() != payload.data_ptr():
-                payload.copy_(buf)
-            return payload
+            def finish() -> Tensor:
+                if buf.data_ptr() != payload.data_ptr():
+                    payload.copy_(buf)
+                return payload
 
-        pending.works, pending.finish = [(-1, [work])], finish
-        return pending
+            return self._pending([work], finish, ring_all_reduce_bytes(buf.numel() * buf.element_size(), n), others)
+
+        return self._start(payload, others, n, codec, post)
 
     def close(self) -> None:
+        self._lingering = []
         self.membership.close()
 
 

@@ -149,11 +149,11 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             finishes the round alone (default 120).
         join_timeout: elastic only: seconds a replica waits to be admitted to a membership and for the
             state it heals from (default 600).
-        membership_every: elastic only: K, outer steps between membership refreshes, each requested in
-            the background one refresh ahead (default 1).
-        heal: elastic only: a replica that joins a running group takes the weights and outer state of a
-            live one (True, default) or keeps its own, taking only the outer-step count (False: resumed
-            from its own checkpoint).
+        membership_every: elastic only: K, outer steps between membership refreshes (default 1).
+        heal: elastic only: a joiner takes a live replica's whole training state (True, default) or only
+            its step counts (False: resumed from its own checkpoint).
+        straggler_timeout: elastic only: seconds an exchange waits for a live partner that is late; past it
+            both take that round alone (DiLoCo: drop it) and meet again next round (default None: off).
         accelerator: as in ``DDPStrategy``.
         parallel_devices: as in ``DDPStrategy``.
         cluster_environment: as in ``DDPStrategy``.
@@ -196,6 +196,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         join_timeout: float = 600.0,
         membership_every: int = 1,
         heal: bool = True,
+        straggler_timeout: Optional[float] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -218,7 +219,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         device = parse_device(outer_state_device)
         check_picklable(getattr(algorithm, "outer_optimizer", None), start_method)
         self.elastic = elastic_config(
-            lighthouse, replica_id, outer_step_timeout, join_timeout, membership_every, heal,
+            lighthouse, replica_id, outer_step_timeout, join_timeout, membership_every, heal, straggler_timeout,
             algorithm_name=algorithm.name, overlap_steps=overlap_steps, ranks_per_replica=ranks_per_replica,
             topology=getattr(algorithm, "topology", None),
         )
@@ -244,8 +245,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         self.transport_factory = transport_factory or TorchDistributedTransport
         self._plugin_factory: Callable[[Transport], DriverPlugin] = no_plugin
         if self.elastic is not None:  # the elastic transport and the driver's plug-in, through the same seams
-            self.transport_factory, self._plugin_factory = elastic_seams(
-                self.elastic, transport_factory, wire.lossy, wire_dtype, compression, sync_seconds)
+            self.transport_factory, self._plugin_factory = elastic_seams(self.elastic, transport_factory, sync_seconds)
         self.driver: Optional[OuterStepDriver] = None  # during fit
         self._groups: Optional[ProcessGroups] = None
         self._trained_module: Optional[weakref.ReferenceType] = None
