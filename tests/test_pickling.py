@@ -114,10 +114,14 @@ def test_an_outer_optimizer_from_a_cli_config_pickles(tmp_path, monkeypatch, nam
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
-def test_two_replicas_train_under_spawn(tmp_path, name):
+def test_two_replicas_train_under_spawn(tmp_path, name, monkeypatch):
     """A real launch with start_method="spawn": the Trainer, the strategy and the callbacks are pickled
     to two fresh processes. Each rank records its weights; rank 0's final weights come back to this
     process, averaged over the replicas at the end of fit."""
+    # Lightning's launcher puts MASTER_ADDR/MASTER_PORT into this process's environment; they go with the
+    # test, or every process a later test starts from here would inherit this run's port
+    for variable in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)  # and when the test ends, back to as it was
     strategy = strategy_class(name)(start_method="spawn", sync_every=2, timeout=timedelta(seconds=60))
     trainer = L.Trainer(
         strategy=strategy,

@@ -36,10 +36,17 @@ main()
 """
 
 
+# torch.distributed's rendezvous variables: each replica started here is a world of its own and finds its own
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
+               "GROUP_RANK")
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment with this ``lightning_loco`` first on ``PYTHONPATH``: children import the same one."""
+    """This environment with this ``lightning_loco`` first on ``PYTHONPATH`` (children import the same one),
+    without the rendezvous variables of a process group this process may have been part of."""
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), *([path] if path else [])]), **extra}
+    inherited = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    return {**inherited, "PYTHONPATH": os.pathsep.join([str(SOURCE_ROOT), *([path] if path else [])]), **extra}
 
 
 def kill_group(proc: subprocess.Popen) -> int:
