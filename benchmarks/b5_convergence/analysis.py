@@ -204,7 +204,8 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
         print(table(streaming, [
             ("method", "method", "s"), ("F", "F", "d"), ("H", "H", "d"), ("seeds", "seeds", "d"),
             ("consensus", "consensus", ".3f"), ("pm", "±", ".3f"), ("replica", "mean replica", ".3f"),
-            ("delta", "Δ vs F=1", "+.3f"), ("noise", "seed half-ranges", ".3f"), ("within_spread", "within spread", ""),
+            ("delta", "Δ vs F=1", "+.3f"), ("noise", "seed half-ranges", ".3f"),
+            ("within_spread", "within spread", ""),
             ("paired", "paired Δ", "+.3f"), ("paired_pm", "±", ".3f"),
             ("mean_spread", "spread (mean)", ".3f"), ("spread_ratio", "spread/F=1", ".2f"),
             ("final_spread", "spread (end)", ".3f"), ("mbytes", "MB/replica", ".1f"),
@@ -212,8 +213,8 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
         ]))
     pngs = plots(records, folder, quick) + codec_plot(records, folder)
     write_json("b5_convergence.json", {
-        "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "codecs": codecs, "fragments": streaming,
-        "processes": process_rows,
+        "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "codecs": codecs,
+        "fragments": streaming, "processes": process_rows,
         "plots": pngs, "runs": len(records),
         # per run: the measuring points (the full records, with per-replica losses and every round's
         # peer distance, stay in the runs folder)
@@ -225,7 +226,8 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
         write_json("b5_fragments.json", {
             "settings": asdict(fragment_settings(settings)), "quick": quick, "rows": streaming,
             "runs": {r["name"]: {"final": r["final"], "mean_spread": r["mean_spread"], "peak_bytes": r["peak_bytes"],
-                                 "curve": [{k: round(v, 5) for k, v in p.items() if k != "replicas"} for p in r["curve"]]}
+                                 "curve": [{k: round(v, 5) for k, v in p.items() if k != "replicas"}
+                                           for p in r["curve"]]}
                      for r in runs},
         }, folder)
     print(f"wrote {folder / 'b5_convergence.json'} and {', '.join(pngs)}")

@@ -38,8 +38,8 @@ run inside one failed, after the table.
 
 Modules: :mod:`.settings` (the two modes' sizes, the budgets), :mod:`.training` (the model, its data
 and one fit), one module per part (:mod:`.overhead`, :mod:`.host_sync`, :mod:`.memory`,
-:mod:`.two_processes`, :mod:`.nccl`, :mod:`.sharded`, :mod:`.wire_codecs`), :mod:`.runner` (the parts in turn, within their budgets),
-:mod:`.isolation` (a part in a process of its own, with its time limit), :mod:`.report` (the table) and ``__main__``
-(the command line). The host-read counter of part 2 is
-:class:`lightning_loco.testing.host_reads.HostReadCounter`.
+:mod:`.two_processes`, :mod:`.nccl`, :mod:`.sharded`, :mod:`.wire_codecs`), :mod:`.runner` (the
+parts in turn, within their budgets), :mod:`.isolation` (a part in a process of its own, with its
+time limit), :mod:`.report` (the table) and ``__main__`` (the command line). The host-read counter
+of part 2 is :class:`lightning_loco.testing.host_reads.HostReadCounter`.
 """
