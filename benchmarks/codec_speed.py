@@ -119,9 +119,11 @@ def same_bytes(codec: Any, encoded: Any, x: torch.Tensor) -> bool:
     return bool(torch.equal(encoded, codecs.make_codec(**CODECS[codec.name]).encode(x)))
 
 
-def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes: dict) -> tuple[dict, dict]:
-    """The timed calls for one size, keyed (op, codec, variant), and the bytes comparison."""
-    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes: dict,
+                 device: str | torch.device = "cpu") -> tuple[dict, dict]:
+    """The timed calls for one size, keyed (op, codec, variant), and the bytes comparison; on
+    ``device``, with the same values as on the CPU (drawn there, then moved)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
     buf = torch.empty_like(x)
     calls: dict[tuple[str, str, str], Callable[[], Any]] = {
         ("copy", "float32", "clone"): x.clone,
@@ -153,17 +155,28 @@ def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes:
 def run_size(n: int, repeats: int, before: types.ModuleType | None, compile_: bool, notes: dict) -> tuple[dict, dict]:
     """Seconds of every call over ``repeats`` interleaved repeats, keyed as ``measurements``."""
     calls, same = measurements(n, before, compile_, notes)
+    return time_calls(calls, repeats, n), same
+
+
+def time_calls(calls: dict[Any, Callable[[], Any]], repeats: int, seed: int,
+               timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[Any, list[float]]:
+    """Seconds of every call over ``repeats`` repeats, each running every call once in a new random
+    order (from ``seed``), after one warm-up call of each; ``timer(call)`` times one call (default:
+    the host's clock around it; an accelerator's needs its own, see ``benchmarks/gpu_check/codecs.py``)."""
     keys = list(calls)
     for key in keys:  # warm-up: first-call costs (allocator, lazy initialisation) are not counted
         calls[key]()
-    seconds: dict[tuple[str, str, str], list[float]] = {key: [] for key in keys}
-    order = random.Random(n)
+    seconds: dict[Any, list[float]] = {key: [] for key in keys}
+    order = random.Random(seed)
     for _ in range(repeats):
         for key in order.sample(keys, len(keys)):
-            start = time.perf_counter()
-            calls[key]()
-            seconds[key].append(time.perf_counter() - start)
-    return seconds, same
+            if timer is None:
+                start = time.perf_counter()
+                calls[key]()
+                seconds[key].append(time.perf_counter() - start)
+            else:
+                seconds[key].append(timer(calls[key]))
+    return seconds
 
 
 def summarise(threads: str, n: int, seconds: dict) -> list[dict]:

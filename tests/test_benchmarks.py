@@ -303,6 +303,13 @@ def test_b5_quick(tmp_path):
         assert 0.25 < codecs[(method, "int8")]["bytes_ratio"] < 0.26
         assert codecs[(method, "int8")]["error_ratio"] > codecs[(method, "float16")]["error_ratio"] > 0
     assert (tmp_path / "b5_codecs.png").exists()
+    # the fragments part: NoLoCo with F = 1 and 4, a quarter of the model (or a little more) per exchange
+    fragments = {r["F"]: r for r in result["fragments"]}
+    assert set(fragments) == {1, 4} and all(r["method"] == "noloco" for r in fragments.values())
+    assert 0 < fragments[4]["peak_mbytes"] < 0.5 * fragments[1]["peak_mbytes"]
+    assert 0 < fragments[4]["consensus"] < 6 and fragments[4]["mean_spread"] > 0
+    assert set(json.loads((tmp_path / "b5_fragments.json").read_text())["runs"]) == {
+        f"fragments-noloco-f{f}-n2-iid-h4-s0" for f in (1, 4)}
 
 
 @pytest.mark.slow

@@ -344,6 +344,25 @@ def test_cpu_dry_run_of_the_sharded_part(tmp_path):
     assert len(rows) == 10 and all(row["status"] == "ok" for row in rows), rows
 
 
+def test_cpu_dry_run_of_the_codecs_part(tmp_path):
+    """Part 7 (the codecs against a copy): every call of every codec was timed, and the bytes each
+    codec encodes, and the floats it decodes, are the CPU codec's. No timing is judged."""
+    from benchmarks import codec_speed
+
+    result = _dry_run(tmp_path, "7")
+    part = result["parts"]["7"]
+    codecs = set(codec_speed.CODECS)
+    expected = {"copy/float32/clone", "copy/float32/copy_", "check/float32/after", "check/float16/after",
+                *(f"{op}/{c}/after" for op in ("encode", "decode", "decode_add", "check+encode") for c in codecs)}
+    assert part["device"] == "cpu" and set(part["configs"]) == expected
+    assert {(r["op"], r["codec"], r["variant"]) for r in part["rows"]} == {tuple(c.split("/")) for c in expected}
+    assert all(r["seconds"]["min"] > 0 and r["gbps"]["median"] > 0 for r in part["rows"])
+    assert part["bytes_equal_cpu"] == part["decoded_equal_cpu"] == {c: True for c in codecs}
+    assert all(part["same_bytes"].values()) and set(part["same_bytes"]) == {f"{c}/after" for c in codecs}
+    checks = [row for row in result["rows"] if row["part"] == "7"]
+    assert sum(row["status"] == "ok" for row in checks) == len(codecs)  # the bytes; the dry run judges no speed
+
+
 @pytest.mark.slow
 def test_cpu_dry_run_of_part_4_in_its_own_process(tmp_path):
     """Part 4 in a process of its own, as every part runs on a GPU, with its two processes (spawned,

@@ -26,12 +26,13 @@ ALGORITHMS = {
 STRATEGY_KWARGS = {"noloco": {}, "gasloc": {"topology": "ring"}, "diloco": {}}
 
 
-def simulate(n: int, algorithm, steps: int, h: int, batched, clip=None, scheduler=False) -> list[list[torch.Tensor]]:
+def simulate(n: int, algorithm, steps: int, h: int, batched, clip=None, scheduler=False,
+             fragments: int = 1) -> list[list[torch.Tensor]]:
     """Every replica's flat weights after every step (as tiny.Recorder keeps them)."""
     module = tiny.TinyRegressor(lr=0.05, scheduler=scheduler)
     shards = distributed_shards(tiny.dataset(), n, batch_size=4, shuffle=True, seed=0)
     sim = TrainingSimulator(module, shards, algorithm, sync_every=h, gradient_clip_val=clip, batched=batched,
-                            max_steps=steps)
+                            max_steps=steps, fragments=fragments)
     history = []
     for _ in range(steps):
         sim.step()
@@ -59,6 +60,22 @@ def test_the_simulator_follows_the_multiprocess_strategy_step_by_step(tmp_path, 
     assert not torch.equal(history[h - 2][0], history[h - 2][1])
 
 
+def test_the_simulator_with_fragments_follows_the_multiprocess_strategy_step_by_step(tmp_path):
+    # N = 4, H = 4, F = 2: fragment 0's rounds at steps 4 and 8, fragment 1's at 2 and 6, each fragment
+    # meeting its own random peers; step 9 ends fit, so both fragments start a final round there
+    n, h, steps, fragments = 4, 4, 9, 2
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "fragments": fragments},
+                       devices=n, max_steps=steps)
+    history = simulate(n, NoLoCo(), steps, h, True, fragments=fragments)
+    for step in range(steps):
+        for r in range(n):
+            torch.testing.assert_close(history[step][r], recs[r]["weights"][step], atol=2e-6, rtol=1e-5,
+                                       msg=lambda m: f"replica {r}, step {step}: {m}")
+    assert not torch.equal(history[0][0], history[0][1])  # the replicas trained apart
+    whole = simulate(n, NoLoCo(), steps, h, True)  # F = 1: no round before step 4
+    assert torch.equal(whole[0][0], history[0][0]) and not torch.equal(whole[1][0], history[1][0])
+
+
 def test_a_final_landing_can_be_taken_back_and_training_goes_on_as_if_it_never_happened():
     def make():
         return TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), NoLoCo(), sync_every=2)
@@ -79,6 +96,20 @@ def test_a_final_landing_can_be_taken_back_and_training_goes_on_as_if_it_never_h
     probed.run(3)  # the next step starts from the outer step's own weights
     for a, b in zip(plain.weights(), probed.weights()):
         torch.testing.assert_close(a, b)
+
+
+def test_with_fragments_the_end_lands_every_fragment_and_keeps_the_outer_steps_weights_of_each():
+    sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), NoLoCo(), sync_every=4,
+                            fragments=2)
+    sim.run(2)  # fragment 1's round at step 2
+    sim.step(last=True)  # step 3: no round due, the end starts one of each fragment
+    assert [(r.fragment, r.final) for r in sim.drivers[0].reports] == [(1, False), (0, True), (1, True)]
+    kept = sim.outer_weights()
+    assert kept is not None and all(not torch.equal(w, k) for w, k in zip(sim.weights(), kept))
+    for driver in sim.drivers:
+        driver.restore_outer_weights()
+    for w, k in zip(sim.weights(), kept):  # joined in the replica's parameter order
+        assert torch.equal(w, k)
 
 
 def test_batched_and_looped_paths_agree():
@@ -180,7 +211,10 @@ def test_dropout_each_replica_draws_from_its_own_rng_stream_in_the_loop():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"batched": "yes"}, "batched"), ({"sync_every": 0}, "sync_every"), ({"gradient_clip_val": -1.0}, "clip"),
-     ({"gradient_averaging": True, "algorithm": NoLoCo()}, "gradient_averaging")],
+     ({"gradient_averaging": True, "algorithm": NoLoCo()}, "gradient_averaging"),
+     ({"fragments": 3, "sync_every": 4, "algorithm": NoLoCo()}, "fragments=3 must divide sync_every=4"),
+     ({"fragments": 2, "sync_every": 4}, "fragments=2 splits the outer step's exchanges: it needs an algorithm"),
+     ({"fragments": 2, "sync_every": 4, "algorithm": NoLoCo(), "step_seconds": [1.0, 2.0]}, "without step_seconds")],
 )
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

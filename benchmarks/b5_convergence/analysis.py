@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.b5_convergence.grid import H1_METHODS, MAIN_METHODS, PARTS, Settings
+from benchmarks.b5_convergence.grid import H1_METHODS, MAIN_METHODS, PARTS, Settings, fragment_settings
 from benchmarks.b5_convergence.plots import codec_plot, plots
 from benchmarks.common import table, write_json
 
@@ -127,9 +127,46 @@ def codec_rows(rows: list[dict[str, Any]], records: list[dict[str, Any]]) -> lis
     return out
 
 
+def fragment_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fragments part per method and F, against F = 1 of the same method: the final losses (mean
+    and half the range over seeds), the difference to F = 1 (``within_spread``: no larger than the two
+    seed half-ranges together; ``paired``: run by run at the same seed), the replicas' spread (its
+    mean over every step, and at the end, after every fragment's final round), bytes per replica and
+    the largest exchange."""
+    runs = [r for r in records if r["part"] == "fragments"]
+    final = {(r["method"], r["fragments"], r["seed"]): r["final"]["consensus"] for r in runs}
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], r["fragments"]), []).append(r)
+    out = []
+    for (method, f), group in sorted(groups.items(), key=lambda kv: (MAIN_ORDER.get(kv[0][0], 99), kv[0][1])):
+        consensus = mean_spread([r["final"]["consensus"] for r in group])
+        row = {"method": method, "F": f, "H": group[0]["sync_every"], "replicas": group[0]["replicas"],
+               "seeds": len(group), "consensus": consensus["mean"], "pm": consensus["half_range"],
+               "replica": statistics.mean(r["final"]["mean_replica"] for r in group),
+               "mean_spread": statistics.mean(r["mean_spread"] for r in group),
+               "final_spread": statistics.mean(r["final"]["spread"] for r in group),
+               "mbytes": statistics.mean(r["final"]["bytes_per_replica"] for r in group) / 1e6,
+               "peak_mbytes": statistics.mean(r["peak_bytes"] for r in group) / 1e6,
+               "seconds": statistics.mean(r["seconds"] for r in group)}
+        base = groups.get((method, 1))
+        if base is not None:
+            base_consensus = mean_spread([r["final"]["consensus"] for r in base])
+            row["delta"] = row["consensus"] - base_consensus["mean"]
+            row["noise"] = row["pm"] + base_consensus["half_range"]
+            row["within_spread"] = abs(row["delta"]) <= row["noise"]
+            paired = [final[(method, f, r["seed"])] - final[(method, 1, r["seed"])] for r in group
+                      if (method, 1, r["seed"]) in final]
+            row["paired"] = statistics.mean(paired) if paired else None
+            row["paired_pm"] = (max(paired) - min(paired)) / 2 if paired else None
+            row["spread_ratio"] = row["mean_spread"] / statistics.mean(r["mean_spread"] for r in base)
+        out.append(row)
+    return out
+
+
 def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, process_rows: list[dict[str, Any]]) -> None:
     records = [json.loads(p.read_text()) for part in PARTS[:-1] for p in sorted(runs_dir.glob(f"{part}-*.json"))]
-    rows = summarise(records)
+    rows = summarise([r for r in records if r["part"] != "fragments"])
     flat = [{**r, "consensus_mean": r["consensus"]["mean"], "consensus_pm": r["consensus"]["half_range"],
              "replica_mean": r["mean_replica"]["mean"], "replica_pm": r["mean_replica"]["half_range"],
              "outer_consensus_mean": r["outer_consensus"]["mean"]} for r in rows]
@@ -162,13 +199,35 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
             ("paired", "paired Δ", "+.4f"), ("paired_pm", "±", ".4f"),
             ("within_spread", "within spread", ""), ("within_1pct", "within 1 %", ""),
         ]))
+    streaming = fragment_rows(records)
+    if streaming:
+        print(table(streaming, [
+            ("method", "method", "s"), ("F", "F", "d"), ("H", "H", "d"), ("seeds", "seeds", "d"),
+            ("consensus", "consensus", ".3f"), ("pm", "±", ".3f"), ("replica", "mean replica", ".3f"),
+            ("delta", "Δ vs F=1", "+.3f"), ("noise", "seed half-ranges", ".3f"),
+            ("within_spread", "within spread", ""),
+            ("paired", "paired Δ", "+.3f"), ("paired_pm", "±", ".3f"),
+            ("mean_spread", "spread (mean)", ".3f"), ("spread_ratio", "spread/F=1", ".2f"),
+            ("final_spread", "spread (end)", ".3f"), ("mbytes", "MB/replica", ".1f"),
+            ("peak_mbytes", "peak MB/exchange", ".3f"), ("seconds", "s/run", ".0f"),
+        ]))
     pngs = plots(records, folder, quick) + codec_plot(records, folder)
     write_json("b5_convergence.json", {
-        "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "codecs": codecs, "processes": process_rows,
+        "settings": asdict(settings), "quick": quick, "rows": rows, "verdicts": lines, "codecs": codecs,
+        "fragments": streaming, "processes": process_rows,
         "plots": pngs, "runs": len(records),
         # per run: the measuring points (the full records, with per-replica losses and every round's
         # peer distance, stay in the runs folder)
         "curves": {r["name"]: [{k: round(v, 5) for k, v in p.items() if k != "replicas"} for p in r["curve"]]
                    for r in records},
     }, folder)
+    if streaming:  # the part's own file, with its runs' curves (and the replicas' losses at the end)
+        runs = [r for r in records if r["part"] == "fragments"]
+        write_json("b5_fragments.json", {
+            "settings": asdict(fragment_settings(settings)), "quick": quick, "rows": streaming,
+            "runs": {r["name"]: {"final": r["final"], "mean_spread": r["mean_spread"], "peak_bytes": r["peak_bytes"],
+                                 "curve": [{k: round(v, 5) for k, v in p.items() if k != "replicas"}
+                                           for p in r["curve"]]}
+                     for r in runs},
+        }, folder)
     print(f"wrote {folder / 'b5_convergence.json'} and {', '.join(pngs)}")

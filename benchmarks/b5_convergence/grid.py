@@ -4,7 +4,7 @@ of every part in priority order."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ FULL = Settings(steps=450, sync_every=10, batch_size=8, block_size=64, n_layer=2
 QUICK = Settings(steps=24, sync_every=4, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
                  warmup_steps=4, eval_every=12, eval_batches=2, final_eval_batches=4)
 
-PARTS = ("main", "h1", "large", "tuning", "h_study", "codecs", "processes")
+PARTS = ("main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "processes")
 DEFAULT_PARTS = ("main", "h1", "large", "processes")
 MAIN_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs")
 LARGE_METHODS = {16: ("ddp", "independent", "diloco", "noloco", "gasloc_pairs"), 64: ("diloco", "noloco", "gasloc_pairs")}
@@ -67,6 +67,23 @@ CODECS = {
     "int8_no_ef": ("float32", "int8", False),  # DiLoCo without its error feedback
 }
 CODEC_METHODS = ("diloco", "noloco", "gasloc_pairs")
+
+
+# The fragments part: streaming fragments (docs/fragments.md), F = 1, 2, 4, at N = 4 on iid shards,
+# 3 seeds, paper defaults. F must divide H, and this grid's H = 10 is not divisible by 4: the part runs
+# at H = 12 for 480 steps (40 outer steps, evaluated every 48 steps, 4 rounds), so that the run ends on
+# a round of every fragment for every F. Quick: NoLoCo with F = 1 and 4 at the quick H = 4.
+FRAGMENT_METHODS = ("diloco", "noloco", "gasloc_pairs")
+FRAGMENT_COUNTS = (1, 2, 4)
+
+
+FRAGMENTS_FULL = replace(FULL, steps=480, sync_every=12, eval_every=48)
+
+
+def fragment_settings(settings: Settings) -> Settings:
+    """The fragments part's settings: the full run's at H = 12 (``FRAGMENTS_FULL``); quick's as they are
+    (its H = 4 takes every F of the part)."""
+    return FRAGMENTS_FULL if settings == FULL else settings
 
 
 def codec_variants(method: str, first: bool) -> list[str]:
@@ -114,13 +131,16 @@ class Job:
     split: str
     seed: int
     sync_every: int
-    part: str  # "main", "h1", "large", "tuning", "h_study" or "codecs"
+    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs" or "fragments"
     wire: str = "float32"  # a key of CODECS
+    fragments: int = 1  # F, streaming fragments (the fragments part)
 
     @property
     def name(self) -> str:
         wire = "" if self.part != "codecs" else f"-{self.wire}"
-        return f"{self.part}-{self.method}{wire}-n{self.replicas}-{self.split}-h{self.sync_every}-s{self.seed}"
+        fragments = "" if self.part != "fragments" else f"-f{self.fragments}"
+        return (f"{self.part}-{self.method}{wire}{fragments}-n{self.replicas}-{self.split}-h{self.sync_every}"
+                f"-s{self.seed}")
 
 
 def jobs_for(settings: Settings, quick: bool) -> list[Job]:
@@ -153,6 +173,10 @@ def jobs_for(settings: Settings, quick: bool) -> list[Job]:
         for seed in seeds:
             jobs += [Job(m, n, "iid", seed, settings.sync_every, "codecs", w)
                      for m in codec_methods for w in codec_variants(m, first)[: 1 if quick and not first else None]]
+    # streaming fragments: every seed of every F, F = 1 first
+    h = fragment_settings(settings).sync_every
+    methods, counts = (("noloco",), (1, 4)) if quick else (FRAGMENT_METHODS, FRAGMENT_COUNTS)
+    jobs += [Job(m, n, "iid", seed, h, "fragments", fragments=f) for f in counts for seed in seeds for m in methods]
     return jobs
 
 

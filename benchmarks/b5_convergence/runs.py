@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.b5_convergence.grid import CODECS, Job, Settings, make_algorithm
+from benchmarks.b5_convergence.grid import CODECS, Job, Settings, fragment_settings, make_algorithm
 
 # ----------------------------------------------------------------------------------------- data
 
@@ -63,7 +63,12 @@ def gpt_loss(module: Any, batch: Any) -> Any:
 
 
 def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, Any]:
-    """Trains one configuration in the simulator and writes its record to ``out``."""
+    """Trains one configuration in the simulator and writes its record to ``out``.
+
+    The fragments part measures at its evaluation points as training goes, and ends at ``max_steps``:
+    with F > 1 a step taken as the end starts a round of every fragment, which an evaluation point
+    must not add. It also keeps the replicas' spread after every step (its mean over the run: the
+    fragments' rounds fall at different steps, so one step's spread is not comparable across F)."""
     import torch
 
     from lightning_loco.examples.gpt import GPT
@@ -73,6 +78,9 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
     torch.set_num_threads(threads)
     parts, val, _ = load_data(settings)
     probe, final_probe = eval_batches(val, settings.eval_batches), eval_batches(val, settings.final_eval_batches)
+    streaming = job.part == "fragments"
+    if streaming:
+        settings = fragment_settings(settings)
     torch.manual_seed(job.seed)
     model = GPT(**settings.model_kwargs)
     wire_dtype, compression, error_feedback = CODECS[job.wire]
@@ -80,6 +88,7 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
         model, shards_for(job, settings, parts), make_algorithm(job.method), sync_every=job.sync_every,
         loss=gpt_loss, gradient_clip_val=1.0, gradient_averaging=job.method == "ddp",
         wire_dtype=wire_dtype, compression=compression, error_feedback=error_feedback,
+        fragments=job.fragments, max_steps=settings.steps if streaming else None,
     )
     tokens_per_step = job.replicas * settings.batch_size * settings.block_size
     curve: list[dict[str, Any]] = []
@@ -106,10 +115,16 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
     started = time.perf_counter()
     curve.append(measure(sim, probe))
     timed = 0.0
+    spreads: list[float] = []  # the fragments part: after every step
     for k in range(settings.steps // settings.eval_every):
         t0 = time.perf_counter()
-        sim.run(settings.eval_every - 1)
-        sim.step(last=True)  # as if training ended here; the next step takes the landing back
+        if streaming:
+            for _ in range(settings.eval_every):
+                sim.step()  # the run's last step is the end (max_steps)
+                spreads.append(sim.spread())
+        else:
+            sim.run(settings.eval_every - 1)
+            sim.step(last=True)  # as if training ended here; the next step takes the landing back
         if k:  # the first block pays one-time costs (torch.func set-up): not timed
             timed += time.perf_counter() - t0
         last = sim.step_count == settings.steps
@@ -138,6 +153,8 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
         "compression_error_norm": statistics.mean(e for e, _ in errors) if errors else None,
         "compression_error_ratio": statistics.mean(e / g for e, g in errors) if errors else None,
         "batched": sim.batched, "seconds": time.perf_counter() - started,
+        "peak_bytes": max((r.bytes_sent for d in sim.drivers for r in d.reports), default=0),
+        "mean_spread": statistics.mean(spreads) if spreads else None,
         "seconds_per_step": timed / max(1, settings.steps - settings.eval_every),
     }
     Path(out).write_text(json.dumps(record))

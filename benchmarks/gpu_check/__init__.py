@@ -1,4 +1,4 @@
-"""The GPU check: one prepared run of the CUDA and NCCL paths on a single GPU, in under 6 minutes.
+"""The GPU check: one prepared run of the CUDA and NCCL paths on a single GPU, in under 7 minutes.
 
     python -m benchmarks.gpu_check                   # every part; on a machine with CUDA
     python -m benchmarks.gpu_check --parts 1 3       # some parts only
@@ -19,6 +19,11 @@ Parts (on a GPU each with a time budget; a part that fails or runs out of time i
 5. **The NCCL path on a world of one**: NoLoCo (groups of one) and DiLoCo with ``overlap_steps`` (an
    asynchronous NCCL all-reduce completed through a CUDA event), the transport alone, and a new
    group's warm-up.
+6. **FSDP2 inside a replica**, a mesh of one shard: the DTensor path, staged CUDA shards, a full
+   consensus model in the checkpoint and a sharded resume.
+7. **The codecs against a copy**: GB/s of the int8, bfloat16 and float16 encode and decode at 50 M
+   values (target: each within 2x the copy's time), the NaN/inf check and the sender's check plus
+   encode, and the encoded bytes against the CPU codec's.
 
 The data are token sequences drawn on the GPU (arithmetic progressions modulo 256, a pattern the
 model can learn, so its loss falls): no files, no network, no host work per step. Prints one table and writes
@@ -33,8 +38,8 @@ run inside one failed, after the table.
 
 Modules: :mod:`.settings` (the two modes' sizes, the budgets), :mod:`.training` (the model, its data
 and one fit), one module per part (:mod:`.overhead`, :mod:`.host_sync`, :mod:`.memory`,
-:mod:`.two_processes`, :mod:`.nccl`), :mod:`.runner` (the parts in turn, within their budgets),
-:mod:`.isolation` (a part in a process of its own, with its time limit), :mod:`.report` (the table) and ``__main__``
-(the command line). The host-read counter of part 2 is
-:class:`lightning_loco.testing.host_reads.HostReadCounter`.
+:mod:`.two_processes`, :mod:`.nccl`, :mod:`.sharded`, :mod:`.wire_codecs`), :mod:`.runner` (the
+parts in turn, within their budgets), :mod:`.isolation` (a part in a process of its own, with its
+time limit), :mod:`.report` (the table) and ``__main__`` (the command line). The host-read counter
+of part 2 is :class:`lightning_loco.testing.host_reads.HostReadCounter`.
 """

@@ -134,6 +134,23 @@ def _sharded(res: dict[str, Any], on_gpu: bool, add: Add) -> None:
                 add(6, f"{name}: peak CUDA memory (GB)", fmt(res[f"{name}_peak_cuda_gb"], ".2f"))
 
 
+def _codecs(res: dict[str, Any], on_gpu: bool, add: Add) -> None:
+    """The bytes must match the CPU codec's everywhere; the speed target (encode and decode within 2x
+    the copy's time) is judged on a GPU only."""
+    for name, equal in res["bytes_equal_cpu"].items():
+        decoded = res["decoded_equal_cpu"][name]
+        add(7, f"{name}: encoded bytes, decoded floats equal the CPU codec's", f"{equal}, {decoded}", "True x2",
+            equal and decoded)
+    for row in res["rows"]:
+        gbps, times = row["gbps"]["median"], row["x_copy"]["median"]
+        if row["op"] == "copy":
+            add(7, f"copy ({row['variant']}) GB/s at n = {res['n']:.0e}", f"{gbps:.1f}")
+            continue
+        judged = row["op"] in ("encode", "decode") and row["codec"] in ("int8", "bfloat16")
+        add(7, f"{row['op']} {row['codec']}: GB/s, time over the copy's", f"{gbps:.1f}, {times:.2f}x",
+            "<= 2x" if judged else "", (times <= 2.0) if judged and on_gpu else None)
+
+
 PART_ROWS: dict[int, Callable[[dict[str, Any], bool, Add], None]] = {
-    1: _overhead, 2: _host_sync, 3: _memory, 4: _two_processes, 5: _nccl, 6: _sharded,
+    1: _overhead, 2: _host_sync, 3: _memory, 4: _two_processes, 5: _nccl, 6: _sharded, 7: _codecs,
 }

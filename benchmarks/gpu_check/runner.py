@@ -16,9 +16,11 @@ from benchmarks.gpu_check.overhead import part_overhead
 from benchmarks.gpu_check.settings import PARTS, TOTAL_BUDGET_S, Budget, Setting, say
 from benchmarks.gpu_check.sharded import part_sharded
 from benchmarks.gpu_check.two_processes import part_two_processes
+from benchmarks.gpu_check.wire_codecs import part_codecs
 
 RUNNERS: dict[int, Callable[[Setting, Budget], dict[str, Any]]] = {
     1: part_overhead, 2: part_host_sync, 3: part_memory, 4: part_two_processes, 5: part_nccl, 6: part_sharded,
+    7: part_codecs,
 }
 
 

@@ -58,11 +58,12 @@ class Measurements:
 
     def outer_weights(self) -> list[Tensor] | None:
         """After a final landing (``final_outer_step="average"``): the weights the papers' plain outer
-        step gave each replica instead, which training that goes on starts from. Else ``None``."""
-        kept = [d.slots[0].outer_weights for d in self.drivers]
-        if not kept or any(w is None for w in kept):
+        step gave each replica instead, which training that goes on starts from. Else ``None``. With
+        fragments, every fragment's (the end lands a round of each), joined in parameter order."""
+        kept = [[slot.outer_weights for slot in d.slots] for d in self.drivers]
+        if not kept or any(w is None for per_slot in kept for w in per_slot):
             return None
-        return [w.clone() for w in kept]  # type: ignore[union-attr]
+        return [torch.cat(per_slot) if len(per_slot) > 1 else per_slot[0].clone() for per_slot in kept]  # type: ignore
 
     def spread(self) -> float:
         """RMS distance of the replicas' weights from their mean (the strategies' ``replica_spread``)."""

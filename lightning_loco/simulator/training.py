@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
+from lightning_loco.fragments import check_fragments
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
@@ -92,6 +93,9 @@ class TrainingSimulator(Measurements, PacedRounds):
             is as near T modelled seconds as its steps allow (at least one step, at most H). Needs
             ``step_seconds``, ``max_steps`` (the run is ⌈max_steps / H⌉ rounds on every replica) and
             takes the loop over replicas (the batched path steps every replica together).
+        fragments: F, streaming fragments, as on the strategies (``docs/fragments.md``): one of F
+            fragments of the model (whole parameters) has a round every H/F steps. Needs an algorithm,
+            and fixed H without ``step_seconds``.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         error_feedback: bool | None = None,
         step_seconds: Sequence[float] | None = None,
         sync_seconds: float | None = None,
+        fragments: int = 1,
     ) -> None:
         if not shards:
             raise ValueError("need one shard (an iterable of batches) per replica, got none")
@@ -133,6 +138,12 @@ class TrainingSimulator(Measurements, PacedRounds):
                 or accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be an integer >= 1, got {accumulate_grad_batches!r}")
         check_precision(precision)
+        check_fragments(fragments, sync_every, overlap_steps, sync_seconds=sync_seconds)
+        if fragments != 1 and (algorithm is None or step_seconds is not None):
+            raise ValueError(
+                f"fragments={fragments} splits the outer step's exchanges: it needs an algorithm and works without "
+                "step_seconds (the modelled waits follow whole-model rounds). Use fragments=1 here."
+            )
         check_modelled_time(algorithm, len(shards), overlap_steps, max_steps, batched, step_seconds, sync_seconds)
         pseudo_gradient = algorithm.payload_is_pseudo_gradient if algorithm is not None else False
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback, pseudo_gradient)
@@ -141,7 +152,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         self.num_replicas, self.algorithm, self.sync_every = n, algorithm, sync_every
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
         self.accumulate_grad_batches, self.precision = accumulate_grad_batches, precision
-        self.max_steps, self.sync_seconds = max_steps, sync_seconds
+        self.max_steps, self.sync_seconds, self.fragments = max_steps, sync_seconds, fragments
         self.time = None if step_seconds is None else ModelledTime(step_seconds, algorithm)  # type: ignore[arg-type]
         self.loss_fn = loss or training_step_loss
         self._custom_loss = loss is not None
@@ -175,7 +186,7 @@ class TrainingSimulator(Measurements, PacedRounds):
                     label=f"Simulated replica {i}", final_outer_step=final_outer_step,
                     wire=wire if wire.lossy else None, sync_seconds=sync_seconds,
                     clock=time.perf_counter if self.time is None else self.time.clocks[i],
-                    plugin=None if self.time is None else self.time.plugin(i),
+                    plugin=None if self.time is None else self.time.plugin(i), fragments=fragments,
                 )
                 driver.track_norms = track_norms
                 driver.add(self.flats[i])
@@ -294,8 +305,9 @@ class TrainingSimulator(Measurements, PacedRounds):
     def _after_inner_step(self, last: bool) -> None:
         if not self.drivers:
             return
-        slot = self.drivers[0].slots[0]
-        busy = self.drivers[0].round_due(0) or slot.in_flight is not None
+        driver = self.drivers[0]
+        busy = driver.round_due(0) or any(slot.in_flight is not None for slot in driver.slots)
+        busy = busy or (last and self.fragments > 1)  # the end starts a round of every fragment
         if not busy:
             for driver in self.drivers:
                 driver.after_inner_step(0, last)
