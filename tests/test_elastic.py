@@ -465,7 +465,9 @@ def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse:
     common = {r["outer_step"] for r in r0["rounds"]} & {r["outer_step"] for r in r1["rounds"]}
     assert [(r["outer_step"], r["dropped"]) for r in r0["rounds"] if r["outer_step"] in common] == \
         [(r["outer_step"], r["dropped"]) for r in r1["rounds"] if r["outer_step"] in common]
-    assert any(r["dropped"] for r in r0["rounds"])
+    # a round was dropped on the survivors that were in it; which of them were depends on start-up order: on a
+    # loaded machine one survivor's start can outlast the others' first rounds, and it joins after both deaths
+    assert any(r["dropped"] for rec in (r0, r1) for r in rec["rounds"])
     assert r0["memberships"][-1]["members"] == ["r0", "r1"] == r1["memberships"][-1]["members"]
     # one of them, or both, may have joined a round or two late and healed: each is held to the fresh model's
     # loss on its own data
