@@ -1,7 +1,8 @@
 """B6 part 4: merging unequal H_i, the plain mean against a mean weighted by each replica's steps.
 
-    python -m benchmarks.b6_merge               # N = 4, DiLoCo and NoLoCo, 3 seeds: ~4 min on 2 cores
-    python -m benchmarks.b6_merge --replicas 8  # N = 8 (six replicas of 1 s, one of 2 s, one of 4 s)
+    python -m benchmarks.b6_merge               # N = 4, DiLoCo and NoLoCo, 3 seeds: 3-5 min on 2 cores
+    python -m benchmarks.b6_merge --replicas 8  # N = 8 (six replicas of 1 s, one of 2 s, one of 4 s): ~9 min
+    python -m benchmarks.b6_merge --seeds 3 4 --out b6_merge_seeds34.json  # more seeds, another file
     python -m benchmarks.b6_merge --quick       # seconds: N = 4, two tiny rounds of each merge, DiLoCo
 
 Under ``sync_seconds`` every replica takes its own number of inner steps H_i per round, so the
@@ -133,7 +134,8 @@ def lr_factor(speeds: list[float], sync_every: int, sync_seconds: float) -> floa
 def algorithm_of(name: str, merge: str, seed: int, factor: float = 1.0) -> Any:
     """The outer step of ``name`` with the ``merge``: "plain" (the package's own), "steps" (weighted by
     steps) or "plain_lr" (the plain mean with the outer learning rate × ``factor``, the control that
-    lengthens the outer step as much as weighting does, without leaning towards the fast replicas)."""
+    lengthens the outer step as much as weighting does, without leaning towards the fast replicas; for
+    NoLoCo γ = β follows it, as by default)."""
     if merge == "plain":
         return make_algorithm(name, seed)
     if merge == "plain_lr":
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", help="default 0 1 2 (quick: 0)")
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", help="the results file's name (default b6_merge.json; N = 8: b6_merge_n8.json)")
     args = parser.parse_args()
     if args.replicas < 4:
         parser.error(f"--replicas must be at least 4 (one replica 2x and one 4x slower), got {args.replicas}")
@@ -228,7 +231,7 @@ def main() -> None:
              "plain_lr_factor": lr_factor(speeds, h, h * min(speeds)),
              "step_seconds": speeds, "sync_seconds": h * min(speeds), "seeds": seeds, "rows": rows, "runs": runs,
              "wall_seconds": wall}
-    name = "b6_merge.json" if settings["replicas"] == 4 else f"b6_merge_n{settings['replicas']}.json"
+    name = args.out or ("b6_merge.json" if settings["replicas"] == 4 else f"b6_merge_n{settings['replicas']}.json")
     path = write_json(name, saved, results_dir(args.quick))
     print(f"wrote {path}")
 
