@@ -63,8 +63,10 @@ def make_algorithm(name: str, seed: int) -> Any:
     return NoLoCo(seed=seed) if name == "noloco" else GASLoC(seed=seed)
 
 
-def run_one(name: str, mode: str, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """One simulated run; its curve (loss after each round against modelled seconds) and shares."""
+def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm: Any = None) -> dict[str, Any]:
+    """One simulated run; its curve (loss after each round against modelled seconds) and shares.
+    ``algorithm``: an outer step to run in place of ``name``'s (a variant another benchmark measures);
+    if it has a ``bind(simulator)`` method, it is called once the simulator is built."""
     import torch
 
     from benchmarks.b5_convergence.runs import eval_batches
@@ -83,9 +85,12 @@ def run_one(name: str, mode: str, seed: int, settings: dict[str, Any]) -> dict[s
                                 shuffle=True, seed=seed)
     torch.manual_seed(seed)
     model = GPT(**MODEL, lr=settings["lr"], warmup_steps=h, max_steps=rounds * h)
-    sim = TrainingSimulator(model, shards, make_algorithm(name, seed), sync_every=h, loss=lambda m, b: m.loss(b),
+    algorithm = make_algorithm(name, seed) if algorithm is None else algorithm
+    sim = TrainingSimulator(model, shards, algorithm, sync_every=h, loss=lambda m, b: m.loss(b),
                             gradient_clip_val=1.0, max_steps=rounds * h, batched=False, step_seconds=speeds,
                             sync_seconds=None if mode == "fixed" else h * min(speeds), track_norms=False)
+    if hasattr(algorithm, "bind"):
+        algorithm.bind(sim)
     tokens_per_step = settings["batch_size"] * MODEL["block_size"]
     curve: list[dict[str, Any]] = []
 
