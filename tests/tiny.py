@@ -187,22 +187,7 @@ def run_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.
     ``timeout`` seconds is killed, and ``subprocess.TimeoutExpired`` raised."""
     out.mkdir(parents=True, exist_ok=True)
     streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the test runner
-        status = 1
-        try:
-            _print_to_files(streams)
-            torch.set_num_threads(1)
-            main(str(out), config)
-            status = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+    pid = _fork_main(out, config, streams, {})
     deadline = time.monotonic() + timeout
     while True:
         done, wait_status = os.waitpid(pid, os.WNOHANG)
@@ -228,27 +213,11 @@ def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subpr
 
     out.mkdir(parents=True, exist_ok=True)
     world, port = config["devices"], free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
     pids: dict[int, int] = {}
     for rank in range(world):
-        pid = os.fork()
-        if pid == 0:  # a rank: never returns into the test runner
-            status = 1
-            try:
-                _print_to_files({1: out / f"stdout{rank}.txt", 2: out / f"stderr{rank}.txt"})
-                os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
-                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                torch.set_num_threads(1)
-                main(str(out), config)
-                status = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(status)
-        pids[rank] = pid
+        env = dict(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        pids[rank] = _fork_main(out, config, {1: out / f"stdout{rank}.txt", 2: out / f"stderr{rank}.txt"}, env)
     codes: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     while len(codes) < world:
@@ -272,6 +241,30 @@ def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subpr
                       for name in ("stdout", "stderr"))
     returncode = next((code for _, code in sorted(codes.items()) if code != 0), 0)
     return subprocess.CompletedProcess([__file__, str(out)], returncode, stdout, stderr)
+
+
+def _fork_main(out: Path, config: dict[str, Any], streams: dict[int, Path], env: dict[str, str]) -> int:
+    """Forks a child that runs ``main(out, config)`` with ``env`` added to its environment and its output in
+    ``streams`` (see :func:`_print_to_files`), and ends with status 0, or 1 after printing the traceback of
+    what it raised; it never returns into the test runner. Returns the child's process id."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        _print_to_files(streams)
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        main(str(out), config)
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 _GRACE_S = 30.0  # how long the other ranks of a launch have to end on their own after one failed
