@@ -1,0 +1,218 @@
+"""B5's fidelity parts: GASLoC's two forms (``forms``) and the papers' regime (``long``).
+
+``forms`` (N = 4, iid): where GASLoC's outer momentum acts, ``momentum_on="mixed"`` (on the mixed
+iterates) against ``"sent"`` (heavy ball on the sent iterates, the public summary's form). Each form
+gets the same 2 × 2 × 2 grid of (η, γ, α) on random pairs and seed 0, at H = 1 and at H = 10; its
+best cell per H then runs 3 seeds, at H = 1 also on a ring. The baselines, 3 seeds each: plain
+gossip (pair averaging, ring and random pairs) at H = 1, DiLoCo and NoLoCo (paper defaults) at H = 10.
+
+``long`` (N = 8, iid): the papers' H = 50 and 60 outer steps (3,000 inner steps), every method with
+its paper defaults, 3 seeds, measured every 5 outer steps; then, one seed each, the settings that
+docs/tuning.md recommends from B5's H = 10 grid.
+
+Both write their own summary (``b5_forms.json``, ``b5_long.json``) and leave ``b5_convergence.json``
+as the other parts made it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.b5_convergence.grid import Job, Settings
+from benchmarks.common import table, write_json
+
+# ----------------------------------------------------------------------------------------- settings
+
+# The long part's model, data and inner optimizer are B5's (FULL); only H and the run length change,
+# and the warmup keeps the same share of the run (30 of 450 steps there).
+LONG = Settings(steps=3000, sync_every=50, batch_size=8, block_size=64, n_layer=2, n_embd=64, n_head=4, lr=3e-3,
+                warmup_steps=200, eval_every=250, eval_batches=8, final_eval_batches=64)
+LONG_QUICK = Settings(steps=32, sync_every=4, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
+                      warmup_steps=4, eval_every=8, eval_batches=2, final_eval_batches=4)
+LONG_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs")
+# GASLoC's other form (``momentum_on="sent"``), defaults otherwise: after the defaults' seeds
+LONG_OTHER_FORM = "gasloc_pairs_sent"
+# docs/tuning.md's recommendations for short runs (B5's tuning grid, N = 4, H = 10, 45 outer steps)
+LONG_TUNED = ("diloco@lr=0.7,m=0.0", "noloco@lr=0.5,m=0.25", "gasloc_pairs@lr=0.5,m=0.25")
+
+# The forms part's grid, the same for both forms and both H: η (outer_lr), γ (outer_momentum),
+# α (gossip_step). It holds the "matched" cell of B5's H = 1 part (η 1, γ ½, α ½: plain gossip
+# plus momentum) and, at its corners, the pair average's α = ½ and GASLoC's default α = ¼.
+FORMS_GRID = ((0.5, 1.0), (0.25, 0.5), (0.25, 0.5))
+FORMS = ("mixed", "sent")
+FORMS_H = (1, 10)
+FORMS_BASELINES = {1: ("gossip_pairs", "gossip_ring"), 10: ("diloco", "noloco")}
+
+
+def gasloc_name(topology: str, form: str, lr: float, momentum: float, alpha: float) -> str:
+    """A method name that :func:`benchmarks.b5_convergence.grid.make_algorithm` builds:
+    ``gasloc_pairs_sent@lr=1.0,m=0.5,a=0.5``."""
+    suffix = "_sent" if form == "sent" else ""
+    return f"gasloc_{topology}{suffix}@lr={lr},m={momentum},a={alpha}"
+
+
+def form_of(method: str) -> str:
+    return "sent" if method.split("@")[0].endswith("_sent") else "mixed"
+
+
+# ----------------------------------------------------------------------------------------- jobs
+
+
+def forms_jobs(settings: Settings, quick: bool) -> list[Job]:
+    """The grid on seed 0 and the baselines' seed 0 first, then the baselines' other seeds; the best
+    cells' seeds come from :func:`forms_best_jobs` once the grid has run."""
+    n, seeds = (2, (0,)) if quick else (4, (0, 1, 2))
+    hs = (1, settings.sync_every) if quick else FORMS_H
+    lrs, momenta, alphas = FORMS_GRID
+    jobs = []
+    for h in hs:
+        jobs += [Job(m, n, "iid", 0, h, "forms") for m in FORMS_BASELINES[1 if h == 1 else 10]]
+        cells = [(a, b, c) for a in lrs for b in momenta for c in alphas]
+        if quick:
+            cells = cells[:: len(cells) - 1]  # the two corners
+        jobs += [Job(gasloc_name("pairs", form, *cell), n, "iid", 0, h, "forms") for form in FORMS for cell in cells]
+    for h in hs:
+        jobs += [Job(m, n, "iid", s, h, "forms") for s in seeds[1:] for m in FORMS_BASELINES[1 if h == 1 else 10]]
+    return jobs
+
+
+def forms_best(runs_dir: Path) -> dict[tuple[int, str], str]:
+    """Each form's best grid cell per H (lowest consensus loss on seed 0): {(H, form): method}."""
+    best: dict[tuple[int, str], dict[str, Any]] = {}
+    for p in runs_dir.glob("forms-gasloc_pairs*@*-s0.json"):
+        r = json.loads(p.read_text())
+        key = (r["sync_every"], form_of(r["method"]))
+        if key not in best or r["final"]["consensus"] < best[key]["final"]["consensus"]:
+            best[key] = r
+    return {k: r["method"] for k, r in best.items()}
+
+
+def forms_best_jobs(runs_dir: Path, quick: bool) -> list[Job]:
+    """Every seed of each form's best cell; at H = 1 also on a ring (the same cell)."""
+    n, seeds = (2, (0,)) if quick else (4, (0, 1, 2))
+    jobs = []
+    for (h, _), method in sorted(forms_best(runs_dir).items()):
+        jobs += [Job(method, n, "iid", s, h, "forms") for s in seeds]
+        if h == 1:
+            jobs += [Job(method.replace("gasloc_pairs", "gasloc_ring"), n, "iid", s, h, "forms") for s in seeds]
+    return jobs
+
+
+def long_jobs(settings: Settings, quick: bool) -> list[Job]:
+    """Seed by seed (an interrupted run has whole seeds), then GASLoC's other form on every seed, then
+    the H = 10 recommendations on seed 0."""
+    n, seeds = (4, (0,)) if quick else (8, (0, 1, 2))
+    jobs = [Job(m, n, "iid", s, settings.sync_every, "long") for s in seeds for m in LONG_METHODS]
+    jobs += [Job(LONG_OTHER_FORM, n, "iid", s, settings.sync_every, "long") for s in seeds]
+    return jobs + [Job(m, n, "iid", 0, settings.sync_every, "long") for m in LONG_TUNED]
+
+
+# ----------------------------------------------------------------------------------------- summaries
+
+
+def _records(runs_dir: Path, part: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"{part}-*.json"))]
+
+
+def _stat(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.mean(values), "half_range": (max(values) - min(values)) / 2, "n": len(values)}
+
+
+def _group(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["sync_every"], r["method"]), []).append(r)
+    return groups
+
+
+def forms_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -> dict[str, Any]:
+    """The grid (seed 0), and each form's best against the baselines over seeds."""
+    records = _records(runs_dir, "forms")
+    groups = _group(records)
+    grid = []
+    for (h, method), runs in sorted(groups.items()):
+        if "@" not in method or not method.startswith("gasloc_pairs"):
+            continue
+        values = dict(item.split("=") for item in method.split("@")[1].split(","))
+        seed0 = [r for r in runs if r["seed"] == 0]
+        if seed0:
+            grid.append({"H": h, "form": form_of(method), "eta": float(values["lr"]), "gamma": float(values["m"]),
+                         "alpha": float(values["a"]), "consensus": seed0[0]["final"]["consensus"],
+                         "mean_replica": seed0[0]["final"]["mean_replica"]})
+    best = forms_best(runs_dir)
+    chosen = set(best.values()) | {m.replace("gasloc_pairs", "gasloc_ring") for (h, _), m in best.items() if h == 1}
+    rows = []
+    for (h, method), runs in sorted(groups.items()):
+        if "@" in method and method not in chosen:
+            continue
+        rows.append({"H": h, "method": method, "form": form_of(method) if method.startswith("gasloc") else "",
+                     "seeds": len(runs), "consensus": _stat([r["final"]["consensus"] for r in runs]),
+                     "mean_replica": _stat([r["final"]["mean_replica"] for r in runs])})
+    flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"], "m": r["mean_replica"]["mean"]}
+            for r in rows]
+    print(table(grid, [("H", "H", "d"), ("form", "form", "s"), ("eta", "η", ".2f"), ("gamma", "γ", ".2f"),
+                       ("alpha", "α", ".2f"), ("consensus", "consensus (s0)", ".3f"),
+                       ("mean_replica", "mean replica (s0)", ".3f")]))
+    print(table(flat, [("H", "H", "d"), ("method", "method", "s"), ("seeds", "seeds", "d"),
+                       ("c", "consensus", ".3f"), ("cpm", "±", ".3f"), ("m", "mean replica", ".3f")]))
+    summary = {"settings": asdict(settings), "quick": quick, "grid": grid, "best": {f"H={h} {f}": m for (h, f), m in best.items()},
+               "rows": rows, "runs": len(records)}
+    write_json("b5_forms.json", summary, folder)
+    print(f"wrote {folder / 'b5_forms.json'}")
+    return summary
+
+
+def long_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -> dict[str, Any]:
+    """Final losses over seeds, and the curve: at every measuring point (outer steps so far), each
+    method's consensus and mean-replica loss (mean over seeds) and its gap to independent replicas'
+    mean replica (positive: better than never communicating) and to DDP."""
+    records = _records(runs_dir, "long")
+    groups = _group(records)
+    rows = []
+    for (h, method), runs in sorted(groups.items(), key=lambda kv: _order(kv[0][1])):
+        rows.append({"method": method, "seeds": len(runs), "consensus": _stat([r["final"]["consensus"] for r in runs]),
+                     "mean_replica": _stat([r["final"]["mean_replica"] for r in runs]),
+                     "mbytes_per_replica": statistics.mean(r["final"]["bytes_per_replica"] for r in runs) / 1e6})
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for (h, method), runs in groups.items():
+        points = zip(*[r["curve"] for r in runs])
+        curves[method] = [{"step": p[0]["step"], "outer_steps": p[0]["step"] // h, "seeds": len(p),
+                           "consensus": statistics.mean(q["consensus"] for q in p),
+                           "mean_replica": statistics.mean(q["mean_replica"] for q in p)} for p in points]
+    gaps = []
+    indep, ddp = curves.get("independent"), curves.get("ddp")
+    for method, curve in sorted(curves.items(), key=lambda kv: _order(kv[0])):
+        if method in ("independent", "ddp") or indep is None:
+            continue
+        for k, (point, base) in enumerate(zip(curve, indep)):
+            if k == 0:
+                continue
+            gap = {"method": method, "outer_steps": point["outer_steps"],
+                   "consensus_vs_independent": base["mean_replica"] - point["consensus"],
+                   "replica_vs_independent": base["mean_replica"] - point["mean_replica"]}
+            if ddp is not None:
+                gap["consensus_vs_ddp"] = point["consensus"] - ddp[k]["consensus"]
+            gaps.append(gap)
+    flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"], "m": r["mean_replica"]["mean"],
+             "mpm": r["mean_replica"]["half_range"]} for r in rows]
+    print(table(flat, [("method", "method", "s"), ("seeds", "seeds", "d"), ("c", "consensus", ".3f"), ("cpm", "±", ".3f"),
+                       ("m", "mean replica", ".3f"), ("mpm", "±", ".3f"), ("mbytes_per_replica", "MB/replica", ".1f")]))
+    print(table(gaps, [("method", "method", "s"), ("outer_steps", "outer steps", "d"),
+                       ("consensus_vs_independent", "indep. replica − consensus", "+.3f"),
+                       ("replica_vs_independent", "indep. replica − mean replica", "+.3f"),
+                       ("consensus_vs_ddp", "consensus − DDP", "+.3f")]))
+    summary = {"settings": asdict(settings), "quick": quick, "rows": rows, "curves": curves, "gaps": gaps,
+               "runs": len(records)}
+    write_json("b5_long.json", summary, folder)
+    print(f"wrote {folder / 'b5_long.json'}")
+    return summary
+
+
+def _order(method: str) -> tuple[int, str]:
+    base = method.split("@")[0]
+    order = (*LONG_METHODS, LONG_OTHER_FORM)
+    return (order.index(base) if base in order else len(order), method)
