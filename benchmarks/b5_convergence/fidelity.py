@@ -2,9 +2,10 @@
 
 ``forms`` (N = 4, iid): where GASLoC's outer momentum acts, ``momentum_on="mixed"`` (on the mixed
 iterates) against ``"sent"`` (heavy ball on the sent iterates, the public summary's form). Each form
-gets the same 2 × 2 × 2 grid of (η, γ, α) on random pairs and seed 0, at H = 1 and at H = 10; its
-best cell per H then runs 3 seeds, at H = 1 also on a ring. The baselines, 3 seeds each: plain
-gossip (pair averaging, ring and random pairs) at H = 1, DiLoCo and NoLoCo (paper defaults) at H = 10.
+gets the same grid of (η, γ, α) on random pairs and seed 0 (``FORMS_GRID``: 2 × 2 × 2 at H = 1,
+2 × 2 at H = 10); its best cell per H then runs 3 seeds, at H = 1 also on a ring. The baselines,
+3 seeds each: plain gossip (pair averaging, ring and random pairs) at H = 1, DiLoCo and NoLoCo
+(paper defaults) at H = 10, taken from B5's published runs of the same configuration.
 
 ``long`` (N = 8, iid): the papers' H = 50 and 60 outer steps (3,000 inner steps), every method with
 its paper defaults, 3 seeds, measured every 5 outer steps; then, one seed each, the settings that
@@ -27,9 +28,10 @@ from benchmarks.common import table, write_json
 
 # ----------------------------------------------------------------------------------------- settings
 
-# The long part's model, data and inner optimizer are B5's (FULL); only H and the run length change,
-# and the warmup keeps the same share of the run (30 of 450 steps there).
-LONG = Settings(steps=3000, sync_every=50, batch_size=8, block_size=64, n_layer=2, n_embd=64, n_head=4, lr=3e-3,
+# The long part's model, data and inner optimizer are B5's (FULL); H and the run length change, the
+# warmup keeps the same share of the run (30 of 450 steps there), and each replica's batch is 4
+# sequences instead of 8, so that 15 runs of 3,000 steps fit in about an hour on the shared 2 cores.
+LONG = Settings(steps=3000, sync_every=50, batch_size=4, block_size=64, n_layer=2, n_embd=64, n_head=4, lr=3e-3,
                 warmup_steps=200, eval_every=250, eval_batches=8, final_eval_batches=64)
 LONG_QUICK = Settings(steps=32, sync_every=4, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
                       warmup_steps=4, eval_every=8, eval_batches=2, final_eval_batches=4)
@@ -39,13 +41,19 @@ LONG_OTHER_FORM = "gasloc_pairs_sent"
 # docs/tuning.md's recommendations for short runs (B5's tuning grid, N = 4, H = 10, 45 outer steps)
 LONG_TUNED = ("diloco@lr=0.7,m=0.0", "noloco@lr=0.5,m=0.25", "gasloc_pairs@lr=0.5,m=0.25")
 
-# The forms part's grid, the same for both forms and both H: η (outer_lr), γ (outer_momentum),
-# α (gossip_step). It holds the "matched" cell of B5's H = 1 part (η 1, γ ½, α ½: plain gossip
-# plus momentum) and, at its corners, the pair average's α = ½ and GASLoC's default α = ¼.
-FORMS_GRID = ((0.5, 1.0), (0.25, 0.5), (0.25, 0.5))
+# The forms part's grid, the same for both forms: η (outer_lr), γ (outer_momentum), α (gossip_step).
+# At H = 1, 2 x 2 x 2: it holds the "matched" cell of B5's H = 1 part (η 1, γ ½, α ½: plain gossip
+# plus momentum), the pair average's α = ½ and GASLoC's default α = ¼. At H = 10, 2 x 2 at the
+# default α = ¼ (the shared 2-core machine allowed no more; B5's tuning part found η and γ to matter there).
+FORMS_GRID = {1: ((0.5, 1.0), (0.25, 0.5), (0.25, 0.5)), 10: ((0.5, 1.0), (0.25, 0.5), (0.25,))}
 FORMS = ("mixed", "sent")
 FORMS_H = (1, 10)
 FORMS_BASELINES = {1: ("gossip_pairs", "gossip_ring"), 10: ("diloco", "noloco")}
+
+
+def baselines_for(h: int) -> tuple[str, ...]:
+    """The baselines at H = 1, and at the longer H (10; 4 in the quick run)."""
+    return FORMS_BASELINES[1 if h == 1 else 10]
 
 
 def gasloc_name(topology: str, form: str, lr: float, momentum: float, alpha: float) -> str:
@@ -67,17 +75,51 @@ def forms_jobs(settings: Settings, quick: bool) -> list[Job]:
     cells' seeds come from :func:`forms_best_jobs` once the grid has run."""
     n, seeds = (2, (0,)) if quick else (4, (0, 1, 2))
     hs = (1, settings.sync_every) if quick else FORMS_H
-    lrs, momenta, alphas = FORMS_GRID
     jobs = []
     for h in hs:
-        jobs += [Job(m, n, "iid", 0, h, "forms") for m in FORMS_BASELINES[1 if h == 1 else 10]]
+        if h == 1 or quick:  # H = 10: B5's published runs (seed 0 of H = 1 runs again as the check)
+            jobs += [Job(m, n, "iid", 0, h, "forms") for m in baselines_for(h)]
+        lrs, momenta, alphas = FORMS_GRID[1 if h == 1 else 10]
         cells = [(a, b, c) for a in lrs for b in momenta for c in alphas]
         if quick:
             cells = cells[:: len(cells) - 1]  # the two corners
         jobs += [Job(gasloc_name("pairs", form, *cell), n, "iid", 0, h, "forms") for form in FORMS for cell in cells]
-    for h in hs:
-        jobs += [Job(m, n, "iid", s, h, "forms") for s in seeds[1:] for m in FORMS_BASELINES[1 if h == 1 else 10]]
+    if quick:  # no published runs to take the other seeds from (see forms_baselines)
+        for h in hs:
+            jobs += [Job(m, n, "iid", s, h, "forms") for s in seeds[1:] for m in baselines_for(h)]
     return jobs
+
+
+def published_finals(folder: Path) -> dict[str, dict[str, float]]:
+    """The final losses of B5's published runs (``b5_convergence.json``'s curves), by run name."""
+    path = folder / "b5_convergence.json"
+    if not path.exists():
+        return {}
+    curves = json.loads(path.read_text()).get("curves", {})
+    return {name: curve[-1] for name, curve in curves.items()}
+
+
+def forms_baselines(records: list[dict[str, Any]], folder: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The baselines' finals for every seed: this part's own runs, and for the other seeds B5's
+    published runs of the same configuration (the h1 and main parts: same settings, seeds and data;
+    the simulator is deterministic). Seed 0 runs here again as the check: ``checks`` lists it
+    against the published value."""
+    published = published_finals(folder)
+    own = {(r["sync_every"], r["method"], r["seed"]): r["final"] for r in records
+           if r["method"] in baselines_for(r["sync_every"])}
+    wanted = set(own) | {(h, m, seed) for h, methods in FORMS_BASELINES.items() for m in methods for seed in (0, 1, 2)}
+    finals, checks = [], []
+    for h, method, seed in sorted(wanted):
+        name = f"h1-{method}-n4-iid-h1-s{seed}" if h == 1 else f"main-{method}-n4-iid-h{h}-s{seed}"
+        mine, theirs = own.get((h, method, seed)), published.get(name)
+        if mine is not None and theirs is not None:
+            checks.append({"H": h, "method": method, "seed": seed, "here": mine["consensus"],
+                           "published": theirs["consensus"]})
+        final = mine or theirs
+        if final is not None:
+            finals.append({"H": h, "method": method, "seed": seed, "consensus": final["consensus"],
+                           "mean_replica": final["mean_replica"], "source": "here" if mine else name})
+    return finals, checks
 
 
 def forms_best(runs_dir: Path) -> dict[tuple[int, str], str]:
@@ -145,25 +187,55 @@ def forms_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) 
                          "mean_replica": seed0[0]["final"]["mean_replica"]})
     best = forms_best(runs_dir)
     chosen = set(best.values()) | {m.replace("gasloc_pairs", "gasloc_ring") for (h, _), m in best.items() if h == 1}
+    finals, checks = forms_baselines(records, folder)
+    for r in records:
+        if "@" in r["method"] and r["method"] in chosen:
+            finals.append({"H": r["sync_every"], "method": r["method"], "seed": r["seed"], **{
+                k: r["final"][k] for k in ("consensus", "mean_replica")}, "source": "here"})
+    by: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for f in finals:
+        by.setdefault((f["H"], f["method"]), []).append(f)
     rows = []
-    for (h, method), runs in sorted(groups.items()):
-        if "@" in method and method not in chosen:
-            continue
+    for (h, method), runs in sorted(by.items()):
         rows.append({"H": h, "method": method, "form": form_of(method) if method.startswith("gasloc") else "",
-                     "seeds": len(runs), "consensus": _stat([r["final"]["consensus"] for r in runs]),
-                     "mean_replica": _stat([r["final"]["mean_replica"] for r in runs])})
-    flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"], "m": r["mean_replica"]["mean"]}
+                     "seeds": len(runs), "consensus": _stat([r["consensus"] for r in runs]),
+                     "mean_replica": _stat([r["mean_replica"] for r in runs]),
+                     "paired_vs": _paired(runs, by, h)})
+    flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"], "m": r["mean_replica"]["mean"],
+             "vs": ", ".join(f"{b} {d['mean']:+.3f} ± {d['half_range']:.3f}" for b, d in r["paired_vs"].items())}
             for r in rows]
     print(table(grid, [("H", "H", "d"), ("form", "form", "s"), ("eta", "η", ".2f"), ("gamma", "γ", ".2f"),
                        ("alpha", "α", ".2f"), ("consensus", "consensus (s0)", ".3f"),
                        ("mean_replica", "mean replica (s0)", ".3f")]))
     print(table(flat, [("H", "H", "d"), ("method", "method", "s"), ("seeds", "seeds", "d"),
-                       ("c", "consensus", ".3f"), ("cpm", "±", ".3f"), ("m", "mean replica", ".3f")]))
+                       ("c", "consensus", ".3f"), ("cpm", "±", ".3f"), ("m", "mean replica", ".3f"),
+                       ("vs", "paired Δ consensus vs baselines", "s")]))
+    if checks:
+        print(table(checks, [("H", "H", "d"), ("method", "baseline", "s"), ("seed", "seed", "d"),
+                             ("here", "consensus here", ".5f"), ("published", "published", ".5f")]))
     summary = {"settings": asdict(settings), "quick": quick, "grid": grid, "best": {f"H={h} {f}": m for (h, f), m in best.items()},
-               "rows": rows, "runs": len(records)}
+               "rows": rows, "finals": finals, "reproduced": checks, "runs": len(records)}
     write_json("b5_forms.json", summary, folder)
     print(f"wrote {folder / 'b5_forms.json'}")
     return summary
+
+
+def _paired(runs: list[dict[str, Any]], by: dict[tuple[int, str], list[dict[str, Any]]], h: int) -> dict[str, Any]:
+    """For a GASLoC row: its consensus loss minus each baseline's of the same H, seed by seed (the
+    same start and data), mean and half the range. Negative: GASLoC is better."""
+    out: dict[str, Any] = {}
+    if not runs[0]["method"].startswith("gasloc"):
+        return out
+    topology = "ring" if runs[0]["method"].startswith("gasloc_ring") else "pairs"
+    mine = {r["seed"]: r["consensus"] for r in runs}
+    for base in baselines_for(h):
+        if h == 1 and not base.endswith(topology):
+            continue
+        theirs = {r["seed"]: r["consensus"] for r in by.get((h, base), [])}
+        diffs = [mine[s] - theirs[s] for s in sorted(mine) if s in theirs]
+        if diffs:
+            out[base] = _stat(diffs)
+    return out
 
 
 def long_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -> dict[str, Any]:
