@@ -16,6 +16,7 @@ from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, ring_all_reduce_bytes, wir
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.short_runs import warn_if_short
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
     ReplicaContext,
@@ -137,6 +138,7 @@ class TrainingSimulator:
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
         self.accumulate_grad_batches, self.precision = accumulate_grad_batches, precision
         self.max_steps = max_steps
+        warn_if_short(algorithm, max_steps, sync_every, warnings.warn)  # the strategies' warning, at fit's start
         self.loss_fn = loss or training_step_loss
         self._custom_loss = loss is not None
         self._template = unattached_copy(module)  # for the consensus model; never attached to a Trainer
