@@ -319,3 +319,39 @@ def test_b6_quick(tmp_path):
         assert all(0 < p["val_loss"] < 6 for p in curve)  # real losses from the replicas' weights
         assert 0 < run["fast_share"] <= 1 and len(run["h_i"]) == 4
     assert result["runs"]["noloco"]["fixed"][0]["h_i"] == [4, 4, 4, 4]  # one H for all
+
+
+@pytest.mark.slow
+def test_gpu_quality_dry_run(tmp_path):
+    """Without CUDA: every configuration trains the tiny model (no budget) and the table and JSON come out."""
+    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_quality"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "gpu_quality.json").read_text())
+    assert result["cuda"] is False and result["calibration"] is None and result["replicas"] == 8
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["independent", "ddp", "diloco", "noloco", "gasloc_pairs"]
+    for method, row in rows.items():
+        assert row["status"] == "ran", row
+        assert 0 < row["consensus"] < 10 and 0 < row["mean_replica"] < 10, row  # finite losses from training
+        assert row["outer_steps"] == 4 and len(result["curves"][method]) == 3  # the start, step 8 and step 16
+        assert (row["mbytes_per_replica"] > 0) == (method != "independent")
+    assert rows["ddp"]["vs_ddp"] == 0 and rows["independent"]["vs_independent"] != 0  # its consensus is not a replica
+    for method in rows:
+        assert method in proc.stdout  # the table
+    assert "CPU dry run" in proc.stdout
+
+
+def test_gpu_quality_budget_guard_fits_the_runs_in_the_time_left():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_quality import GPU, MARGIN, MAX_OUTER_STEPS, steps_for
+
+    for left, per_step, fixed in [(300.0, 0.03, 5.0), (300.0, 0.1, 10.0), (120.0, 0.05, 3.0)]:
+        steps = steps_for(left, 5, per_step, fixed, GPU)
+        assert steps % GPU.eval_every == 0 and steps >= GPU.eval_every
+        assert 5 * (fixed + MARGIN * per_step * steps) <= left  # all five runs fit
+        more = steps + GPU.eval_every  # and one more block would not (unless capped)
+        assert 5 * (fixed + MARGIN * per_step * more) > left or steps == MAX_OUTER_STEPS * GPU.sync_every
+    assert steps_for(10_000.0, 5, 0.001, 1.0, GPU) == MAX_OUTER_STEPS * GPU.sync_every  # capped
+    assert steps_for(10.0, 5, 1.0, 5.0, GPU) == GPU.eval_every  # nothing fits: the shortest run, then skipped

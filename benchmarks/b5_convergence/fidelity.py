@@ -134,14 +134,13 @@ def forms_best(runs_dir: Path) -> dict[tuple[int, str], str]:
 
 
 def forms_best_jobs(runs_dir: Path, quick: bool) -> list[Job]:
-    """Every seed of each form's best cell; at H = 1 also on a ring (the same cell)."""
+    """Every seed of each form's best cell on random pairs, then at H = 1 on a ring (the same cell),
+    seed by seed."""
     n, seeds = (2, (0,)) if quick else (4, (0, 1, 2))
-    jobs = []
-    for (h, _), method in sorted(forms_best(runs_dir).items()):
-        jobs += [Job(method, n, "iid", s, h, "forms") for s in seeds]
-        if h == 1:
-            jobs += [Job(method.replace("gasloc_pairs", "gasloc_ring"), n, "iid", s, h, "forms") for s in seeds]
-    return jobs
+    best = sorted(forms_best(runs_dir).items())
+    jobs = [Job(method, n, "iid", s, h, "forms") for (h, _), method in best for s in seeds]
+    rings = [(h, method.replace("gasloc_pairs", "gasloc_ring")) for (h, _), method in best if h == 1]
+    return jobs + [Job(method, n, "iid", s, h, "forms") for s in seeds for h, method in rings]
 
 
 def long_jobs(settings: Settings, quick: bool) -> list[Job]:
