@@ -292,6 +292,29 @@ def test_b5_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_b5_fidelity_parts_quick(tmp_path):
+    """The forms part (both forms over the same grid, each form's best against the baselines) and the
+    long part (the curve of gaps to independent replicas and DDP), each with its own summary."""
+    bench(tmp_path, "b5_convergence", "--parts", "forms", "long")
+    assert not (tmp_path / "b5_convergence.json").exists()  # the other parts' summary is left alone
+    forms = json.loads((tmp_path / "b5_forms.json").read_text())
+    assert {(g["H"], g["form"]) for g in forms["grid"]} == {(1, "mixed"), (1, "sent"), (4, "mixed"), (4, "sent")}
+    assert set(forms["best"]) == {"H=1 mixed", "H=1 sent", "H=4 mixed", "H=4 sent"}
+    methods = {(r["H"], r["method"]) for r in forms["rows"]}
+    assert {(1, "gossip_pairs"), (1, "gossip_ring"), (4, "diloco"), (4, "noloco")} <= methods
+    assert any(m.startswith("gasloc_ring_sent@") for _, m in methods)  # the best cell also on a ring at H = 1
+    for r in forms["rows"]:
+        assert 0 < r["consensus"]["mean"] < 6
+        if r["method"].startswith("gasloc"):
+            assert r["paired_vs"]  # against the baselines, seed by seed
+    long = json.loads((tmp_path / "b5_long.json").read_text())
+    assert {r["method"] for r in long["rows"]} >= {"ddp", "independent", "diloco", "noloco", "gasloc_pairs"}
+    steps = sorted({g["outer_steps"] for g in long["gaps"] if g["method"] == "noloco"})
+    assert steps == [2, 4, 6, 8]  # every measuring point, by outer steps so far
+    assert all(abs(g["consensus_vs_independent"]) < 6 for g in long["gaps"])
+
+
+@pytest.mark.slow
 def test_simulator_sweep_quick(tmp_path):
     bench(tmp_path, "simulator_sweep")
     result = json.loads((tmp_path / "simulator_sweep.json").read_text())
