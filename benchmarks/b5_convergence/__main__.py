@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import benchmarks.b5_convergence
 from benchmarks.b5_convergence.analysis import report
@@ -38,7 +38,8 @@ def run_all(pool: Any, jobs: list[Job], settings: Settings, runs_dir: Path, star
 FIDELITY_PARTS = ("forms", "long")
 
 
-def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, runs_dir: Path, started: float) -> None:
+def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, runs_dir: Path, started: float,
+                   seeds: Optional[list[int]] = None) -> None:
     """The ``forms`` and ``long`` parts (:mod:`.fidelity`), each with its own settings and summary."""
     forms_settings, long_settings = (QUICK, LONG_QUICK) if quick else (FULL, LONG)
 
@@ -53,7 +54,7 @@ def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, ru
             run_all(pool, missing(forms_best_jobs(runs_dir, quick)), forms_settings, runs_dir, started)
             forms_report(folder, runs_dir, forms_settings, quick)
         if "long" in parts:
-            todo = missing(long_jobs(long_settings, quick))
+            todo = missing(long_jobs(long_settings, quick, seeds))
             print(f"B5 long on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
             run_all(pool, todo, long_settings, runs_dir, started)
             long_report(folder, runs_dir, long_settings, quick)
@@ -70,6 +71,8 @@ def main() -> None:
                         help=f"default: {' '.join(DEFAULT_PARTS)} (--quick: {' '.join(PARTS)}); "
                         f"{' and '.join(FIDELITY_PARTS)} write their own summaries")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and start over")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="the long part: only these seeds of its default methods (more seeds later, or alongside)")
     parser.add_argument("--lightning-run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.lightning_run:
@@ -87,7 +90,7 @@ def main() -> None:
     started = time.perf_counter()
     fidelity = [p for p in args.parts if p in FIDELITY_PARTS]
     if fidelity:
-        fidelity_parts(fidelity, args.quick, args.workers, folder, runs_dir, started)
+        fidelity_parts(fidelity, args.quick, args.workers, folder, runs_dir, started, args.seeds)
         if len(fidelity) == len(args.parts):
             print(f"B5 took {time.perf_counter() - started:.0f} s")
             return

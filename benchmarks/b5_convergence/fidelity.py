@@ -21,7 +21,7 @@ import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from benchmarks.b5_convergence.grid import Job, Settings
 from benchmarks.common import table, write_json
@@ -36,6 +36,9 @@ LONG = Settings(steps=3000, sync_every=50, batch_size=4, block_size=64, n_layer=
 LONG_QUICK = Settings(steps=32, sync_every=4, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
                       warmup_steps=4, eval_every=8, eval_batches=2, final_eval_batches=4)
 LONG_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs")
+# With --seeds (more seeds for a part that ran out of time): the comparisons with independent
+# replicas first, DDP (far ahead of every other method) last
+LONG_PRIORITY = ("independent", "gasloc_pairs", "noloco", "diloco", "ddp")
 # GASLoC's other form (``momentum_on="sent"``), defaults otherwise: after the defaults' seeds
 LONG_OTHER_FORM = "gasloc_pairs_sent"
 # docs/tuning.md's recommendations for short runs (B5's tuning grid, N = 4, H = 10, 45 outer steps)
@@ -143,10 +146,13 @@ def forms_best_jobs(runs_dir: Path, quick: bool) -> list[Job]:
     return jobs + [Job(method, n, "iid", s, h, "forms") for s in seeds for h, method in rings]
 
 
-def long_jobs(settings: Settings, quick: bool) -> list[Job]:
+def long_jobs(settings: Settings, quick: bool, only_seeds: Optional[list[int]] = None) -> list[Job]:
     """Seed by seed (an interrupted run has whole seeds), then GASLoC's other form on every seed, then
-    the H = 10 recommendations on seed 0."""
+    the H = 10 recommendations on seed 0. ``only_seeds``: the default methods on these seeds alone,
+    in the order of ``LONG_PRIORITY``."""
     n, seeds = (4, (0,)) if quick else (8, (0, 1, 2))
+    if only_seeds is not None:
+        return [Job(m, n, "iid", s, settings.sync_every, "long") for s in only_seeds for m in LONG_PRIORITY]
     jobs = [Job(m, n, "iid", s, settings.sync_every, "long") for s in seeds for m in LONG_METHODS]
     jobs += [Job(LONG_OTHER_FORM, n, "iid", s, settings.sync_every, "long") for s in seeds]
     return jobs + [Job(m, n, "iid", 0, settings.sync_every, "long") for m in LONG_TUNED]
@@ -209,14 +215,36 @@ def forms_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) 
     print(table(flat, [("H", "H", "d"), ("method", "method", "s"), ("seeds", "seeds", "d"),
                        ("c", "consensus", ".3f"), ("cpm", "±", ".3f"), ("m", "mean replica", ".3f"),
                        ("vs", "paired Δ consensus vs baselines", "s")]))
+    gaps = form_gaps(finals)
+    print(table(gaps, [("H", "H", "d"), ("topology", "topology", "s"), ("seeds", "seeds", "d"),
+                       ("sent_minus_mixed", "consensus: sent − mixed (paired)", "+.4f"), ("half_range", "±", ".4f")]))
     if checks:
         print(table(checks, [("H", "H", "d"), ("method", "baseline", "s"), ("seed", "seed", "d"),
                              ("here", "consensus here", ".5f"), ("published", "published", ".5f")]))
     summary = {"settings": asdict(settings), "quick": quick, "grid": grid, "best": {f"H={h} {f}": m for (h, f), m in best.items()},
-               "rows": rows, "finals": finals, "reproduced": checks, "runs": len(records)}
+               "rows": rows, "form_gaps": gaps, "finals": finals, "reproduced": checks, "runs": len(records)}
     write_json("b5_forms.json", summary, folder)
     print(f"wrote {folder / 'b5_forms.json'}")
     return summary
+
+
+def form_gaps(finals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The two forms' best cells against each other, seed by seed, per H and topology: the consensus
+    loss of "sent" minus that of "mixed" (negative: the summary's form is better)."""
+    by: dict[tuple[int, str, str, int], float] = {}
+    for f in finals:
+        if "@" in f["method"]:
+            topology = "ring" if f["method"].startswith("gasloc_ring") else "random_pairs"
+            by[(f["H"], topology, form_of(f["method"]), f["seed"])] = f["consensus"]
+    out = []
+    for h, topology in sorted({(k[0], k[1]) for k in by}):
+        diffs = [by[(h, topology, "sent", s)] - by[(h, topology, "mixed", s)] for s in range(3)
+                 if (h, topology, "sent", s) in by and (h, topology, "mixed", s) in by]
+        if diffs:
+            stat = _stat(diffs)
+            out.append({"H": h, "topology": topology, "seeds": len(diffs), "sent_minus_mixed": stat["mean"],
+                        "half_range": stat["half_range"]})
+    return out
 
 
 def _paired(runs: list[dict[str, Any]], by: dict[tuple[int, str], list[dict[str, Any]]], h: int) -> dict[str, Any]:
