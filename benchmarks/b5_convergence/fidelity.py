@@ -282,20 +282,7 @@ def long_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -
         curves[method] = [{"step": p[0]["step"], "outer_steps": p[0]["step"] // h, "seeds": len(p),
                            "consensus": statistics.mean(q["consensus"] for q in p),
                            "mean_replica": statistics.mean(q["mean_replica"] for q in p)} for p in points]
-    gaps = []
-    indep, ddp = curves.get("independent"), curves.get("ddp")
-    for method, curve in sorted(curves.items(), key=lambda kv: _order(kv[0])):
-        if method in ("independent", "ddp") or indep is None:
-            continue
-        for k, (point, base) in enumerate(zip(curve, indep)):
-            if k == 0:
-                continue
-            gap = {"method": method, "outer_steps": point["outer_steps"],
-                   "consensus_vs_independent": base["mean_replica"] - point["consensus"],
-                   "replica_vs_independent": base["mean_replica"] - point["mean_replica"]}
-            if ddp is not None:
-                gap["consensus_vs_ddp"] = point["consensus"] - ddp[k]["consensus"]
-            gaps.append(gap)
+    gaps = _long_gaps(records)
     flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"], "m": r["mean_replica"]["mean"],
              "mpm": r["mean_replica"]["half_range"]} for r in rows]
     print(table(flat, [("method", "method", "s"), ("seeds", "seeds", "d"), ("c", "consensus", ".3f"), ("cpm", "±", ".3f"),
@@ -303,12 +290,39 @@ def long_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -
     print(table(gaps, [("method", "method", "s"), ("outer_steps", "outer steps", "d"),
                        ("consensus_vs_independent", "indep. replica − consensus", "+.3f"),
                        ("replica_vs_independent", "indep. replica − mean replica", "+.3f"),
-                       ("consensus_vs_ddp", "consensus − DDP", "+.3f")]))
+                       ("consensus_vs_ddp", "consensus − DDP", "+.3f"), ("seeds", "seeds", "d")]))
     summary = {"settings": asdict(settings), "quick": quick, "rows": rows, "curves": curves, "gaps": gaps,
                "runs": len(records)}
     write_json("b5_long.json", summary, folder)
     print(f"wrote {folder / 'b5_long.json'}")
     return summary
+
+
+def _long_gaps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At every measuring point of every method: its consensus and mean-replica loss against an
+    independent replica's (the mean replica of the independent run of the same seed; positive: better
+    than never communicating) and its consensus minus DDP's, each paired by seed and averaged over
+    the seeds that the method and the baseline both ran."""
+    runs = {(r["method"], r["seed"]): r["curve"] for r in records}
+    gaps = []
+    for method in sorted({m for m, _ in runs}, key=_order):
+        if method in ("independent", "ddp"):
+            continue
+        seeds = sorted(s for m, s in runs if m == method and ("independent", s) in runs)
+        if not seeds:
+            continue
+        for k in range(1, len(runs[(method, seeds[0])])):
+            points = [(runs[(method, s)][k], runs[("independent", s)][k]) for s in seeds]
+            gap = {"method": method, "outer_steps": points[0][0]["step"] // records[0]["sync_every"],
+                   "seeds": len(seeds),
+                   "consensus_vs_independent": statistics.mean(b["mean_replica"] - p["consensus"] for p, b in points),
+                   "replica_vs_independent": statistics.mean(b["mean_replica"] - p["mean_replica"] for p, b in points)}
+            with_ddp = [runs[(method, s)][k]["consensus"] - runs[("ddp", s)][k]["consensus"]
+                        for s in seeds if ("ddp", s) in runs]
+            if with_ddp:
+                gap["consensus_vs_ddp"] = statistics.mean(with_ddp)
+            gaps.append(gap)
+    return gaps
 
 
 def _order(method: str) -> tuple[int, str]:
