@@ -313,6 +313,29 @@ def test_b5_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_b5_fidelity_parts_quick(tmp_path):
+    """The forms part (both forms over the same grid, each form's best against the baselines) and the
+    long part (the curve of gaps to independent replicas and DDP), each with its own summary."""
+    bench(tmp_path, "b5_convergence", "--parts", "forms", "long")
+    assert not (tmp_path / "b5_convergence.json").exists()  # the other parts' summary is left alone
+    forms = json.loads((tmp_path / "b5_forms.json").read_text())
+    assert {(g["H"], g["form"]) for g in forms["grid"]} == {(1, "mixed"), (1, "sent"), (4, "mixed"), (4, "sent")}
+    assert set(forms["best"]) == {"H=1 mixed", "H=1 sent", "H=4 mixed", "H=4 sent"}
+    methods = {(r["H"], r["method"]) for r in forms["rows"]}
+    assert {(1, "gossip_pairs"), (1, "gossip_ring"), (4, "diloco"), (4, "noloco")} <= methods
+    assert any(m.startswith("gasloc_ring_sent@") for _, m in methods)  # the best cell also on a ring at H = 1
+    for r in forms["rows"]:
+        assert 0 < r["consensus"]["mean"] < 6
+        if r["method"].startswith("gasloc"):
+            assert r["paired_vs"]  # against the baselines, seed by seed
+    long = json.loads((tmp_path / "b5_long.json").read_text())
+    assert {r["method"] for r in long["rows"]} >= {"ddp", "independent", "diloco", "noloco", "gasloc_pairs"}
+    steps = sorted({g["outer_steps"] for g in long["gaps"] if g["method"] == "noloco"})
+    assert steps == [2, 4, 6, 8]  # every measuring point, by outer steps so far
+    assert all(abs(g["consensus_vs_independent"]) < 6 for g in long["gaps"])
+
+
+@pytest.mark.slow
 def test_simulator_sweep_quick(tmp_path):
     bench(tmp_path, "simulator_sweep")
     result = json.loads((tmp_path / "simulator_sweep.json").read_text())
@@ -408,3 +431,39 @@ def test_b6_merge_quick(tmp_path):
     assert [p["train_seconds"] for p in runs["plain"]["curve"]] == [p["train_seconds"] for p in runs["steps"]["curve"]]
     assert runs["plain"]["curve"][-1]["val_loss"] != runs["steps"]["curve"][-1]["val_loss"]
     assert all(0 < p["val_loss"] < 6 for run in runs.values() for p in run["curve"])  # real losses
+
+
+@pytest.mark.slow
+def test_gpu_quality_dry_run(tmp_path):
+    """Without CUDA: every configuration trains the tiny model (no budget) and the table and JSON come out."""
+    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_quality"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "gpu_quality.json").read_text())
+    assert result["cuda"] is False and result["calibration"] is None and result["replicas"] == 8
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["independent", "ddp", "diloco", "noloco", "gasloc_pairs"]
+    for method, row in rows.items():
+        assert row["status"] == "ran", row
+        assert 0 < row["consensus"] < 10 and 0 < row["mean_replica"] < 10, row  # finite losses from training
+        assert row["outer_steps"] == 4 and len(result["curves"][method]) == 3  # the start, step 8 and step 16
+        assert (row["mbytes_per_replica"] > 0) == (method != "independent")
+    assert rows["ddp"]["vs_ddp"] == 0 and rows["independent"]["vs_independent"] != 0  # its consensus is not a replica
+    for method in rows:
+        assert method in proc.stdout  # the table
+    assert "CPU dry run" in proc.stdout
+
+
+def test_gpu_quality_budget_guard_fits_the_runs_in_the_time_left():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_quality import GPU, MARGIN, MAX_OUTER_STEPS, steps_for
+
+    for left, per_step, fixed in [(300.0, 0.03, 5.0), (300.0, 0.1, 10.0), (120.0, 0.05, 3.0)]:
+        steps = steps_for(left, 5, per_step, fixed, GPU)
+        assert steps % GPU.eval_every == 0 and steps >= GPU.eval_every
+        assert 5 * (fixed + MARGIN * per_step * steps) <= left  # all five runs fit
+        more = steps + GPU.eval_every  # and one more block would not (unless capped)
+        assert 5 * (fixed + MARGIN * per_step * more) > left or steps == MAX_OUTER_STEPS * GPU.sync_every
+    assert steps_for(10_000.0, 5, 0.001, 1.0, GPU) == MAX_OUTER_STEPS * GPU.sync_every  # capped
+    assert steps_for(10.0, 5, 1.0, 5.0, GPU) == GPU.eval_every  # nothing fits: the shortest run, then skipped

@@ -4,6 +4,8 @@
     python -m benchmarks.b5_convergence --parts tuning h_study  # the tuning experiment: ~12 min more
     python -m benchmarks.b5_convergence --quick                 # a smoke run of every part, under a minute
     python -m benchmarks.b5_convergence --parts codecs          # wire formats: 45 runs, ~40 min on 2 cores
+    python -m benchmarks.b5_convergence --parts forms           # GASLoC's two forms: ~1 h on shared cores
+    python -m benchmarks.b5_convergence --parts long            # H = 50, 60 outer steps, N = 8: 15 runs
 
 Every method trains the same byte-level GPT on Shakespeare from the same start, with the same
 inner optimizer (AdamW, warmup then cosine), the same batch per replica and the same number of
@@ -33,9 +35,14 @@ Each finished run is kept as one JSON file in ``b5_runs/`` next to the results, 
 run resumes where it stopped (``--fresh`` starts over). The summary is ``b5_convergence.json`` with
 tables and PNGs.
 
+The ``forms`` and ``long`` parts (:mod:`.fidelity`) compare GASLoC's ``momentum_on`` forms at
+H = 1 and 10, and run the papers' H = 50 for 60 outer steps; each writes its own summary
+(``b5_forms.json``, ``b5_long.json``). ``--seeds`` runs more seeds of the long part alongside.
+
 Modules: :mod:`.grid` (settings, methods and the jobs of every part), :mod:`.runs` (one run in the
 simulator, and the ``processes`` part through :mod:`benchmarks.harness`), :mod:`.analysis` (tables
-and verdicts), :mod:`.plots` (the PNGs) and ``__main__`` (the command line).
+and verdicts), :mod:`.fidelity` (the forms and long parts), :mod:`.plots` (the PNGs) and ``__main__``
+(the command line).
 """
 
 from benchmarks.b5_convergence.grid import Job, Settings, tuned

@@ -8,10 +8,19 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import benchmarks.b5_convergence
 from benchmarks.b5_convergence.analysis import report
+from benchmarks.b5_convergence.fidelity import (
+    LONG,
+    LONG_QUICK,
+    forms_best_jobs,
+    forms_jobs,
+    forms_report,
+    long_jobs,
+    long_report,
+)
 from benchmarks.b5_convergence.grid import DEFAULT_PARTS, FULL, PARTS, QUICK, Job, Settings, best_tuning_jobs, jobs_for
 from benchmarks.b5_convergence.runs import lightning_run, processes_part, run_job
 from benchmarks.common import machine, results_dir
@@ -26,6 +35,31 @@ def run_all(pool: Any, jobs: list[Job], settings: Settings, runs_dir: Path, star
               f"mean replica {record['final']['mean_replica']:.3f} ({record['seconds']:.0f} s)", flush=True)
 
 
+FIDELITY_PARTS = ("forms", "long")
+
+
+def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, runs_dir: Path, started: float,
+                   seeds: Optional[list[int]] = None) -> None:
+    """The ``forms`` and ``long`` parts (:mod:`.fidelity`), each with its own settings and summary."""
+    forms_settings, long_settings = (QUICK, LONG_QUICK) if quick else (FULL, LONG)
+
+    def missing(jobs: list[Job]) -> list[Job]:
+        return [j for j in jobs if not (runs_dir / f"{j.name}.json").exists()]
+
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        if "forms" in parts:
+            todo = missing(forms_jobs(forms_settings, quick))
+            print(f"B5 forms on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
+            run_all(pool, todo, forms_settings, runs_dir, started)
+            run_all(pool, missing(forms_best_jobs(runs_dir, quick)), forms_settings, runs_dir, started)
+            forms_report(folder, runs_dir, forms_settings, quick)
+        if "long" in parts:
+            todo = missing(long_jobs(long_settings, quick, seeds))
+            print(f"B5 long on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
+            run_all(pool, todo, long_settings, runs_dir, started)
+            long_report(folder, runs_dir, long_settings, quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.b5_convergence", description=benchmarks.b5_convergence.__doc__,
@@ -33,9 +67,12 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a small model and grid: a smoke run of every part")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one thread each (default 2)")
-    parser.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS), choices=PARTS,
-                        help=f"default: {' '.join(DEFAULT_PARTS)} (--quick: all)")
+    parser.add_argument("--parts", nargs="+", default=list(DEFAULT_PARTS), choices=PARTS + FIDELITY_PARTS,
+                        help=f"default: {' '.join(DEFAULT_PARTS)} (--quick: {' '.join(PARTS)}); "
+                        f"{' and '.join(FIDELITY_PARTS)} write their own summaries")
     parser.add_argument("--fresh", action="store_true", help="forget finished runs and start over")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="the long part: only these seeds of its default methods (more seeds later, or alongside)")
     parser.add_argument("--lightning-run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.lightning_run:
@@ -50,9 +87,15 @@ def main() -> None:
     if args.fresh:
         for p in runs_dir.glob("*.json"):
             p.unlink()
+    started = time.perf_counter()
+    fidelity = [p for p in args.parts if p in FIDELITY_PARTS]
+    if fidelity:
+        fidelity_parts(fidelity, args.quick, args.workers, folder, runs_dir, started, args.seeds)
+        if len(fidelity) == len(args.parts):
+            print(f"B5 took {time.perf_counter() - started:.0f} s")
+            return
     todo = [j for j in jobs_for(settings, args.quick) if j.part in args.parts and not (runs_dir / f"{j.name}.json").exists()]
     print(f"B5 on {machine()}: {len(todo)} runs to do, {args.workers} at a time", flush=True)
-    started = time.perf_counter()
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
         run_all(pool, todo, settings, runs_dir, started)
         if "tuning" in args.parts:

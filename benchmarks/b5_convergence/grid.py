@@ -101,7 +101,7 @@ def tuned(method: str, lr: float, momentum: float) -> str:
 def make_algorithm(method: str) -> Any:
     from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 
-    if "@" in method:  # a tuning variant: "noloco@lr=0.5,m=0.25"
+    if "@" in method:  # a tuning variant: "noloco@lr=0.5,m=0.25", "gasloc_ring_sent@lr=1.0,m=0.5,a=0.5"
         base, spec = method.split("@")
         values = dict(item.split("=") for item in spec.split(","))
         lr, momentum = float(values["lr"]), float(values["m"])
@@ -109,7 +109,10 @@ def make_algorithm(method: str) -> Any:
             return DiLoCo(outer_lr=lr, outer_momentum=momentum)
         if base == "noloco":
             return NoLoCo(outer_lr=lr, outer_momentum=momentum)
-        return GASLoC(topology="random_pairs", outer_lr=lr, outer_momentum=momentum)
+        return GASLoC(outer_lr=lr, outer_momentum=momentum, gossip_step=float(values.get("a", 0.25)),
+                      **gasloc_form(base))
+    if method.startswith("gasloc") and method.endswith("_sent"):
+        return GASLoC(**gasloc_form(method))
     return {
         "ddp": None,
         "independent": None,
@@ -124,6 +127,13 @@ def make_algorithm(method: str) -> Any:
     }[method]
 
 
+def gasloc_form(base: str) -> dict[str, str]:
+    """GASLoC's topology and form from a method's name: ``gasloc_ring_sent`` is a ring with
+    ``momentum_on="sent"``; ``gasloc_pairs`` random pairs with the default form."""
+    topology = "ring" if base.startswith("gasloc_ring") else "random_pairs"
+    return {"topology": topology, "momentum_on": "sent" if base.endswith("_sent") else "mixed"}
+
+
 @dataclass(frozen=True)
 class Job:
     method: str
@@ -131,7 +141,7 @@ class Job:
     split: str
     seed: int
     sync_every: int
-    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs" or "fragments"
+    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "forms" or "long"
     wire: str = "float32"  # a key of CODECS
     fragments: int = 1  # F, streaming fragments (the fragments part)
 

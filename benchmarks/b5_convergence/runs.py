@@ -62,8 +62,24 @@ def gpt_loss(module: Any, batch: Any) -> Any:
     return module.loss(batch)
 
 
-def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, Any]:
-    """Trains one configuration in the simulator and writes its record to ``out``.
+class OnDevice:
+    """A replica's batches moved to ``device`` as they are drawn (the sampler stays reachable, so
+    that the simulator still sets the epoch)."""
+
+    def __init__(self, loader: Any, device: str) -> None:
+        self.loader, self.device, self.sampler = loader, device, getattr(loader, "sampler", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        return ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in self.loader)
+
+
+def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = "cpu",
+            precision: str = "32-true") -> dict[str, Any]:
+    """Trains one configuration in the simulator and writes its record to ``out``. ``device`` and
+    ``precision``: where the replicas train and how (the GPU quality run's "cuda" and "bf16-mixed").
 
     The fragments part measures at its evaluation points as training goes, and ends at ``max_steps``:
     with F > 1 a step taken as the end starts a round of every fragment, which an evaluation point
@@ -81,13 +97,17 @@ def run_job(job: Job, settings: Settings, out: str, threads: int) -> dict[str, A
     streaming = job.part == "fragments"
     if streaming:
         settings = fragment_settings(settings)
+    shards = shards_for(job, settings, parts)
+    if device != "cpu":
+        probe, final_probe = ([(x.to(device), y.to(device)) for x, y in b] for b in (probe, final_probe))
+        shards = [OnDevice(s, device) for s in shards]
     torch.manual_seed(job.seed)
-    model = GPT(**settings.model_kwargs)
+    model = GPT(**settings.model_kwargs).to(device)
     wire_dtype, compression, error_feedback = CODECS[job.wire]
     sim = TrainingSimulator(
-        model, shards_for(job, settings, parts), make_algorithm(job.method), sync_every=job.sync_every,
+        model, shards, make_algorithm(job.method), sync_every=job.sync_every,
         loss=gpt_loss, gradient_clip_val=1.0, gradient_averaging=job.method == "ddp",
-        wire_dtype=wire_dtype, compression=compression, error_feedback=error_feedback,
+        wire_dtype=wire_dtype, compression=compression, error_feedback=error_feedback, precision=precision,
         fragments=job.fragments, max_steps=settings.steps if streaming else None,
     )
     tokens_per_step = job.replicas * settings.batch_size * settings.block_size

@@ -17,6 +17,7 @@ from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.fragments import check_fragments
 from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.short_runs import warn_if_short
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
     ReplicaContext,
@@ -154,6 +155,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         self.accumulate_grad_batches, self.precision = accumulate_grad_batches, precision
         self.max_steps, self.sync_seconds, self.fragments = max_steps, sync_seconds, fragments
         self.time = None if step_seconds is None else ModelledTime(step_seconds, algorithm)  # type: ignore[arg-type]
+        warn_if_short(algorithm, max_steps, sync_every, warnings.warn)  # the strategies' warning, at fit's start
         self.loss_fn = loss or training_step_loss
         self._custom_loss = loss is not None
         self._template = unattached_copy(module)  # for the consensus model; never attached to a Trainer

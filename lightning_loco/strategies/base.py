@@ -307,6 +307,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         self.driver.before_training()  # elastic: the first membership is taken at the first batch's start
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
+        self._warn_if_short_run(trainer)
 
     def _agree_overlap(self, tau: int) -> int:
         """A replica's ranks agree (they land together; sharded, they hold one model between them): the

@@ -22,6 +22,7 @@ from lightning_loco import consensus
 from lightning_loco.driver import check_final_outer_step  # noqa: F401  (with the other argument checks)
 from lightning_loco.fragments import next_round_step
 from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.short_runs import warn_if_short
 from lightning_loco.strategies import _compat
 
 log = logging.getLogger("lightning_loco")
@@ -227,6 +228,13 @@ class ReplicaSetup:
                 f"max_steps={trainer.max_steps}, fewer than the next outer step needs (sync_every={h}), "
                 "so the replicas never meet. Lower sync_every or raise max_steps."
             )
+
+    def _warn_if_short_run(self, trainer: "pl.Trainer") -> None:
+        """Once per fit, on global rank 0: the outer step's defaults on a run of fewer outer steps than
+        B5 showed they need (:mod:`lightning_loco.short_runs`). The run's length is ``max_steps``, else
+        what ``max_epochs`` makes of the training batches."""
+        steps = trainer.max_steps if trainer.max_steps >= 0 else trainer.estimated_stepping_batches
+        warn_if_short(self.algorithm, steps, self.sync_every, rank_zero_warn)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the consensus (global collectives)
 

@@ -1,0 +1,99 @@
+"""The short-run warning: the outer step's defaults on a run of few outer steps.
+
+The papers tuned their outer steps for hundreds of outer steps. B5 (docs/benchmarks.md, the tables in
+docs/tuning.md) found that the same defaults cost a short run part or all of what communicating
+gains. A user who keeps them on a short run is told so once, when ``fit`` starts (or when a
+:class:`~lightning_loco.simulator.TrainingSimulator` is built with ``max_steps``), with what B5
+measured and where the tuned settings are. Nothing changes: the defaults stay the papers'.
+
+Only the defaults warn: any outer-step argument changed from its default, or a custom
+``outer_optimizer``, counts as tuned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_loco.algorithms.outer_optimizer import SGDFactory
+
+
+@dataclass(frozen=True)
+class ShortRun:
+    """Below ``outer_steps`` planned outer steps the defaults lost in B5; ``measured`` says by how much."""
+
+    outer_steps: int
+    measured: str
+
+
+# The one place of the thresholds and of what they rest on: B5, the example GPT on Shakespeare, iid
+# shards, consensus loss at the end of a run against one independent replica's
+# (docs/benchmarks.md, "B5"; docs/tuning.md, "Short runs and few replicas" and "At the papers' H").
+# - 45 outer steps (H = 10, 450 inner steps, N = 4, 3 seeds): DiLoCo's defaults lost, 2.825 against
+#   2.560; NoLoCo's and GASLoC's tied (2.562, 2.553), each 0.09 behind itself tuned.
+# - 9 outer steps (H = 50, 450 inner steps, N = 4, seed 0): all three lost, by 0.19, 0.08 and 0.07.
+# - 60 outer steps (H = 50, 3000 inner steps, N = 8, 2-3 seeds): all three won, by 0.07 to 0.18.
+# So 60 outer steps is the shortest run at which the defaults were measured to pay off. The boundary
+# is not sharp: the same 450 inner steps at H = 5 (90 outer steps) also lost, so the number of inner
+# steps matters too; inside the 60-step run the defaults were ahead from 5 outer steps on, but an
+# intermediate point is not the end of a shorter run (its learning rate has not decayed).
+SHORT_RUN_OUTER_STEPS = 60
+SHORT_RUN: dict[str, ShortRun] = {
+    "diloco": ShortRun(SHORT_RUN_OUTER_STEPS, "at 45 outer steps (H = 10) its consensus model ended 0.27 worse than "
+                       "one replica trained alone, and 0.37 worse than DiLoCo with outer_momentum=0."),
+    "noloco": ShortRun(SHORT_RUN_OUTER_STEPS, "at 45 outer steps (H = 10) its consensus model only tied one replica "
+                       "trained alone, 0.09 worse than NoLoCo with outer_lr=0.5, outer_momentum=0.25."),
+    "gasloc": ShortRun(SHORT_RUN_OUTER_STEPS, "at 45 outer steps (H = 10) its consensus model only tied one replica "
+                       "trained alone, 0.09 worse than GASLoC with outer_lr=0.5, outer_momentum=0.25."),
+}
+
+
+def _diloco_defaults(algorithm: Any) -> bool:
+    # DiLoCo builds SGDFactory(outer_lr, outer_momentum, nesterov) unless given an outer_optimizer
+    return algorithm.outer_optimizer == SGDFactory(0.7, 0.9, True)
+
+
+def _noloco_defaults(algorithm: Any) -> bool:
+    return (algorithm.outer_lr, algorithm.outer_momentum, algorithm.averaging_rate) == (0.7, 0.5, 0.7)
+
+
+def _gasloc_defaults(algorithm: Any) -> bool:
+    default_optimizer = algorithm.sent or algorithm.outer_optimizer == SGDFactory(1.0, algorithm.outer_momentum, True)
+    return default_optimizer and (algorithm.outer_lr, algorithm.outer_momentum, algorithm.gossip_step) == (0.7, 0.5, 0.25)
+
+
+DEFAULTS: dict[str, Callable[[Any], bool]] = {
+    "diloco": _diloco_defaults, "noloco": _noloco_defaults, "gasloc": _gasloc_defaults,
+}
+
+
+def planned_outer_steps(max_steps: Optional[float], sync_every: int) -> Optional[int]:
+    """The run's outer steps: ``max_steps // H``; ``None`` where the length is unknown or endless."""
+    if max_steps is None or max_steps < 0 or max_steps == float("inf"):
+        return None
+    return int(max_steps) // sync_every
+
+
+def short_run_note(algorithm: Any, outer_steps: Optional[int]) -> Optional[str]:
+    """The warning's text where ``algorithm`` keeps its outer-step defaults and the run plans at
+    least one outer step but fewer than B5 showed the defaults need; else ``None``."""
+    name = getattr(algorithm, "name", None)
+    threshold = SHORT_RUN.get(name) if isinstance(name, str) else None
+    if threshold is None or outer_steps is None or not 1 <= outer_steps < threshold.outer_steps:
+        return None
+    if not DEFAULTS[name](algorithm):
+        return None
+    return (
+        f"{type(algorithm).__name__} with its default outer step on a run of {outer_steps} outer step(s): in our "
+        f"convergence benchmark (B5) these defaults paid off only in runs of {threshold.outer_steps} outer steps or "
+        f"more; {threshold.measured} docs/tuning.md ('Short runs and few replicas') gives the settings measured "
+        "better on short runs. Setting any outer-step argument (e.g. outer_momentum) silences this."
+    )
+
+
+def warn_if_short(algorithm: Any, max_steps: Optional[float], sync_every: int, warn: Callable[[str], Any]) -> None:
+    """Calls ``warn`` once with :func:`short_run_note`'s text, if there is one."""
+    note = short_run_note(algorithm, planned_outer_steps(max_steps, sync_every))
+    if note is not None:
+        warn(note)
