@@ -41,6 +41,7 @@ from multiprocessing import get_context
 from typing import Any, Optional
 
 from benchmarks.b2_time_to_loss import time_to
+from benchmarks.b6_heterogeneous import loss_by  # the processes' part reads its curves the same way
 from benchmarks.common import machine, results_dir, table, write_json
 
 ALGORITHMS = ("noloco", "gasloc", "diloco")
@@ -112,16 +113,6 @@ def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm
             "slowest_share": sim.time.compute_share(speeds.index(max(speeds))),
             "h_i": [statistics.median(r.phase_steps for r in d.reports) for d in sim.drivers],
             "steps": [d.slots[0].inner_steps for d in sim.drivers], "seconds": time.perf_counter() - started}
-
-
-def loss_by(curve: list[dict[str, Any]], seconds: float) -> float:
-    """The loss ``seconds`` into training (interpolated between rounds; the final loss after the end)."""
-    for a, b in zip(curve, curve[1:]):
-        if a["train_seconds"] <= seconds <= b["train_seconds"]:
-            span = b["train_seconds"] - a["train_seconds"]
-            frac = (seconds - a["train_seconds"]) / span if span > 0 else 1.0
-            return a["val_loss"] + frac * (b["val_loss"] - a["val_loss"])
-    return curve[-1]["val_loss"]
 
 
 def summarise(runs: list[dict[str, Any]], algorithms: list[str]) -> tuple[list[dict[str, Any]], float]:

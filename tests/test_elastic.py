@@ -215,6 +215,17 @@ def replicas(out: Path, lighthouse: str, **common: Any) -> Replicas:
     return Replicas(REPLICA, out, lighthouse, limit_s=RUN_LIMIT_S, **common)
 
 
+def run_to_the_end(launcher: Replicas, options: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Starts each replica with its options, waits for every one to exit with 0, and returns their records."""
+    try:
+        procs = {rid: launcher.start(rid, **extra) for rid, extra in options.items()}
+        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
+    finally:
+        launcher.close()
+    assert codes == {rid: 0 for rid in options}, launcher.logs()
+    return [launcher.record(rid) for rid in options]
+
+
 @pytest.fixture
 def lighthouse():
     with Lighthouse(min_replicas=2, heartbeat_timeout_ms=1500, join_timeout_ms=20_000) as server:
@@ -397,14 +408,7 @@ def test_a_late_replica_is_left_out_of_a_round_and_nobody_stops(tmp_path: Path, 
     leaves the membership or stops early, and both take the same rounds to the end (DiLoCo: one anchor)."""
     launcher = replicas(tmp_path, lighthouse, algorithm=algorithm, max_steps=30, sync_every=2, step_sleep=0.05,
                         straggler_timeout=2.0)
-    try:
-        procs = {rid: launcher.start(rid, **({"slow_at": 4, "slow_seconds": 6.0} if rid == "r1" else {}))
-                 for rid in ("r0", "r1")}
-        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
-    finally:
-        launcher.close()
-    assert codes == {"r0": 0, "r1": 0}, launcher.logs()
-    r0, r1 = launcher.record("r0"), launcher.record("r1")
+    r0, r1 = run_to_the_end(launcher, {"r0": {}, "r1": {"slow_at": 4, "slow_seconds": 6.0}})
     for record in (r0, r1):
         assert record["failures"] == [] and record["global_step"] == 30 and record["outer_steps"] == 15
         assert all(m["members"] == ["r0", "r1"] for m in record["memberships"])
@@ -428,13 +432,7 @@ def test_lossy_wire_formats_over_real_elastic_groups(tmp_path: Path, lighthouse:
     exchanged, DiLoCo's members end with one anchor (the chunked all-reduce is bitwise the same on both), and
     the losses fall."""
     launcher = replicas(tmp_path, lighthouse, algorithm=algorithm, max_steps=30, sync_every=2, step_sleep=0.0, **wire)
-    try:
-        procs = {rid: launcher.start(rid) for rid in ("r0", "r1")}
-        codes = {rid: launcher.wait(p) for rid, p in procs.items()}
-    finally:
-        launcher.close()
-    assert codes == {"r0": 0, "r1": 0}, launcher.logs()
-    r0, r1 = launcher.record("r0"), launcher.record("r1")
+    r0, r1 = run_to_the_end(launcher, {"r0": {}, "r1": {}})
     for record in (r0, r1):
         assert record["failures"] == [] and record["outer_steps"] == 15
         assert not any(r["alone"] for r in record["rounds"])
