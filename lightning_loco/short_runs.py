@@ -33,7 +33,7 @@ class ShortRun:
 # - 45 outer steps (H = 10, 450 inner steps, N = 4, 3 seeds): DiLoCo's defaults lost, 2.825 against
 #   2.560; NoLoCo's and GASLoC's tied (2.562, 2.553), each 0.09 behind itself tuned.
 # - 9 outer steps (H = 50, 450 inner steps, N = 4, seed 0): all three lost, by 0.19, 0.08 and 0.07.
-# - 60 outer steps (H = 50, 3000 inner steps, N = 8, 2-3 seeds): all three won, by 0.07 to 0.18.
+# - 60 outer steps (H = 50, 3000 inner steps, N = 8, 3 seeds): all three won, by 0.07 to 0.18.
 # So 60 outer steps is the shortest run at which the defaults were measured to pay off. The boundary
 # is not sharp: the same 450 inner steps at H = 5 (90 outer steps) also lost, so the number of inner
 # steps matters too; inside the 60-step run the defaults were ahead from 5 outer steps on, but an
