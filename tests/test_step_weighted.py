@@ -169,3 +169,31 @@ def test_bad_merges_fail_when_the_strategy_is_built(cls, kwargs, match):
 def test_gasloc_refuses_the_weighted_merge_when_the_strategy_is_built():
     with pytest.raises(ValueError, match="mean-preserving.*Use merge='mean' with it"):
         GASLoCStrategy(sync_every=10, sync_seconds=2.5, merge="steps")
+
+
+# ---------------------------------------------------------------------------- real processes (slow tier)
+
+
+@pytest.mark.slow
+def test_real_processes_resume_the_weighted_merge_exactly_and_it_changes_the_weights(tmp_path):
+    """The strategy's ``merge`` reaches the driver: two processes on their own clocks (speeds 1 and 2,
+    H_i = 4 and 2), resumed bitwise from a round checkpoint, and unlike the plain mean's run."""
+    import tiny
+    from test_checkpoints import assert_same_tree
+
+    ckpts = tmp_path / "ckpts"
+    common = {"strategy": "noloco", "strategy_kwargs": {"sync_every": 4, "sync_seconds": 4.0, "merge": "steps"},
+              "devices": 2, "max_steps": 16, "batch_size": 24, "virtual_step_seconds": [1.0, 2.0],
+              "outer_checkpoint": {"dirpath": str(ckpts), "every_n_outer_steps": 2}}
+    straight = tiny.launch(tmp_path / "straight", **common)
+    assert [[r["phase_steps"] for r in rec["reports"]] for rec in straight] == [[4] * 4, [2] * 4]
+    resumed = tiny.launch(tmp_path / "resumed", ckpt_path=str(ckpts / "outer_step=2.ckpt"), **common)
+    for r, done in enumerate([8, 4]):  # each replica resumes at its own step
+        assert len(straight[r]["weights"]) - len(resumed[r]["weights"]) == done
+        for step, (a, b) in enumerate(zip(straight[r]["weights"][done:], resumed[r]["weights"])):
+            assert torch.equal(a, b), (r, done + step)
+        assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
+    plain_config = {k: v for k, v in common.items() if k != "outer_checkpoint"}
+    plain_config["strategy_kwargs"] = {"sync_every": 4, "sync_seconds": 4.0}  # merge="mean"
+    plain = tiny.launch(tmp_path / "plain", **plain_config)
+    assert not torch.equal(plain[0]["weights"][-1], straight[0]["weights"][-1])
