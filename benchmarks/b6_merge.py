@@ -2,6 +2,7 @@
 
     python -m benchmarks.b6_merge               # N = 4, DiLoCo and NoLoCo, 3 seeds: 3-5 min on 2 cores
     python -m benchmarks.b6_merge --replicas 8  # N = 8 (six replicas of 1 s, one of 2 s, one of 4 s): ~9 min
+    python -m benchmarks.b6_merge --replicas 16 # N = 16 (fourteen of 1 s, as B6 part 3): ~9 min
     python -m benchmarks.b6_merge --seeds 3 4 --out b6_merge_seeds34.json  # more seeds, another file
     python -m benchmarks.b6_merge --quick       # seconds: N = 4, two tiny rounds of each merge, DiLoCo
 
@@ -18,18 +19,18 @@ weighted Δ̄ would be N·Σ H_i² / (Σ H_i)² times the plain one (1.22 for H_
 merge, ``plain_lr``, is the control: the plain mean with the outer learning rate times that factor.
 Where "steps" beats "plain" but not "plain_lr", the gain is the longer step, not the weighting.
 
-The weighted merge is built here, not in the package: each replica sends H_i·Δ_i with H_i appended as
-one more value, so that the group's sum carries Σ H_i·Δ_i and Σ H_j together and ``apply`` divides
-one by the other (:class:`StepWeightedDiLoCo`, :class:`StepWeightedNoLoCo`). H_i is read from the
-replica's driver: the steps of the inner phase the round ends.
+The weighted merge is the package's ``merge="steps"`` (:mod:`lightning_loco.algorithms.step_weighted`):
+each replica sends H_i·Δ_i with H_i appended as one more value, so that the group's sum carries
+Σ H_i·Δ_i and Σ H_j together and the outer step divides one by the other. GASLoC is not measured:
+``merge="steps"`` refuses it (its mix must stay mean-preserving).
 
 Every merge sees the same schedule (each H_i depends on the replica's clock only), so their rounds end
 at the same modelled seconds: losses at equal rounds are losses at equal modelled wall time and at
 equal tokens. Reported per algorithm and merge, over seeds: the final validation loss of the mean
 replica and of the consensus model (mean ± standard deviation over seeds), the loss halfway through
 the run, and the per-seed difference weighted − plain (mean, min, max; negative: weighting is better).
-Writes ``benchmarks/results/b6_merge.json`` (``--replicas 8``: ``b6_merge_n8.json``; ``--quick``: a
-temporary folder, or ``$LOCO_BENCH_RESULTS``).
+Writes ``benchmarks/results/b6_merge.json`` (``--replicas 8``: ``b6_merge_n8.json``, and so on;
+``--quick``: a temporary folder, or ``$LOCO_BENCH_RESULTS``).
 """
 
 from __future__ import annotations
@@ -41,87 +42,15 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from benchmarks.b6_simulated import loss_by, make_algorithm, run_one, speeds_of
 from benchmarks.common import machine, results_dir, table, write_json
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.algorithms.base import OuterState
-from lightning_loco.algorithms.diloco import DiLoCoState
-from lightning_loco.algorithms.noloco import NoLoCoState
 from lightning_loco.pacing import phase_steps
 
 ALGORITHMS = ("diloco", "noloco")
 MERGES = ("plain", "steps", "plain_lr")
 FULL = {"replicas": 4, "sync_every": 20, "rounds": 20, "batch_size": 8, "eval_batches": 4, "lr": 3e-3}
 QUICK = {"replicas": 4, "sync_every": 4, "rounds": 2, "batch_size": 4, "eval_batches": 1, "lr": 3e-3}
-
-
-def weighted_payload(values: Tensor, steps: int) -> Tensor:
-    """H_i·values with H_i appended: summed over a group, Σ H_i·values_i followed by Σ H_j."""
-    return torch.cat([values * steps, values.new_tensor([float(steps)])])
-
-
-def weighted_mean(group_sum: Tensor) -> Tensor:
-    """Σ H_i·values_i / Σ H_j from a group's sum of :func:`weighted_payload`."""
-    return group_sum[:-1] / group_sum[-1]
-
-
-class StepWeights:
-    """Reads each replica's H_i of the round being posted from its driver (``bind`` first)."""
-
-    def bind(self, simulator: Any) -> None:
-        """Learns which driver's slot holds which outer state (one optimizer, one fragment)."""
-        self._slots = {id(driver.slots[0].state): driver.slots[0] for driver in simulator.drivers}
-
-    def steps(self, state: OuterState) -> int:
-        """The inner steps of the phase that the round now posted ends (the driver set it just before)."""
-        ended = self._slots[id(state)].phase.ended
-        assert ended is not None, "a round is posted only after its phase ended"
-        return ended[0]
-
-    def payload_numel(self, state: OuterState) -> int:
-        return state.anchor.numel() + 1
-
-    def local_proxy(self, state: OuterState, weights: Tensor, group_size: int) -> Tensor:
-        raise NotImplementedError("the step-weighted merges serve overlap_steps=0 only")
-
-
-class StepWeightedDiLoCo(StepWeights, DiLoCo):
-    """DiLoCo with Δ̄ = Σ_i H_i·Δ_i / Σ_j H_j in place of the plain mean (outer optimizer unchanged)."""
-
-    def payload(self, state: OuterState, weights: Tensor) -> Tensor:
-        return weighted_payload(weights - state.anchor, self.steps(state))
-
-    def final_weights(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
-        return state.anchor + weighted_mean(group_sum)
-
-    def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
-        assert isinstance(state, DiLoCoState)
-        state.gradient.copy_(weighted_mean(group_sum)).neg_()  # g = −Δ̄, weighted
-        return state.step()
-
-
-class StepWeightedNoLoCo(StepWeights, NoLoCo):
-    """NoLoCo (γ = β, only the live weights travel) with the group's mean live weights weighted by
-    steps, Σ_j H_j·θ_j / Σ_j H_j, in place of the plain mean: δ_i ← α·δ_i + β·(θ̄_w − φ_i)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        assert self.sends_weights_only
-
-    def payload(self, state: OuterState, weights: Tensor) -> Tensor:
-        return weighted_payload(weights, self.steps(state))
-
-    def final_weights(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
-        return weighted_mean(group_sum)
-
-    def apply(self, state: OuterState, group_sum: Tensor, group_size: int) -> Tensor:
-        assert isinstance(state, NoLoCoState)
-        phi, delta = state.anchor, state.momentum
-        delta.mul_(self.outer_momentum).add_(weighted_mean(group_sum).sub_(phi), alpha=self.outer_lr)
-        return phi.add_(delta)
 
 
 def lr_factor(speeds: list[float], sync_every: int, sync_seconds: float) -> float:
@@ -131,24 +60,23 @@ def lr_factor(speeds: list[float], sync_every: int, sync_seconds: float) -> floa
     return len(h) * sum(k * k for k in h) / sum(h) ** 2
 
 
-def algorithm_of(name: str, merge: str, seed: int, factor: float = 1.0) -> Any:
-    """The outer step of ``name`` with the ``merge``: "plain" (the package's own), "steps" (weighted by
-    steps) or "plain_lr" (the plain mean with the outer learning rate × ``factor``, the control that
-    lengthens the outer step as much as weighting does, without leaning towards the fast replicas; for
-    NoLoCo γ = β follows it, as by default)."""
-    if merge == "plain":
-        return make_algorithm(name, seed)
+def algorithm_of(name: str, merge: str, seed: int, factor: float = 1.0) -> tuple[Any, str]:
+    """The outer step of ``name`` and the package's merge for the benchmark's ``merge``: "plain" (the
+    plain mean, ``merge="mean"``), "steps" (weighted by steps, ``merge="steps"``) or "plain_lr" (the
+    plain mean with the outer learning rate × ``factor``, the control that lengthens the outer step as
+    much as weighting does, without leaning towards the fast replicas; for NoLoCo γ = β follows it, as
+    by default)."""
     if merge == "plain_lr":
         lr = factor * (DiLoCo() if name == "diloco" else NoLoCo()).outer_lr
-        return DiLoCo(outer_lr=lr) if name == "diloco" else NoLoCo(outer_lr=lr, seed=seed)
-    return StepWeightedDiLoCo() if name == "diloco" else StepWeightedNoLoCo(seed=seed)
+        return (DiLoCo(outer_lr=lr) if name == "diloco" else NoLoCo(outer_lr=lr, seed=seed)), "mean"
+    return make_algorithm(name, seed), "steps" if merge == "steps" else "mean"
 
 
 def run_merge(name: str, merge: str, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
     """One paced run (part 3's, ``sync_seconds`` = H × the fast step time) with the given merge."""
     speeds, h = speeds_of(settings["replicas"]), settings["sync_every"]
-    factor = lr_factor(speeds, h, h * min(speeds))
-    run = run_one(name, "paced", seed, settings, algorithm=algorithm_of(name, merge, seed, factor))
+    algorithm, package_merge = algorithm_of(name, merge, seed, lr_factor(speeds, h, h * min(speeds)))
+    run = run_one(name, "paced", seed, settings, algorithm=algorithm, merge=package_merge)
     return {**run, "merge": merge}
 
 

@@ -64,10 +64,11 @@ def make_algorithm(name: str, seed: int) -> Any:
     return NoLoCo(seed=seed) if name == "noloco" else GASLoC(seed=seed)
 
 
-def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm: Any = None) -> dict[str, Any]:
+def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm: Any = None,
+            merge: str = "mean") -> dict[str, Any]:
     """One simulated run; its curve (loss after each round against modelled seconds) and shares.
     ``algorithm``: an outer step to run in place of ``name``'s (a variant another benchmark measures);
-    if it has a ``bind(simulator)`` method, it is called once the simulator is built."""
+    ``merge``: the paced modes' merge of unequal H_i (``TrainingSimulator(merge=...)``)."""
     import torch
 
     from benchmarks.b5_convergence.runs import eval_batches
@@ -89,9 +90,8 @@ def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm
     algorithm = make_algorithm(name, seed) if algorithm is None else algorithm
     sim = TrainingSimulator(model, shards, algorithm, sync_every=h, loss=lambda m, b: m.loss(b),
                             gradient_clip_val=1.0, max_steps=rounds * h, batched=False, step_seconds=speeds,
-                            sync_seconds=None if mode == "fixed" else h * min(speeds), track_norms=False)
-    if hasattr(algorithm, "bind"):
-        algorithm.bind(sim)
+                            sync_seconds=None if mode == "fixed" else h * min(speeds), track_norms=False,
+                            merge=merge)
     tokens_per_step = settings["batch_size"] * MODEL["block_size"]
     curve: list[dict[str, Any]] = []
 

@@ -36,6 +36,7 @@ import torch
 from lightning_loco import fragments as streaming
 from lightning_loco import rounds
 from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.algorithms.step_weighted import with_merge
 from lightning_loco.codecs import WireFormat
 from lightning_loco.flat import FlatParameters
 from lightning_loco.overlap import (
@@ -90,6 +91,8 @@ class OuterStepDriver:
             ``sync_every``), so that replicas of different speeds post together
             (:mod:`lightning_loco.pacing`). None (default): every ``sync_every`` steps. Needs
             ``overlap_steps=0``.
+        merge: with ``sync_seconds``, how a group combines payloads of unequal H_i: "mean" (default) or
+            "steps", weighted by each member's H_i (:mod:`lightning_loco.algorithms.step_weighted`).
         clock: the clock of the inner phases (injectable for tests).
         agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).
@@ -111,6 +114,7 @@ class OuterStepDriver:
         wire: Optional[WireFormat] = None,
         plugin: Optional[DriverPlugin] = None,
         sync_seconds: Optional[float] = None,
+        merge: str = "mean",
         clock: Callable[[], float] = time.perf_counter,
         agree_due: Optional[Callable[[int], int]] = None,
         agree_seconds: Optional[Callable[[float], float]] = None,
@@ -121,19 +125,15 @@ class OuterStepDriver:
         check_pacing(sync_seconds, overlap_steps)
         check_final_outer_step(final_outer_step)
         algorithm.check_num_replicas(transport.num_replicas)
-        self.algorithm, self.transport, self.sync_every = algorithm, transport, sync_every
-        self.overlap_steps, self.overlap_merge = overlap_steps, overlap_merge
-        self.agree_overlap = agree_overlap
-        self.final_outer_step = final_outer_step
-        self.wire = wire
-        self.label = label or f"Replica {transport.replica}"
-        self.fragments = fragments
+        self.algorithm = with_merge(algorithm, merge, sync_seconds, wire is not None and wire.lossy)
+        self.transport, self.sync_every, self.wire, self.fragments = transport, sync_every, wire, fragments
+        self.overlap_steps, self.overlap_merge, self.agree_overlap = overlap_steps, overlap_merge, agree_overlap
+        self.final_outer_step, self.label = final_outer_step, label or f"Replica {transport.replica}"
         self.slots: list[OuterSlot] = []  # every optimizer's F fragments, in order (F = 1: one per optimizer)
         self.optimizer_slots: list[list[OuterSlot]] = []  # optimizer index → its fragments' slots
         self.reports: list[OuterStepReport] = []
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as fragment 0's rounds start
-        self.track_norms = False  # norms and peer distance: one anchor copy per round
-        self.clock = clock
+        self.track_norms, self.clock = False, clock  # track_norms: norms and peer distance, one anchor copy a round
         self.pacing = None if sync_seconds is None else Pacing(sync_every, sync_seconds, clock, agree_due,
                                                                agree_seconds)
         self.plugin = plugin if plugin is not None else DriverPlugin()
@@ -238,7 +238,7 @@ class OuterStepDriver:
         algorithm, t = slot.algorithm or self.algorithm, slot.outer_steps
         part = f", fragment {slot.fragment}" if self.fragments > 1 else ""
         ended = self.clock()
-        slot.phase.end(slot.inner_steps, ended)
+        algorithm.phase_ended(slot.state, slot.phase.end(slot.inner_steps, ended))  # H_i, for merge="steps"
         self.plugin.before_round(index, t)
         started = time.perf_counter()
         if slot.fragment == 0:  # one entry per H steps and optimizer, as with F = 1

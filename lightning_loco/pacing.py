@@ -91,10 +91,11 @@ class Phase:
     def seconds(self, now: float) -> float:
         return now - self.clock_start - self.excluded
 
-    def end(self, inner_steps: int, now: float) -> None:
-        """A round starts: the phase that led to it is over."""
+    def end(self, inner_steps: int, now: float) -> int:
+        """A round starts: the phase that led to it is over. Returns its inner steps."""
         self.ended = (self.steps(inner_steps), self.seconds(now))
         self.start_step = inner_steps
+        return self.ended[0]
 
     def restart(self, now: float) -> None:
         """The round's work is done: the next phase's compute counts from ``now``."""

@@ -380,45 +380,6 @@ def test_b6_simulated_quick(tmp_path):
     assert all(0 < p["val_loss"] < 6 for run in runs.values() for p in run["curve"])  # real losses
 
 
-@pytest.mark.parametrize("name", ["diloco", "noloco"])
-def test_b6_merge_weights_each_replica_by_its_steps_in_closed_form(name):
-    # Two replicas of step times 1 and 2 s, T = H = 4: H_i = 4 and 2. Every inner step moves θ by −lr·c
-    # (the loss is c·θ), so Δ_i = −lr·H_i·c and the step-weighted mean is −lr·c·(4·4 + 2·2) / (4 + 2).
-    import torch
-    from torch import nn
-
-    from benchmarks.b6_merge import StepWeightedDiLoCo, StepWeightedNoLoCo
-    from lightning_loco.algorithms import DiLoCo, NoLoCo
-    from lightning_loco.simulator import TrainingSimulator
-
-    c, lr = torch.tensor([1.0, -2.0, 0.5, 4.0]), 0.25
-    start = torch.tensor([0.5, 1.0, -1.5, 2.0])
-
-    def one_round(algorithm):
-        module = nn.Module()
-        module.w = nn.Parameter(start.clone())
-        sim = TrainingSimulator(module, [[torch.zeros(1)] * 8] * 2, algorithm, sync_every=4, batched=False,
-                                optimizers=lambda m: torch.optim.SGD(m.parameters(), lr=lr),
-                                loss=lambda m, batch: (m.w * c).sum(), max_steps=8, step_seconds=[1.0, 2.0],
-                                sync_seconds=4.0, track_norms=False)
-        if hasattr(algorithm, "bind"):
-            algorithm.bind(sim)
-        sim.run_rounds(1)  # the first of two rounds: an ordinary outer step, not the final average
-        assert [d.reports[0].phase_steps for d in sim.drivers] == [4, 2]
-        return [flat.gather() for flat in sim.flats]
-
-    if name == "diloco":  # outer SGD with lr 1 and no momentum: φ ← φ + Δ̄
-        weighted, plain, outer_lr = StepWeightedDiLoCo(outer_lr=1.0, outer_momentum=0.0), \
-            DiLoCo(outer_lr=1.0, outer_momentum=0.0), 1.0
-    else:  # δ starts at 0: φ ← φ + β·(θ̄ − φ) = φ + β·Δ̄ (both replicas started at φ)
-        weighted, plain, outer_lr = StepWeightedNoLoCo(seed=0), NoLoCo(seed=0), NoLoCo().outer_lr
-    expected = start + outer_lr * (-lr * c * (4 * 4 + 2 * 2) / (4 + 2))
-    for got in one_round(weighted):
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    for got in one_round(plain):  # the package's plain mean: −lr·c·(4 + 2) / 2
-        torch.testing.assert_close(got, start + outer_lr * (-lr * c * (4 + 2) / 2), rtol=1e-6, atol=1e-6)
-
-
 @pytest.mark.slow
 def test_b6_merge_quick(tmp_path):
     out = bench(tmp_path, "b6_merge")

@@ -5,7 +5,8 @@ time at each inner step (and not while it waits at an exchange), so each replica
 exactly as it would be on a real clock, deterministically. Replicas run in threads of their own: a
 synchronous round blocks until its group has posted. The maths is checked against
 :class:`ReplicaSimulator` fed with the snapshots the driver posted: unequal H_i change what is sent,
-never how it is combined (a plain mean, docs/heterogeneous.md).
+never how it is combined (the default plain mean, docs/heterogeneous.md; ``merge="steps"`` is
+tests/test_step_weighted.py's).
 """
 
 from __future__ import annotations

@@ -65,6 +65,10 @@ class OuterAlgorithm(ABC):
     def init_state(self, weights: Tensor, shapes: Sequence[torch.Size]) -> OuterState:
         """The outer state at the start of training; ``weights`` is the flat live model."""
 
+    def phase_ended(self, state: OuterState, steps: int) -> None:
+        """Told, just before ``payload``, the inner steps H_i of the phase this round ends (default:
+        nothing; the merge weighted by steps sends them: :mod:`lightning_loco.algorithms.step_weighted`)."""
+
     @abstractmethod
     def payload(self, state: OuterState, weights: Tensor) -> Tensor:
         """The buffer this replica contributes to its group's sum. May be summed in place."""

@@ -94,6 +94,8 @@ class TrainingSimulator(Measurements, PacedRounds):
             is as near T modelled seconds as its steps allow (at least one step, at most H). Needs
             ``step_seconds``, ``max_steps`` (the run is ⌈max_steps / H⌉ rounds on every replica) and
             takes the loop over replicas (the batched path steps every replica together).
+        merge: with ``sync_seconds``, as on the strategies: "mean" (default) or "steps", each replica's
+            payload weighted by its H_i (:mod:`lightning_loco.algorithms.step_weighted`).
         fragments: F, streaming fragments, as on the strategies (``docs/fragments.md``): one of F
             fragments of the model (whole parameters) has a round every H/F steps. Needs an algorithm,
             and fixed H without ``step_seconds``.
@@ -123,6 +125,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         error_feedback: bool | None = None,
         step_seconds: Sequence[float] | None = None,
         sync_seconds: float | None = None,
+        merge: str = "mean",
         fragments: int = 1,
     ) -> None:
         if not shards:
@@ -186,7 +189,7 @@ class TrainingSimulator(Measurements, PacedRounds):
                 driver = OuterStepDriver(
                     algorithm, self.network.transport(i), sync_every, overlap_steps, overlap_merge,
                     label=f"Simulated replica {i}", final_outer_step=final_outer_step,
-                    wire=wire if wire.lossy else None, sync_seconds=sync_seconds,
+                    wire=wire if wire.lossy else None, sync_seconds=sync_seconds, merge=merge,
                     clock=time.perf_counter if self.time is None else self.time.clocks[i],
                     plugin=None if self.time is None else self.time.plugin(i), fragments=fragments,
                 )

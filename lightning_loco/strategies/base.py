@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_loco import checkpoints
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.outer_optimizer import check_picklable
+from lightning_loco.algorithms.step_weighted import check_merge
 from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
 from lightning_loco.driver import OuterSlot, OuterStepDriver
 from lightning_loco.reports import OuterStepReport
@@ -90,6 +91,9 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             not follow those counts: use ``OuterStepCheckpoint``. None (default): every replica takes
             ``sync_every`` steps per round. Needs ``overlap_steps=0`` and one optimizer; see
             docs/heterogeneous.md.
+        merge: with ``sync_seconds``, how a group combines payloads of unequal H_i: "mean" (default: the
+            plain mean) or "steps" (each replica weighted by its H_i, which travels with the payload;
+            NoLoCo and DiLoCo, float32 wire only). See docs/heterogeneous.md.
         ranks_per_replica: k, consecutive global ranks that form one replica (default 1: every
             process is a replica). Inside a replica torch's ``DistributedDataParallel`` averages
             gradients at every step over the replica's own process group; between replicas only the
@@ -178,6 +182,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
         fragments: int = 1,
         sync_seconds: Optional[float] = None,
+        merge: Literal["mean", "steps"] = "mean",
         ranks_per_replica: int = 1,
         replica_sharding: Optional[Literal["fsdp"]] = None,
         fsdp_blocks: Sequence[Block] = (),
@@ -216,6 +221,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         check_final_outer_step(final_outer_step)
         wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback,
                            pseudo_gradient=algorithm.payload_is_pseudo_gradient)
+        check_merge(merge, sync_seconds, algorithm.name, wire.lossy)
         device = parse_device(outer_state_device)
         check_picklable(getattr(algorithm, "outer_optimizer", None), start_method)
         self.elastic = elastic_config(
@@ -233,7 +239,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         )
         self.algorithm, self.sync_every = algorithm, sync_every
         self.overlap_steps, self.overlap_merge, self.fragments = overlap_steps, overlap_merge, fragments
-        self.sync_seconds = sync_seconds
+        self.sync_seconds, self.merge = sync_seconds, merge
         self.pacing_clock: Callable[[], float] = time.perf_counter  # the inner phases' clock (tests replace it)
         self.ranks_per_replica, self.average_at_end = ranks_per_replica, bool(average_at_end)
         self.replica_sharding, self.fsdp_blocks, self.fsdp_kwargs = replica_sharding, fsdp_blocks, fsdp_kwargs
@@ -285,7 +291,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             agree_overlap=self._agree_overlap if self.ranks_per_replica > 1 else None,
             label=f"Replica {self.replica_index}", final_outer_step=self.final_outer_step,
             wire=self.wire if self.wire.lossy else None, plugin=self._plugin_factory(transport),
-            sync_seconds=self.sync_seconds, clock=self.pacing_clock,
+            sync_seconds=self.sync_seconds, merge=self.merge, clock=self.pacing_clock,
             agree_seconds=self._agree_seconds if self.ranks_per_replica > 1 else None, fragments=self.fragments,
         )
         self.driver.track_norms = self.track_norms
@@ -308,18 +314,6 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         self._warn_if_no_outer_step(trainer)
         self._warn_if_short_run(trainer)
-
-    def _agree_overlap(self, tau: int) -> int:
-        """A replica's ranks agree (they land together; sharded, they hold one model between them): the
-        largest τ."""
-        assert self._groups is not None
-        return int(self._groups.replica_max(tau, self._comm_device()))
-
-    def _agree_seconds(self, seconds: float) -> float:
-        """Under ``sync_seconds`` a replica's ranks agree on their phase's seconds (the largest), so that
-        they start rounds together and their schedules read the same nominal progress."""
-        assert self._groups is not None
-        return self._groups.replica_max(seconds, self._comm_device())
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -199,6 +199,18 @@ class ReplicaSetup:
     def _sync_initial_weights(self) -> None:
         _compat.sync_module_states(self.model)
 
+    def _agree_overlap(self, tau: int) -> int:
+        """A replica's ranks agree (they land together; sharded, they hold one model between them): the
+        largest τ."""
+        assert self._groups is not None
+        return int(self._groups.replica_max(tau, self._comm_device()))
+
+    def _agree_seconds(self, seconds: float) -> float:
+        """Under ``sync_seconds`` a replica's ranks agree on their phase's seconds (the largest), so that
+        they start rounds together and their schedules read the same nominal progress."""
+        assert self._groups is not None
+        return self._groups.replica_max(seconds, self._comm_device())
+
     def _check_optimizers(self) -> None:
         owner: dict[int, int] = {}
         for k, optimizer in enumerate(self.optimizers):
