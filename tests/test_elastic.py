@@ -44,7 +44,8 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
         (dict(lighthouse="h:1", membership_every=0), ["membership_every", "default 1"]),
         (dict(lighthouse="h:1", replica_id=""), ["replica_id=''"]),
         (dict(lighthouse="h:1", overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
-        (dict(lighthouse="h:1", ranks_per_replica=2), ["ranks_per_replica=2"]),
+        (dict(lighthouse="h:1", ranks_per_replica=2, replica_sharding="fsdp"), ["replica_sharding='fsdp' with "
+                                                                                "lighthouse", "DDP"]),
         (dict(lighthouse="h:1", transport_factory=print), ["transport_factory and lighthouse"]),
     ],
 )
@@ -66,6 +67,19 @@ def test_an_elastic_replica_is_one_process() -> None:
 
     with pytest.raises(ValueError, match="devices=1 and num_nodes=1"):
         L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1"), accelerator="cpu", devices=2, logger=False)
+
+
+def test_an_elastic_replica_of_several_ranks_is_one_trainer_of_that_many_processes() -> None:
+    import lightning as L
+
+    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
+    assert DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
+    with pytest.raises(ValueError, match="ranks_per_replica=2 process.*but it has 4 processes"):
+        L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1", ranks_per_replica=2), accelerator="cpu",
+                  devices=4, logger=False)
+    with pytest.raises(ValueError, match="ranks_per_replica=2 with lighthouse=... and a lossy wire format"):
+        DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, compression="int8")
+    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, wire_dtype="bfloat16").elastic is not None
 
 
 def test_static_launch_stays_the_default() -> None:

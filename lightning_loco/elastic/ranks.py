@@ -67,11 +67,29 @@ class ReplicaRanks:
     Args:
         replica_id: the replica's id (for messages).
         group: the replica's process group (its k ranks), whose timeout bounds every operation here.
+
+    The three operations among the ranks are :meth:`_broadcast`, :meth:`_min` and :meth:`_all_gather`
+    (tests run a replica's ranks as threads with their own).
     """
 
     def __init__(self, replica_id: str, group: Any) -> None:
         self.replica_id, self.group = replica_id, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def _min(self, value: int) -> int:
+        agreed = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return int(agreed.item())
+
+    def _all_gather(self, part: Tensor, like: Tensor) -> Tensor:
+        from lightning_loco.transport.torch_dist import all_gather_slices
+
+        return all_gather_slices(part, like, self.size, self.group)
 
     def error(self, doing: str, err: BaseException) -> ReplicaRankError:
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
@@ -81,12 +99,10 @@ class ReplicaRanks:
 
     def share(self, value: Any, doing: str) -> Any:
         """Rank 0's ``value`` on every rank of the replica (a broadcast over the replica's group)."""
-        box = [value if self.rank == 0 else None]
         try:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            return self._broadcast(value if self.rank == 0 else None)
         except RuntimeError as err:
             raise self.error(doing, err) from err
-        return box[0]
 
     def share_store(self, store: Optional[Any], timeout: float) -> tuple[str, Any]:
         """Rank 0's store (``store`` on rank 0, None elsewhere) as its address and, on the other ranks, a
@@ -100,12 +116,10 @@ class ReplicaRanks:
 
     def agree(self, value: int, doing: str = "agreeing on a round's outcome with its replica") -> int:
         """The least ``value`` among the replica's ranks (one all-reduce of one number inside the replica)."""
-        agreed = torch.tensor([int(value)], dtype=torch.int64)
         try:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+            return self._min(value)
         except RuntimeError as err:
             raise self.error(doing, err) from err
-        return int(agreed.item())
 
     def slice(self, buf: Tensor) -> Tensor:
         """This rank's slice of a flat buffer (k equal slices, the last ones shorter if need be)."""
@@ -113,10 +127,8 @@ class ReplicaRanks:
 
     def gather(self, part: Tensor, like: Tensor) -> Tensor:
         """The whole buffer from every rank's slice (an all-gather inside the replica)."""
-        from lightning_loco.transport.torch_dist import all_gather_slices
-
         try:
-            return all_gather_slices(part, like, self.size, self.group)
+            return self._all_gather(part, like)
         except RuntimeError as err:
             raise self.error("gathering a round's slices", err) from err
 

@@ -76,9 +76,8 @@ class ElasticPending(Pending):
 
     def _receive(self) -> Tensor:
         result: Optional[Tensor] = None
-        ranks = self.transport.ranks
         if not self.alone or self.agreed:
-            straggler_timeout = self.transport.config.straggler_timeout
+            ranks, straggler_timeout = self.transport.ranks, self.transport.config.straggler_timeout
             status, told = (FAILED if self.alone else TOGETHER), ranks is None or not self.agreed
             try:
                 if self.alone:
