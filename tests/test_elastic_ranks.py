@@ -35,7 +35,8 @@ SIZE = 11  # values of the tiny problem's parameter: rank 0's slice has 6, rank 
 IDS = ("A", "B")
 
 
-def ranked_runners(make, hubs: list[Hub], script: list[Script], rooms: dict[str, Room]) -> dict[tuple[str, int], Runner]:
+def ranked_runners(make, hubs: list[Hub], script: list[Script],
+                   rooms: dict[str, Room]) -> dict[tuple[str, int], Runner]:
     """Replica r of IDS as len(hubs) ranks: rank i's memberships over hubs[i] (its own process groups), the
     replica's ranks over rooms[r]; every rank of replica r starts as the static launch's replica r."""
     def build(rid: str, index: int, rank: int) -> Runner:

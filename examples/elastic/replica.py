@@ -168,7 +168,8 @@ def main() -> None:
         logger = L.pytorch.loggers.CSVLogger(args.out / "csv", name=args.replica_id, version=str(os.getpid()))
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.max_steps, max_epochs=-1, logger=logger,
+        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.max_steps, max_epochs=-1,
+        logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )

@@ -92,6 +92,7 @@ class ReplicaRanks:
         return all_gather_slices(part, like, self.size, self.group)
 
     def error(self, doing: str, err: BaseException) -> ReplicaRankError:
+        """The error of a failed operation inside the replica, naming what this rank was ``doing``."""
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         return ReplicaRankError(f"A rank of replica {self.replica_id!r} stopped or cannot be reached while rank "
                                 f"{self.rank} was {doing} ({first}). "

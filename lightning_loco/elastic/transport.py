@@ -109,7 +109,8 @@ class ElasticPending(Pending):
         if agreed == LATE:
             self.transport.partner_late(self.peers, False)
         else:
-            self.transport.partner_failed(self.peers, RuntimeError("an exchange of another rank of this replica failed"))
+            why = RuntimeError("an exchange of another rank of this replica failed")
+            self.transport.partner_failed(self.peers, why)
 
     def abandon(self, timeout: float) -> bool:
         finished = self.done()
@@ -119,7 +120,8 @@ class ElasticPending(Pending):
 
 class ElasticTransport(Transport):
     """``Transport`` of one elastic replica (one process, or one rank of a replica of several: ``ranks``).
-    ``replica`` and ``num_replicas`` describe the current membership; :class:`~lightning_loco.elastic.plugin.ElasticPlugin` switches memberships.
+    ``replica`` and ``num_replicas`` describe the current membership;
+    :class:`~lightning_loco.elastic.plugin.ElasticPlugin` switches memberships.
 
     ``membership``: the agreement this transport follows (default: a :class:`Membership` over the
     Lighthouse of ``config``). Anything with its ``view``, ``due``, ``at_switch``, ``failed`` and
