@@ -305,7 +305,7 @@ class ThreadRanks(ReplicaRanks):
     """:class:`ReplicaRanks` for one of a replica's threads (see the module docstring)."""
 
     def __init__(self, replica_id: str, rank: int, room: Room) -> None:
-        self.replica_id, self.group, self.room = replica_id, None, room
+        self.replica_id, self.group, self.room, self.device = replica_id, None, room, torch.device("cpu")
         self.rank, self.size = rank, len(room.slots)
 
     def _broadcast(self, value: Any) -> Any:

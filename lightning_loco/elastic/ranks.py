@@ -67,13 +67,15 @@ class ReplicaRanks:
     Args:
         replica_id: the replica's id (for messages).
         group: the replica's process group (its k ranks), whose timeout bounds every operation here.
+        device: where that group's tensors must be (CUDA for NCCL, CPU for gloo).
 
     The three operations among the ranks are :meth:`_broadcast`, :meth:`_min` and :meth:`_all_gather`
     (tests run a replica's ranks as threads with their own).
     """
 
-    def __init__(self, replica_id: str, group: Any) -> None:
+    def __init__(self, replica_id: str, group: Any, device: Optional[torch.device] = None) -> None:
         self.replica_id, self.group = replica_id, group
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def _broadcast(self, value: Any) -> Any:
@@ -82,14 +84,14 @@ class ReplicaRanks:
         return box[0]
 
     def _min(self, value: int) -> int:
-        agreed = torch.tensor([int(value)], dtype=torch.int64)
+        agreed = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         return int(agreed.item())
 
     def _all_gather(self, part: Tensor, like: Tensor) -> Tensor:
         from lightning_loco.transport.torch_dist import all_gather_slices
 
-        return all_gather_slices(part, like, self.size, self.group)
+        return all_gather_slices(part.to(self.device), like, self.size, self.group)
 
     def error(self, doing: str, err: BaseException) -> ReplicaRankError:
         """The error of a failed operation inside the replica, naming what this rank was ``doing``."""

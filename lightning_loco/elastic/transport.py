@@ -312,6 +312,6 @@ class ElasticTransportFactory:
     def __call__(self, device: Optional[torch.device] = None, check_stop: Callable[[str], None] = no_stop,
                  ranks_per_replica: int = 1, replica_group: Optional[Any] = None, **_: Any) -> ElasticTransport:
         show_info_lines()  # what happens to the replica (joins, heals, memberships) is said at INFO level
-        ranks = ReplicaRanks(self.config.replica_id, replica_group) if ranks_per_replica > 1 else None
+        ranks = ReplicaRanks(self.config.replica_id, replica_group, device) if ranks_per_replica > 1 else None
         membership = self.membership() if self.membership is not None else None
         return ElasticTransport(self.config, device, membership, check_stop, ranks)
