@@ -26,8 +26,12 @@ rank:
 A replica any of whose ranks dies leaves the membership as a whole: its other ranks fail at their next
 operation inside the replica (a step's gradient all-reduce, the agreement or gather of a round, the read
 of rank 0's plan), at once when the dead rank's connections close and at the latest after the replica
-group's timeout, ``outer_step_timeout``; rank 0's heartbeats stop with it. Each of them ends with a
-:class:`ReplicaRankError` that says so, and the replica is restarted as a whole.
+group's timeout, ``outer_step_timeout``; rank 0's heartbeats stop with it. Each of them ends with an
+error that says so (a :class:`ReplicaRankError` from the operations here; the strategy adds the same
+advice to an error of DDP's: :func:`restart_advice`), and the replica is restarted as a whole.
+
+At each switch the ranks also agree that each of them set up its process group (or the replica takes the
+membership's rounds alone on all of them).
 """
 
 from __future__ import annotations
