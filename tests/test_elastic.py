@@ -82,6 +82,18 @@ def test_an_elastic_replica_of_several_ranks_is_one_trainer_of_that_many_process
     assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, wire_dtype="bfloat16").elastic is not None
 
 
+def test_an_error_on_a_replica_of_several_ranks_says_the_replica_leaves_as_a_whole() -> None:
+    """A rank whose sibling died fails in DDP's all-reduce with gloo's words; the strategy adds what it means."""
+    err = RuntimeError("Connection closed by peer [127.0.0.1]:6047")
+    NoLoCoStrategy(lighthouse="h:1", replica_id="B", ranks_per_replica=2).on_exception(err)
+    assert str(err).startswith("Connection closed by peer [127.0.0.1]:6047 Replica 'B' (rank 0 of 2) stops: the "
+                               "replica leaves the membership as a whole"), str(err)
+    assert "Restart all 2 of its processes" in str(err)
+    one = RuntimeError("Connection closed by peer")
+    NoLoCoStrategy(lighthouse="h:1", replica_id="B").on_exception(one)  # a replica of one process: unchanged
+    assert str(one) == "Connection closed by peer"
+
+
 def test_static_launch_stays_the_default() -> None:
     strategy = NoLoCoStrategy(sync_every=4)
     assert strategy.elastic is None
