@@ -62,8 +62,9 @@ def sharding_config(
         return None
     if elastic:
         raise ValueError(
-            "replica_sharding='fsdp' with lighthouse=...: elastic replicas are one process each for now. "
-            "Leave replica_sharding=None with a lighthouse."
+            "replica_sharding='fsdp' with lighthouse=...: an elastic replica of several ranks runs DDP inside for "
+            "now (each rank holds the whole model and moves its slice). Leave replica_sharding=None with a "
+            "lighthouse; ranks_per_replica=k gives DDP over the replica's k ranks."
         )
     if start_method != "popen":
         raise ValueError(

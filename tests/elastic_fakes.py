@@ -10,6 +10,11 @@ The real :class:`~lightning_loco.elastic.transport.ElasticTransport` and
 :class:`~lightning_loco.elastic.plugin.ElasticPlugin` run on top unchanged. :class:`Runner` is one
 replica of a tiny problem with its driver (:func:`elastic_runner` builds an elastic one), and
 :func:`in_threads` runs replicas in threads of their own.
+
+A replica of several ranks runs its ranks as threads too: :class:`ThreadRanks` is the real
+:class:`~lightning_loco.elastic.ranks.ReplicaRanks` with its three operations among the ranks (broadcast,
+minimum, all-gather) over a :class:`Room` shared by the replica's threads instead of a process group;
+``Room.kill()`` stands for a rank that died (the others' next operation fails, as gloo's does).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from lightning_loco.elastic import heal
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import View
 from lightning_loco.elastic.plugin import ElasticPlugin
+from lightning_loco.elastic.ranks import ReplicaRanks
 from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.flat import FlatParameters
 
@@ -271,3 +277,42 @@ def build_in_threads(*builders):
     built: dict[int, Runner] = {}
     in_threads(*[lambda i=i, b=b: built.__setitem__(i, b()) for i, b in enumerate(builders)])
     return [built[i] for i in range(len(builders))]
+
+
+class Room:
+    """The ranks of one replica as threads: what each put in, and a barrier to meet at."""
+
+    def __init__(self, size: int, timeout: float = 30.0) -> None:
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots: list[Any] = [None] * size
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        """Every rank's ``value``, once every rank gave its own (``RuntimeError`` when a rank died)."""
+        try:
+            self.slots[rank] = value
+            self.barrier.wait()
+            values = list(self.slots)
+            self.barrier.wait()
+        except threading.BrokenBarrierError as err:
+            raise RuntimeError("Connection closed by peer: a rank of the replica died") from err
+        return values
+
+    def kill(self) -> None:
+        self.barrier.abort()
+
+
+class ThreadRanks(ReplicaRanks):
+    """:class:`ReplicaRanks` for one of a replica's threads (see the module docstring)."""
+
+    def __init__(self, replica_id: str, rank: int, room: Room) -> None:
+        self.replica_id, self.group, self.room, self.device = replica_id, None, room, torch.device("cpu")
+        self.rank, self.size = rank, len(room.slots)
+
+    def _broadcast(self, value: Any) -> Any:
+        return self.room.exchange(self.rank, value)[0]
+
+    def _min(self, value: int) -> int:
+        return min(self.room.exchange(self.rank, int(value)))
+
+    def _all_gather(self, part: Tensor, like: Tensor) -> Tensor:
+        return torch.cat(self.room.exchange(self.rank, part.clone()))

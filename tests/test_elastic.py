@@ -44,7 +44,8 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
         (dict(lighthouse="h:1", membership_every=0), ["membership_every", "default 1"]),
         (dict(lighthouse="h:1", replica_id=""), ["replica_id=''"]),
         (dict(lighthouse="h:1", overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
-        (dict(lighthouse="h:1", ranks_per_replica=2), ["ranks_per_replica=2"]),
+        (dict(lighthouse="h:1", ranks_per_replica=2, replica_sharding="fsdp"), ["replica_sharding='fsdp' with "
+                                                                                "lighthouse", "DDP"]),
         (dict(lighthouse="h:1", transport_factory=print), ["transport_factory and lighthouse"]),
     ],
 )
@@ -66,6 +67,31 @@ def test_an_elastic_replica_is_one_process() -> None:
 
     with pytest.raises(ValueError, match="devices=1 and num_nodes=1"):
         L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1"), accelerator="cpu", devices=2, logger=False)
+
+
+def test_an_elastic_replica_of_several_ranks_is_one_trainer_of_that_many_processes() -> None:
+    import lightning as L
+
+    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
+    assert DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
+    with pytest.raises(ValueError, match="ranks_per_replica=2 process.*but it has 4 processes"):
+        L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1", ranks_per_replica=2), accelerator="cpu",
+                  devices=4, logger=False)
+    with pytest.raises(ValueError, match="ranks_per_replica=2 with lighthouse=... and a lossy wire format"):
+        DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, compression="int8")
+    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, wire_dtype="bfloat16").elastic is not None
+
+
+def test_an_error_on_a_replica_of_several_ranks_says_the_replica_leaves_as_a_whole() -> None:
+    """A rank whose sibling died fails in DDP's all-reduce with gloo's words; the strategy adds what it means."""
+    err = RuntimeError("Connection closed by peer [127.0.0.1]:6047")
+    NoLoCoStrategy(lighthouse="h:1", replica_id="B", ranks_per_replica=2).on_exception(err)
+    assert str(err).startswith("Connection closed by peer [127.0.0.1]:6047 Replica 'B' (rank 0 of 2) stops: the "
+                               "replica leaves the membership as a whole"), str(err)
+    assert "Restart all 2 of its processes" in str(err)
+    one = RuntimeError("Connection closed by peer")
+    NoLoCoStrategy(lighthouse="h:1", replica_id="B").on_exception(one)  # a replica of one process: unchanged
+    assert str(one) == "Connection closed by peer"
 
 
 def test_static_launch_stays_the_default() -> None:
@@ -549,3 +575,63 @@ def test_a_lighthouse_that_refuses_connections_is_named_with_the_connect_timeout
     message = str(failed.value)
     assert "could not reach the Lighthouse" in message and "the connect timeout is 2 s" in message, message
     assert "lightning-loco lighthouse --min-replicas N" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm, killed_rank", [("noloco", 1), ("diloco", 0)], ids=["noloco", "diloco"])
+def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by_rank(
+        tmp_path: Path, algorithm: str, killed_rank: int) -> None:
+    """Replicas A and B of two ranks each (DDP inside), over a Lighthouse that lets one replica go on alone.
+    One rank of B is killed (SIGKILL) mid-run: B's other rank stops with an error that says the replica
+    leaves as a whole, within the bounded wait below; A goes on to max_steps. B is restarted as torchrun
+    restarts a replica (all its ranks), and heals rank by rank: rank i takes the state of A's rank i (equal
+    checksums of weights, outer state and training state), and takes part from there to max_steps."""
+    max_steps, timeout = 120, 10.0
+    with Lighthouse(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=5000) as server:
+        launcher = replicas(tmp_path, server.address, algorithm=algorithm, max_steps=max_steps, sync_every=2,
+                            step_sleep=0.2, outer_step_timeout=timeout)
+        try:
+            a = launcher.start_ranks("A", 2)
+            b = launcher.start_ranks("B", 2)
+            launcher.wait_for_step("B", 11, b[0])  # B's ranks step together (DDP): in an inner phase
+            assert launcher.kill(b[killed_rank]) == -signal.SIGKILL
+            other = b[1 - killed_rank]
+            code = launcher.wait(other, timeout_s=3 * timeout + 30)  # bounded: never the 30-minute default
+            restarted = launcher.start_ranks("B", 2)
+            codes = [launcher.wait(p) for p in [*a, *restarted]]
+        finally:
+            launcher.close()
+    assert code not in (0, -signal.SIGKILL), launcher.logs()
+    said = (tmp_path / f"B.0.r{1 - killed_rank}.log").read_text()
+    assert f"Replica 'B' (rank {1 - killed_rank} of 2) stops: the replica leaves the membership as a whole" in said
+    assert "Restart all 2 of its processes" in said, said[-3000:]
+    assert codes == [0, 0, 0, 0], launcher.logs()
+    records = {(rid, rank): launcher.record(rid, rank) for rid in ("A", "B") for rank in (0, 1)}
+
+    # A went on to the end; its memberships dropped B after its rank died and took the restarted B back
+    for rank in (0, 1):
+        rec = records[("A", rank)]
+        assert rec["global_step"] == max_steps and rec["outer_steps"] == max_steps // 2
+        assert [r["outer_step"] for r in rec["rounds"]][-1] == max_steps // 2 - 1
+        seen = [m["members"] for m in rec["memberships"]]
+        with_b = seen.index(["A", "B"])
+        assert ["A"] in seen[with_b:] and seen[-1] == ["A", "B"], seen  # B left as a whole, and came back
+    assert re.search(r"left: \['B'\]", (tmp_path / "A.0.r0.log").read_text())
+    assert records[("A", 0)]["rounds"] == [{**r, "time": x["time"]} for r, x in
+                                           zip(records[("A", 1)]["rounds"], records[("A", 0)]["rounds"])]
+
+    # the restarted B healed rank by rank from A's same rank, at one outer step, and went on to max_steps
+    heals = [records[("B", rank)]["healed_from"][-1] for rank in (0, 1)]
+    assert heals[0]["outer_step"] == heals[1]["outer_step"] and all(h["donor"] == "A" and h["weights"] for h in heals)
+    for rank, heal in enumerate(heals):
+        sent = [e for e in records[("A", rank)]["exported"] if e["outer_step"] == heal["outer_step"]]
+        assert sent and (sent[-1]["checksum"], sent[-1]["extra_checksum"]) == (heal["checksum"], heal["extra_checksum"])
+        rec = records[("B", rank)]
+        assert rec["global_step"] == max_steps and rec["outer_steps"] == max_steps // 2
+        assert rec["rounds"][0]["outer_step"] == heal["outer_step"] == rec["memberships"][0]["first_round"]
+        assert [step for step, _ in rec["steps"]] == list(range(heal["inner_steps"], max_steps))
+    assert heals[0]["checksum"] == heals[1]["checksum"]  # one model on B's two ranks, as on A's
+    for rid in ("A", "B"):
+        assert records[(rid, 0)]["final_weights"] == records[(rid, 1)]["final_weights"], rid
+    if algorithm == "diloco":  # one anchor for the run: the replicas end equal
+        assert records[("A", 0)]["final_weights"] == pytest.approx(records[("B", 0)]["final_weights"], abs=1e-6)

@@ -8,6 +8,11 @@ its rounds (outer step, group by replica id, alone or not), the memberships it t
 healed from, the rounds taken alone for a late partner, and timings. ``OUT/ID.progress`` holds the step it is at, for whoever wants to kill it at a
 given point (``demo.py``, the tests). ``--optimizer adamw`` trains with the shipped GPT's AdamW and
 warm-up + cosine schedule; ``--csv`` logs the loss and learning rate to ``OUT/csv/ID/PID/metrics.csv``.
+
+``--ranks K`` makes the replica K processes (DDP inside, ``ranks_per_replica=K``), started as torchrun
+starts them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``...:
+``lightning_loco.testing.elastic.Replicas.start_ranks``); rank r > 0 writes ``OUT/ID.rankR.json`` and
+``OUT/ID.rankR.progress``.
 """
 
 from __future__ import annotations
@@ -140,6 +145,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                         help="sgd (lr 0.05), or adamw with the shipped GPT's warm-up + cosine schedule")
     parser.add_argument("--csv", action="store_true", help="log the loss and learning rate with a CSVLogger")
+    parser.add_argument("--ranks", type=int, default=1, help="processes of this replica (DDP inside)")
     parser.add_argument("--launched-at", type=float, default=None,
                         help="when the launcher started this process (time.time()); default: after the imports")
     args = parser.parse_args()
@@ -149,8 +155,10 @@ def main() -> None:
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal,
                    straggler_timeout=args.straggler_timeout, wire_dtype=args.wire_dtype, compression=args.compression)
-    strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, **elastic)
-    model = Regressor(args.replica_id, args.step_sleep, args.out / f"{args.replica_id}.progress", args.optimizer,
+    strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, ranks_per_replica=args.ranks, **elastic)
+    rank = int(os.environ.get("RANK", 0)) if args.ranks > 1 else 0
+    name = args.replica_id + (f".rank{rank}" if rank else "")  # this process's files
+    model = Regressor(args.replica_id, args.step_sleep, args.out / f"{name}.progress", args.optimizer,
                       args.max_steps)
     callbacks: list[L.Callback] = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
     if args.slow_at is not None:
@@ -160,7 +168,8 @@ def main() -> None:
         logger = L.pytorch.loggers.CSVLogger(args.out / "csv", name=args.replica_id, version=str(os.getpid()))
         callbacks.append(L.pytorch.callbacks.LearningRateMonitor(logging_interval="step"))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.max_steps, max_epochs=-1, logger=logger,
+        accelerator="cpu", devices=args.ranks, strategy=strategy, max_steps=args.max_steps, max_epochs=-1,
+        logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )
@@ -169,7 +178,7 @@ def main() -> None:
     class Keep(L.Callback):  # the driver (outer state, reports) goes at teardown: save and keep it before
         def on_train_end(self, trainer: L.Trainer, *_: Any) -> None:
             driver_holder["driver"] = trainer.strategy.driver
-            if args.save_ckpt:
+            if args.save_ckpt:  # every rank takes part (rank 0 writes)
                 trainer.save_checkpoint(args.save_ckpt)
 
     trainer.callbacks.append(Keep())
@@ -177,7 +186,7 @@ def main() -> None:
     driver = driver_holder["driver"]
     membership = driver.transport.membership
     record = {
-        "replica_id": args.replica_id, "started": started, "ended": time.time(), "losses": model.losses,
+        "replica_id": args.replica_id, "rank": rank, "started": started, "ended": time.time(), "losses": model.losses,
         "rounds": driver.plugin.rounds, "memberships": membership.history, "healed_from": driver.plugin.healed_from,
         "exported": driver.plugin.exported,
         "failures": driver.transport.failures, "late": driver.transport.late, "quorum_waits": membership.waits,
@@ -185,7 +194,7 @@ def main() -> None:
         "outer_steps": driver.slots[0].outer_steps, "steps": model.steps, "global_step": trainer.global_step,
         "final_weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
-    (args.out / f"{args.replica_id}.json").write_text(json.dumps(record))
+    (args.out / f"{name}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

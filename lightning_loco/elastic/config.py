@@ -101,6 +101,7 @@ def elastic_config(
     overlap_steps: Any,
     ranks_per_replica: int,
     topology: Optional[str] = None,
+    lossy_wire: bool = False,
 ) -> Optional[ElasticConfig]:
     """Checks the elastic arguments of a strategy (``ValueError`` naming the argument, the value and what to
     do; ``ImportError`` naming the extra without torchft). ``None`` when ``lighthouse`` is ``None``."""
@@ -140,10 +141,12 @@ def elastic_config(
             "joiners between rounds, where an overlapped round would still be in flight (with partners that may "
             "have left, and a state no joiner can take half-sent). Use overlap_steps=0 (the default)."
         )
-    if ranks_per_replica != 1:
+    if ranks_per_replica != 1 and lossy_wire and algorithm_name == "diloco":
         raise ValueError(
-            f"ranks_per_replica={ranks_per_replica} with lighthouse=...: elastic replicas are one process each "
-            "for now. Use ranks_per_replica=1 and one Trainer (devices=1) per replica."
+            f"ranks_per_replica={ranks_per_replica} with lighthouse=... and a lossy wire format (wire_dtype or "
+            "compression): DiLoCo's lossy all-reduce takes a second exchange after its ranks agreed on the round, "
+            "which a replica of several ranks cannot yet undo on one rank alone. Use the float32 wire format, or "
+            "one rank per replica."
         )
     if topology == "exponential":
         raise ValueError(

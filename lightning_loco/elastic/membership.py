@@ -26,6 +26,9 @@ the background as soon as the quorum is known, with ``outer_step_timeout`` as it
 unchanged membership whose members saw no failure keeps its group. A group that cannot be set up (a
 member died during the rendezvous) leaves every member of that membership training alone until the next.
 
+A replica of several ranks is one member: rank 0 alone talks to the Lighthouse; see
+:mod:`~lightning_loco.elastic.ranks` for how the other ranks take part.
+
 Every wait of the main thread (the Lighthouse's first answer, a quorum, the state a joiner heals from) is
 taken in short slices, calling ``check_stop`` between them: a signal handler runs there (the Lightning
 strategy's stops the replica on SIGTERM), where a wait inside torchft's client would hold it until its
@@ -47,6 +50,7 @@ import torch.distributed as dist
 from lightning_loco.elastic import heal as store_heal
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
 from lightning_loco.elastic.plan import Plan, View, make_plan
+from lightning_loco.elastic.ranks import ReplicaRankError, ReplicaRanks, publish, rank_prefix, read
 from lightning_loco.elastic.waiting import in_thread, no_stop, wait_in_slices
 
 log = logging.getLogger("lightning_loco")
@@ -101,19 +105,29 @@ class Membership:
 
     The main thread calls :meth:`at_switch` between rounds; everything that talks to the Lighthouse runs in
     background threads. ``check_stop(waiting_for)`` is called between the slices of every wait of the main
-    thread and may raise to stop it (see the module docstring).
+    thread and may raise to stop it (see the module docstring). ``ranks``: this rank's place in a replica
+    of several ranks (None: a replica of one process).
     """
 
-    def __init__(self, config: ElasticConfig, check_stop: Callable[[str], None] = no_stop) -> None:
+    def __init__(self, config: ElasticConfig, check_stop: Callable[[str], None] = no_stop,
+                 ranks: Optional[ReplicaRanks] = None) -> None:
         require_torchft()
         self.config = config
         self.replica_id = config.replica_id
         self.check_stop = check_stop
-        self._client, self._beat_client = self._connect()
-        host = local_host_for(config.url)
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=config.join_timeout))
-        self.store_address = f"{host}:{self._store.port}"
+        self.ranks, self.rank = ranks, ranks.rank if ranks is not None else 0
+        self._info = log.info if self.rank == 0 else log.debug  # the replica's rank 0 says what happens
+        self._asked = 0  # quorum requests so far (rank 0 numbers the plans it hands to the other ranks)
+        if self.rank == 0:
+            host = local_host_for(config.url)
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=config.join_timeout))
+            self.store_address = f"{host}:{self._store.port}"
+        if ranks is not None:  # before rank 0 connects: the other ranks wait for nothing else
+            self.store_address, self._store = ranks.share_store(
+                getattr(self, "_store", None), config.join_timeout + config.outer_step_timeout + GRACE_S)
+        if self.rank == 0:
+            self._client, self._beat_client = self._connect()
         self.view: Optional[View] = None
         # DiLoCo: the quorum is asked for at each switch and waited for there (its rounds are global anyway),
         # so that it carries how many rounds each member committed; see make_plan.
@@ -123,7 +137,8 @@ class Membership:
         self._request: Optional[_Request] = None
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat, name="lightning_loco-heartbeat", daemon=True)
-        self._beats.start()
+        if self.rank == 0:  # the Lighthouse hears of the replica from its rank 0 only
+            self._beats.start()
 
     def _connect(self) -> tuple[Any, Any]:
         """torchft's two Lighthouse clients (quorums, heartbeats), built in a thread: a Lighthouse that refuses
@@ -166,20 +181,30 @@ class Membership:
         view = self.view
         data = {"current": current, "view": view.quorum_id if view else -1, "ok": bool(view and view.ok),
                 "committed": committed or 0}
+        number, self._asked = self._asked, self._asked + 1
 
         def run() -> None:
+            plan = None
             try:
-                quorum = self._client.quorum(
-                    replica_id=self.replica_id, timeout=timedelta(seconds=self.config.join_timeout),
-                    address=self.store_address, store_address=self.store_address, step=step, world_size=1,
-                    shrink_only=False, data=data,
-                )
-                plan = make_plan(quorum, self.config.membership_every, view, self.sync)
+                if self.ranks is not None and self.rank:  # rank 0 asks; this rank takes its plan
+                    request.phase = "waiting for rank 0 of this replica to hand on the Lighthouse's quorum"
+                    plan = read(self._store, number, self.ranks)
+                else:
+                    quorum = self._client.quorum(
+                        replica_id=self.replica_id, timeout=timedelta(seconds=self.config.join_timeout),
+                        address=self.store_address, store_address=self.store_address, step=step, world_size=1,
+                        shrink_only=False, data=data,
+                    )
+                    plan = make_plan(quorum, self.config.membership_every, view, self.sync)
+                    if self.ranks is not None:
+                        publish(self._store, number, plan)
                 request.phase = f"setting up the process group of membership {plan.quorum_id}"
                 pg = view.pg if plan.reuse and view is not None else self._configure(plan)
                 request.result = (plan, pg)
             except BaseException as err:  # handed to the main thread at the switch
                 request.error = err
+                if self.ranks is not None and self.rank == 0 and plan is None:  # the other ranks stop with it
+                    publish(self._store, number, error=f"{type(err).__name__}: {err}")
             request.ended = time.perf_counter()
 
         request.thread = threading.Thread(target=run, name="lightning_loco-quorum", daemon=True)
@@ -192,8 +217,8 @@ class Membership:
 
         pg = ProcessGroupGloo(timeout=timedelta(seconds=self.config.outer_step_timeout))
         try:
-            pg.configure(f"{plan.store_address}/pg", self.replica_id, plan.members.index(self.replica_id),
-                         len(plan.members))
+            pg.configure(f"{rank_prefix(plan.store_address, self.rank)}/pg", self.replica_id,
+                         plan.members.index(self.replica_id), len(plan.members))
             return pg
         except Exception as err:
             log.warning("Replica %r: the process group of membership %d could not be set up (%s); this membership's "
@@ -228,6 +253,10 @@ class Membership:
         assert request is not None
         plan, pg = self._answer(request)
         self._request = None
+        if self.ranks is not None and not self.ranks.agree(pg is not None, "agreeing on a membership"):
+            if pg is not None and not plan.reuse:  # a rank's group failed: the replica's rounds are all alone
+                pg.shutdown()
+            pg = None
         if self.replica_id in plan.joiners:
             next_round = self._heal(plan, load)
         elif plan.donor == self.replica_id and plan.joiners:
@@ -256,6 +285,8 @@ class Membership:
         done = wait_in_slices(request.thread, bound, self.check_stop, f"a membership from the Lighthouse at {config.url}")
         self.waits.append(time.perf_counter() - waited)
         took = (request.ended or time.perf_counter()) - request.asked
+        if isinstance(request.error, ReplicaRankError):
+            raise request.error
         if not done:
             raise RuntimeError(
                 f"Replica {self.replica_id!r} got no membership within {bound:g} s of the switch (join_timeout="
@@ -279,7 +310,8 @@ class Membership:
     def _store_client(self, plan: Plan) -> Any:
         from torchft.process_group import create_store_client
 
-        return create_store_client(plan.store_address, timedelta(seconds=self.config.join_timeout))
+        return create_store_client(rank_prefix(plan.store_address, self.rank),
+                                   timedelta(seconds=self.config.join_timeout))
 
     def _header(self, plan: Plan) -> dict[str, Any]:
         return store_heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
@@ -294,7 +326,7 @@ class Membership:
             log.warning("Replica %r could not hand its state to %s for membership %d (%s); they time out waiting "
                         "for it.", self.replica_id, list(plan.joiners), plan.quorum_id, box.get("error", "no answer"))
             return
-        log.info("Replica %r sent its state to %s for membership %d at outer step %d: %s in %.2f s.",
+        self._info("Replica %r sent its state to %s for membership %d at outer step %d: %s in %.2f s.",
                  self.replica_id, list(plan.joiners), plan.quorum_id, plan.switch, size(len(payload)),
                  time.perf_counter() - started)
 
@@ -322,7 +354,7 @@ class Membership:
                 f"{plan.quorum_id} starts at outer step {plan.switch}; restart this replica to join again."
             )
         what = "its state" if everything else "its step counts (heal=False: own weights and outer state kept)"
-        log.info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
+        self._info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
                  self.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(len(raw)),
                  time.perf_counter() - started)
         return next_round
@@ -338,7 +370,7 @@ class Membership:
         changes = ([f"left: {left}"] if left and old is not None else []) + (
             [f"joined: {came}"] if came and old is not None else []) + (
             [f"healing from {plan.donor!r}: {list(plan.joiners)}"] if plan.joiners else [])
-        log.info("Replica %r: membership %d from outer step %d: %s%s", self.replica_id, plan.quorum_id, plan.switch,
+        self._info("Replica %r: membership %d from outer step %d: %s%s", self.replica_id, plan.quorum_id, plan.switch,
                  list(plan.members), f" ({'; '.join(changes)})" if changes else "")
 
     def failed(self) -> None:
@@ -359,7 +391,7 @@ class Membership:
         """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group."""
         self._stop.set()
         if self.view is not None:
-            log.info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
+            self._info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
             if self.view.pg is not None:
                 self.view.pg.shutdown()
         self.view = None

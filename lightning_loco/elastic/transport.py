@@ -21,6 +21,11 @@ Lighthouse drops a dead replica from it.
 A partner that is alive but late (``straggler_timeout``) is left out of that round only, and the group
 stays open: see :mod:`~lightning_loco.elastic.straggler`. A round taken alone with a lossy codec applies
 this replica's payload as the codec delivers it, so that an error-feedback residual stays true.
+
+A replica of several ranks (``ranks``): each rank moves its own slice on its own group (with the same rank
+of the other members) and the replica's ranks all-gather the result, as on the static launch; the ranks
+agree on each round's outcome first, so that the round is the replica's on all of them or on none
+(:mod:`~lightning_loco.elastic.ranks`).
 """
 
 from __future__ import annotations
@@ -37,10 +42,14 @@ from torch import Tensor
 from lightning_loco.codecs import Codec, ring_all_reduce_bytes
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import Membership, show_info_lines
+from lightning_loco.elastic.ranks import ReplicaRanks
 from lightning_loco.elastic.straggler import PeerFailed, PeerWork, settle, wait_all
 from lightning_loco.elastic.waiting import no_stop
 from lightning_loco.transport import coded
 from lightning_loco.transport.base import Pending, Transport, TransportStats, sum_in_group_order
+
+
+TOGETHER, LATE, FAILED = 2, 1, 0  # a round's outcome on one rank (its replica takes the least of its ranks')
 
 
 class ElasticPending(Pending):
@@ -55,6 +64,7 @@ class ElasticPending(Pending):
         self.works, self.payload, self.finish, self.group_size = works, payload, finish, group_size
         self.alone, self.codec = alone, codec
         self.error: Optional[BaseException] = None
+        self.agreed = False  # a replica of several ranks: its ranks agree on this round's outcome (it was posted)
 
     def _complete(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -66,23 +76,41 @@ class ElasticPending(Pending):
 
     def _receive(self) -> Tensor:
         result: Optional[Tensor] = None
-        if not self.alone:
-            straggler_timeout = self.transport.config.straggler_timeout
+        if not self.alone or self.agreed:
+            ranks, straggler_timeout = self.transport.ranks, self.transport.config.straggler_timeout
+            status, told = (FAILED if self.alone else TOGETHER), ranks is None or not self.agreed
             try:
-                together = True
-                if straggler_timeout is not None and self.peers:
+                if self.alone:
+                    pass  # posting failed on this rank: its replica's other ranks hear of it below
+                elif straggler_timeout is not None and self.peers:
                     together, without, gave_up = settle(self, straggler_timeout)
+                    status = TOGETHER if together else LATE
                     if not together:
                         self.transport.partner_late(without, gave_up)
                 else:
                     wait_all(self.works)
-                result = self.finish() if together else None
+                if not told:  # the replica's outcome: the worst of its ranks'
+                    agreed, told = ranks.agree(status), True
+                    if agreed < status:
+                        self._heard(agreed)
+                    status = agreed
+                result = self.finish() if status == TOGETHER else None
             except PeerFailed as failure:  # this partner failed; the others' transfers still complete
                 result, self.error = None, failure.error
                 self.transport.partner_failed(self.peers if -1 in failure.peers else failure.peers, failure.error)
+                if not told:  # the replica's other ranks take the round alone too
+                    ranks.agree(FAILED)
         self.alone = result is None  # taken alone from the start, or now
         self.works = []
         return self._alone() if result is None else result
+
+    def _heard(self, agreed: int) -> None:
+        """Another rank of this replica took the round alone: this rank does the same, as that rank did."""
+        if agreed == LATE:
+            self.transport.partner_late(self.peers, False)
+        else:
+            why = RuntimeError("an exchange of another rank of this replica failed")
+            self.transport.partner_failed(self.peers, why)
 
     def abandon(self, timeout: float) -> bool:
         finished = self.done()
@@ -91,8 +119,9 @@ class ElasticPending(Pending):
 
 
 class ElasticTransport(Transport):
-    """``Transport`` of one elastic replica (one process). ``replica`` and ``num_replicas`` describe the
-    current membership; :class:`~lightning_loco.elastic.plugin.ElasticPlugin` switches memberships.
+    """``Transport`` of one elastic replica (one process, or one rank of a replica of several: ``ranks``).
+    ``replica`` and ``num_replicas`` describe the current membership;
+    :class:`~lightning_loco.elastic.plugin.ElasticPlugin` switches memberships.
 
     ``membership``: the agreement this transport follows (default: a :class:`Membership` over the
     Lighthouse of ``config``). Anything with its ``view``, ``due``, ``at_switch``, ``failed`` and
@@ -102,19 +131,24 @@ class ElasticTransport(Transport):
     Lossy wire formats travel as on the static launch (:mod:`~lightning_loco.transport.coded`, through
     :meth:`_exchange`, :meth:`_pending`, :meth:`_slice` and :meth:`_gather_slices`)."""
 
-    slices_per_replica = 1  # one process per replica: its payload is whole
-
     def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None,
-                 membership: Optional[Any] = None, check_stop: Callable[[str], None] = no_stop) -> None:
+                 membership: Optional[Any] = None, check_stop: Callable[[str], None] = no_stop,
+                 ranks: Optional[ReplicaRanks] = None) -> None:
         self.config = config
         self.device = torch.device("cpu") if device is None else torch.device(device)
-        self.membership = Membership(config, check_stop) if membership is None else membership
+        self.ranks = ranks
+        self.membership = Membership(config, check_stop, ranks) if membership is None else membership
         self.stats = TransportStats()
         self.outer_step = 0  # the round being posted: the exchanges' tag
         self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed
         self.late: list[dict[str, Any]] = []  # rounds taken alone because a partner was late (straggler_timeout)
         self._phase = 0  # exchanges posted so far in this round (a codec's all-reduce posts two)
         self._lingering: list[tuple[Any, PeerWork]] = []  # left to a late partner, with their process group
+
+    @property
+    def slices_per_replica(self) -> int:
+        """How many slices a payload is cut into, one per rank of the replica (1: it moves whole)."""
+        return 1 if self.ranks is None else self.ranks.size
 
     @property
     def replica(self) -> int:
@@ -180,10 +214,10 @@ class ElasticTransport(Transport):
         return ElasticPending(self, works, None, finish, len(peers) + 1, nbytes, peers)
 
     def _slice(self, buf: Tensor) -> Tensor:
-        return buf
+        return buf if self.ranks is None else self.ranks.slice(buf)
 
     def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
-        return part
+        return part if self.ranks is None else self.ranks.gather(part, like)
 
     def _start(self, payload: Tensor, others: tuple[int, ...], size: int, codec: Optional[Codec],
                post: Callable[[], ElasticPending]) -> ElasticPending:
@@ -199,10 +233,10 @@ class ElasticTransport(Transport):
         try:
             pending = post()
         except PeerFailed as failure:
-            alone.error = failure.error
+            alone.error, alone.agreed = failure.error, True  # the replica's other ranks may have posted
             self.partner_failed(others, failure.error)
             return alone
-        pending.payload, pending.group_size, pending.codec = payload, size, codec
+        pending.payload, pending.group_size, pending.codec, pending.agreed = payload, size, codec, True
         return pending
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
@@ -219,13 +253,13 @@ class ElasticTransport(Transport):
         def post() -> ElasticPending:
             if codec is not None:
                 return coded.start_group_sum(self, payload, group, list(others), codec)  # type: ignore[arg-type]
-            send = payload.detach().to(self.device).contiguous()
+            send = self._slice(payload.detach().to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
             works = self._exchange(dict.fromkeys(others, send), received)
 
             def finish() -> Tensor:
                 received[self.replica] = send
-                return sum_in_group_order(received, group).to(payload.device)
+                return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
 
             return self._pending(works, finish, send.numel() * send.element_size() * len(others), others)
 
@@ -245,16 +279,18 @@ class ElasticTransport(Transport):
             if codec is not None:
                 return coded.start_all_reduce_sum(self, payload, codec)  # type: ignore[arg-type]
             buf = payload.detach().to(self.device)
+            part = self._slice(buf)  # a view: summed in place
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.SUM
-            work = PeerWork(-1, self._group().allreduce([buf], options))
+            work = PeerWork(-1, self._group().allreduce([part], options))
 
             def finish() -> Tensor:
-                if buf.data_ptr() != payload.data_ptr():
-                    payload.copy_(buf)
+                whole = self._gather_slices(part, buf)
+                if whole.data_ptr() != payload.data_ptr():
+                    payload.copy_(whole.view_as(payload))
                 return payload
 
-            return self._pending([work], finish, ring_all_reduce_bytes(buf.numel() * buf.element_size(), n), others)
+            return self._pending([work], finish, ring_all_reduce_bytes(part.numel() * part.element_size(), n), others)
 
         return self._start(payload, others, n, codec, post)
 
@@ -265,7 +301,8 @@ class ElasticTransport(Transport):
 
 class ElasticTransportFactory:
     """The strategies' ``transport_factory`` in elastic mode: takes ``TorchDistributedTransport``'s keyword
-    arguments (only ``device`` matters) and ``check_stop``, and builds an :class:`ElasticTransport`.
+    arguments (``device``, and ``ranks_per_replica`` with ``replica_group`` for a replica of several ranks) and
+    ``check_stop``, and builds an :class:`ElasticTransport`.
     ``membership`` (tests): builds the membership in place of a :class:`Membership` over the Lighthouse."""
 
     def __init__(self, config: ElasticConfig, membership: Optional[Callable[[], Any]] = None) -> None:
@@ -273,7 +310,8 @@ class ElasticTransportFactory:
         self.membership = membership
 
     def __call__(self, device: Optional[torch.device] = None, check_stop: Callable[[str], None] = no_stop,
-                 **_: Any) -> ElasticTransport:
+                 ranks_per_replica: int = 1, replica_group: Optional[Any] = None, **_: Any) -> ElasticTransport:
         show_info_lines()  # what happens to the replica (joins, heals, memberships) is said at INFO level
+        ranks = ReplicaRanks(self.config.replica_id, replica_group, device) if ranks_per_replica > 1 else None
         membership = self.membership() if self.membership is not None else None
-        return ElasticTransport(self.config, device, membership, check_stop)
+        return ElasticTransport(self.config, device, membership, check_stop, ranks)

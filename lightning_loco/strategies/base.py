@@ -227,7 +227,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         self.elastic = elastic_config(
             lighthouse, replica_id, outer_step_timeout, join_timeout, membership_every, heal, straggler_timeout,
             algorithm_name=algorithm.name, overlap_steps=overlap_steps, ranks_per_replica=ranks_per_replica,
-            topology=getattr(algorithm, "topology", None),
+            topology=getattr(algorithm, "topology", None), lossy_wire=wire.lossy,
         )
         self.sharding = sharding_config(replica_sharding, fsdp_blocks, fsdp_kwargs, elastic=self.elastic is not None,
                                         start_method=start_method)

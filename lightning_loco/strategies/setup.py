@@ -9,6 +9,7 @@ import logging
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ from typing_extensions import override
 
 from lightning_loco import consensus
 from lightning_loco.driver import check_final_outer_step  # noqa: F401  (with the other argument checks)
+from lightning_loco.elastic.ranks import ReplicaRankError, restart_advice
 from lightning_loco.fragments import next_round_step
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.short_runs import warn_if_short
@@ -115,11 +117,12 @@ class ReplicaSetup:
         # Called while the Trainer is built, once devices and nodes are known: check N before any process starts.
         world, k = self.num_nodes * self.num_processes, self.ranks_per_replica
         if self.elastic is not None:  # type: ignore[attr-defined]
-            if world != 1:
+            if world != k:
                 raise ValueError(
-                    f"lighthouse=... makes this Trainer one replica of one process, but it has {world} processes "
-                    f"({self.num_nodes} node(s) × {self.num_processes} device(s)). Use devices=1 and num_nodes=1, and "
-                    "start one Trainer per replica."
+                    f"lighthouse=... makes this Trainer one replica of ranks_per_replica={k} process(es), but it has "
+                    f"{world} processes ({self.num_nodes} node(s) × {self.num_processes} device(s)). Use devices=1 "
+                    "and num_nodes=1 for a replica of one process, or devices × num_nodes = ranks_per_replica for a "
+                    "replica of several; start one Trainer per replica."
                 )
             super()._configure_launcher()
             return
@@ -145,8 +148,24 @@ class ReplicaSetup:
         backend = self._get_process_group_backend()
         if backend != "nccl":
             _compat.destroy_process_group_at_exit()
-        self._groups = ProcessGroups(self.ranks_per_replica, backend, self._timeout)
+        elastic = self.elastic  # type: ignore[attr-defined]
+        # an elastic replica's own operations (DDP, a round's agreement) fail within outer_step_timeout when one
+        # of its ranks dies: the replica then leaves the membership as a whole (lightning_loco.elastic.ranks)
+        timeout = self._timeout if elastic is None else timedelta(seconds=elastic.outer_step_timeout)
+        self._groups = ProcessGroups(self.ranks_per_replica, backend, timeout)
         self._groups.create_replica_groups()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """An elastic replica of several ranks: the error says that the replica leaves the membership as a
+        whole and is restarted as a whole (a rank that died fails the others' next operation)."""
+        super().on_exception(exception)
+        elastic, k = self.elastic, self.ranks_per_replica  # type: ignore[attr-defined]
+        if elastic is not None and k > 1 and isinstance(exception, Exception):
+            if not isinstance(exception, ReplicaRankError):  # e.g. gloo's, from DDP's all-reduce: says why
+                advice = restart_advice(elastic.replica_id, self.global_rank, k)
+                exception.args = (f"{exception.args[0] if exception.args else exception} {advice}", *exception.args[1:])
+            log.error("%s: %s", type(exception).__name__, exception)
 
     @override
     def configure_ddp(self) -> None:

@@ -5,7 +5,9 @@ processes around it.
   address it printed;
 * :class:`Replicas`: replica processes of one script (``examples/elastic/replica.py``), each in its
   own session, with their logs, progress and records, waits bounded by one time limit, kills that
-  reach everything a replica started, and a :meth:`Replicas.close` that leaves nothing running.
+  reach everything a replica started, and a :meth:`Replicas.close` that leaves nothing running. A
+  replica of several ranks is k processes started as torchrun starts them
+  (:meth:`Replicas.start_ranks`), each of which can be killed alone.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ main()
 
 # torch.distributed's rendezvous variables: each replica started here is a world of its own and finds its own
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-               "GROUP_RANK")
+               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -136,8 +138,25 @@ class Replicas:
 
     def start(self, replica_id: str, **flags: Any) -> subprocess.Popen:
         """Starts one replica (again, under the same id, after it ended: its old progress file goes first)."""
+        return self._start(replica_id, flags, [{}])[0]
+
+    def start_ranks(self, replica_id: str, ranks: int, **flags: Any) -> list[subprocess.Popen]:
+        """Starts one replica of ``ranks`` processes (``--ranks``), with the variables torchrun gives its
+        workers (a rendezvous on a free port of localhost); returns them by rank. Rank r logs to
+        ``OUT/ID.K.rR.log``. A launcher restarts the replica as torchrun does: all its ranks, once all ended."""
+        from lightning_loco.testing.launch import free_port
+
+        port = str(free_port())
+        run = f"{replica_id}-{self._starts.get(replica_id, 0)}"
+        envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks), "RANK": str(r),
+                 "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "NODE_RANK": "0",
+                 "TORCHELASTIC_RUN_ID": run} for r in range(ranks)]
+        return self._start(replica_id, {**flags, "ranks": ranks}, envs)
+
+    def _start(self, replica_id: str, flags: dict[str, Any], envs: list[dict[str, str]]) -> list[subprocess.Popen]:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"{replica_id}.progress").unlink(missing_ok=True)
+        for old in [self.out / f"{replica_id}.progress", *self.out.glob(f"{replica_id}.rank*.progress")]:
+            old.unlink(missing_ok=True)
         cmd = [sys.executable, str(self.script), "--lighthouse", self.lighthouse, "--replica-id", replica_id,
                "--out", str(self.out), "--launched-at", repr(time.time())]
         for key, value in {**self.common, **flags}.items():
@@ -145,11 +164,15 @@ class Replicas:
                 cmd += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
         name = f"{replica_id}.{self._starts.get(replica_id, 0)}"
         self._starts[replica_id] = self._starts.get(replica_id, 0) + 1
-        log = open(self.out / f"{name}.log", "w")
-        self._logs.append(log)
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=child_env())
-        return self.procs[name]
+        procs = []
+        for r, env in enumerate(envs):
+            rank = f"{name}.r{r}" if len(envs) > 1 else name
+            log = open(self.out / f"{rank}.log", "w")
+            self._logs.append(log)
+            self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                                env=child_env(**env))
+            procs.append(self.procs[rank])
+        return procs
 
     def progress(self, replica_id: str) -> int:
         """The step the replica last reported (0 before its first)."""
@@ -188,9 +211,10 @@ class Replicas:
         """SIGKILL to the replica and all it started; returns its exit code (``-SIGKILL`` if it still ran)."""
         return kill_group(proc)
 
-    def record(self, replica_id: str) -> dict[str, Any]:
-        """What the replica's last run wrote when ``fit`` ended (``OUT/ID.json``)."""
-        return json.loads((self.out / f"{replica_id}.json").read_text())
+    def record(self, replica_id: str, rank: int = 0) -> dict[str, Any]:
+        """What the replica's last run (its rank ``rank``) wrote when ``fit`` ended (``OUT/ID.json``;
+        ``OUT/ID.rankR.json`` for rank R > 0 of a replica of several ranks)."""
+        return json.loads((self.out / f"{replica_id}{f'.rank{rank}' if rank else ''}.json").read_text())
 
     def logs(self) -> str:
         """The end of every replica's log."""

@@ -43,7 +43,8 @@ from lightning_loco.staging import StagingPool
 from lightning_loco.transport import coded
 from lightning_loco.transport.base import Pending, PeerError, Transport, TransportStats, peer_error, sum_in_group_order
 
-__all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "sum_in_group_order"]
+__all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "all_gather_slices",
+           "sum_in_group_order"]
 
 
 class PendingSum(Pending):
@@ -258,13 +259,7 @@ class TorchDistributedTransport(Transport):
         """The whole buffer from every rank's slice (an all-gather inside the replica)."""
         if self.slices_per_replica == 1:
             return part
-        sizes = [t.numel() for t in torch.tensor_split(like, self.ranks_per_replica)]
-        width = max(sizes)
-        padded = torch.zeros(width, dtype=part.dtype, device=part.device)
-        padded[: part.numel()] = part
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=self.replica_group)
-        return torch.cat([t[:n] for t, n in zip(parts, sizes)])
+        return all_gather_slices(part, like, self.ranks_per_replica, self.replica_group)
 
     def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> PendingSum:
         """Posts the group's exchange (receives first) and returns at once. ``payload`` must not
@@ -328,3 +323,14 @@ class TorchDistributedTransport(Transport):
 
         nbytes = ring_all_reduce_bytes(part.numel() * part.element_size(), n)
         return self._pending([work] if work is not None else [], finish, nbytes, peers)
+
+
+def all_gather_slices(part: Tensor, like: Tensor, k: int, group: Any) -> Tensor:
+    """The whole of ``like``'s k slices (``torch.tensor_split``) from each rank's ``part``: an all-gather over
+    ``group``, the replica's k ranks (also the elastic transport's, for a replica of several ranks)."""
+    sizes = [t.numel() for t in torch.tensor_split(like, k)]
+    padded = torch.zeros(max(sizes), dtype=part.dtype, device=part.device)
+    padded[: part.numel()] = part
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([t[:n] for t, n in zip(parts, sizes)])
