@@ -188,6 +188,39 @@ def run_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.
     out.mkdir(parents=True, exist_ok=True)
     streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
     pid = _fork_main(out, config, streams, {})
+    return _finish(pid, streams, timeout, [__file__, str(out)])
+
+
+def run_module_forked(module: str, argv: list[str], out: Path, env: dict[str, str], timeout: float,
+                      cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m module *argv`` (in ``cwd``, with ``env`` added to the environment) as a child forked
+    from this process, which has torch and Lightning imported already: the same run without a new
+    interpreter's start-up. Output, errors and the timeout as in :func:`run_forked`."""
+    import runpy
+
+    out.mkdir(parents=True, exist_ok=True)
+    streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
+
+    def run() -> None:
+        os.chdir(cwd)
+        sys.path.insert(0, str(cwd))
+        sys.argv = [module, *argv]
+        package = module.split(".")[0]  # imported afresh, as a new interpreter would: its module-level
+        for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
+            del sys.modules[name]  # settings (read from the environment at import) see ``env``
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                raise
+
+    pid = _fork_call(run, streams, env)
+    return _finish(pid, streams, timeout, [sys.executable, "-m", module, *argv])
+
+
+def _finish(pid: int, streams: dict[int, Path], timeout: float, args: list[str]) -> subprocess.CompletedProcess:
+    """Waits for the forked child ``pid`` (killed after ``timeout`` seconds: ``TimeoutExpired``) and returns
+    it as a finished process with the output it wrote to ``streams``."""
     deadline = time.monotonic() + timeout
     while True:
         done, wait_status = os.waitpid(pid, os.WNOHANG)
@@ -196,10 +229,10 @@ def run_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired([__file__, str(out)], timeout)
+            raise subprocess.TimeoutExpired(args, timeout)
         time.sleep(0.05)
     stdout, stderr = (streams[fd].read_text(errors="replace") for fd in (1, 2))
-    return subprocess.CompletedProcess([__file__, str(out)], os.waitstatus_to_exitcode(wait_status), stdout, stderr)
+    return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(wait_status), stdout, stderr)
 
 
 def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.CompletedProcess:
@@ -244,7 +277,16 @@ def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subpr
 
 
 def _fork_main(out: Path, config: dict[str, Any], streams: dict[int, Path], env: dict[str, str]) -> int:
-    """Forks a child that runs ``main(out, config)`` with ``env`` added to its environment and its output in
+    """Forks a child that runs ``main(out, config)``: see :func:`_fork_call`."""
+    def run() -> None:
+        torch.set_num_threads(1)
+        main(str(out), config)
+
+    return _fork_call(run, streams, env)
+
+
+def _fork_call(run: Any, streams: dict[int, Path], env: dict[str, str]) -> int:
+    """Forks a child that calls ``run()`` with ``env`` added to its environment and its output in
     ``streams`` (see :func:`_print_to_files`), and ends with status 0, or 1 after printing the traceback of
     what it raised; it never returns into the test runner. Returns the child's process id."""
     sys.stdout.flush()
@@ -256,8 +298,7 @@ def _fork_main(out: Path, config: dict[str, Any], streams: dict[int, Path], env:
     try:
         _print_to_files(streams)
         os.environ.update(env)
-        torch.set_num_threads(1)
-        main(str(out), config)
+        run()
         status = 0
     except BaseException:
         traceback.print_exc()
