@@ -54,7 +54,7 @@ from lightning_loco.elastic.ranks import ReplicaRankError, ReplicaRanks, publish
 from lightning_loco.elastic.waiting import in_thread, no_stop, wait_in_slices
 
 log = logging.getLogger("lightning_loco")
-HEARTBEAT_EVERY_S = 0.2
+HEARTBEAT_EVERY_S, HEARTBEAT_TIMEOUT_S = 0.2, 2.0
 GRACE_S = 10.0  # beyond the timeouts of the calls a quorum request makes, before the main thread gives up
 
 
@@ -172,7 +172,7 @@ class Membership:
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY_S):
             try:
-                self._beat_client.heartbeat(self.replica_id, timeout=timedelta(seconds=2))
+                self._beat_client.heartbeat(self.replica_id, timeout=timedelta(seconds=HEARTBEAT_TIMEOUT_S))
             except Exception as err:  # a missed beat is retried; the Lighthouse decides who is dead
                 log.debug("heartbeat failed: %s", err)
 
@@ -388,8 +388,11 @@ class Membership:
                     log.debug("abort failed: %s", err)
 
     def close(self) -> None:
-        """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group."""
+        """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group. Waits for
+        the heartbeat thread (at most its call's timeout): returning from torchft during interpreter exit aborts."""
         self._stop.set()
+        if self._beats.is_alive():
+            self._beats.join(HEARTBEAT_TIMEOUT_S + 1.0)
         if self.view is not None:
             self._info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
             if self.view.pg is not None:
