@@ -194,18 +194,20 @@ def test_fixed_h_reports_its_phase_too():
 # ---------------------------------------------------------------------------- resume, ranks, progress
 
 
+@pytest.mark.parametrize("merge", ["mean", "steps"])
 @pytest.mark.parametrize("name", ["noloco", "diloco"])
-def test_resuming_mid_phase_continues_bitwise(name):
+def test_resuming_mid_phase_continues_bitwise(name, merge):
+    """Also with the merge weighted by steps (``merge="steps"``), which keeps no state of its own."""
     speeds, H, T, max_steps = (1, 2, 3), 6, 6, 24  # H_i = 6, 3, 2; 4 rounds
     make = MAKERS[name]
-    _, whole = paced(make, speeds, H, T, max_steps)
+    _, whole = paced(make, speeds, H, T, max_steps, merge=merge)
     threaded(whole)
     cuts = [2 * expected_h(s, H, T) + 1 for s in speeds]  # one step into round 2's phase on every replica
-    _, first = paced(make, speeds, H, T, max_steps)
+    _, first = paced(make, speeds, H, T, max_steps, merge=merge)
     run_in_threads([functools.partial(r.run, c) for r, c in zip(first, cuts)])
     saved = [roundtrip(r.driver.state_dict()) for r in first]
     assert [s[0]["phase"] for s in saved] == [{"start_step": c - 1, "seconds": s} for c, s in zip(cuts, speeds)]
-    _, resumed = paced(make, speeds, H, T, max_steps, weights=[r.flat.gather() for r in first])
+    _, resumed = paced(make, speeds, H, T, max_steps, weights=[r.flat.gather() for r in first], merge=merge)
     for r, s in zip(resumed, saved):
         r.clock.now = 1000.0  # another process, another clock
         r.driver.load_state_dict(s)

@@ -8,8 +8,6 @@ outer SGD, NoLoCo's δ_i ← α·δ_i + β·(Σ_j H_j·θ_j / Σ_j H_j − φ_i)
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch import Tensor, nn
@@ -21,7 +19,6 @@ from lightning_loco.driver import OuterStepDriver
 from lightning_loco.simulator import TrainingSimulator
 from lightning_loco.strategies import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.transport import InProcessNetwork
-from test_driver import assert_same, roundtrip, run_in_threads
 from test_pacing import expected_h, paced, threaded
 
 D64 = torch.float64
@@ -107,27 +104,6 @@ def test_a_simulated_run_weights_each_replica_by_its_steps_in_closed_form():
             torch.testing.assert_close(got, start + outer_lr * (-lr * c * (4 * 4 + 2 * 2) / (4 + 2)))
         for got in one_round(make(), "mean"):  # the plain mean: −lr·c·(4 + 2) / 2
             torch.testing.assert_close(got, start + outer_lr * (-lr * c * (4 + 2) / 2))
-
-
-@pytest.mark.parametrize("name", ["noloco", "diloco"])
-def test_resuming_mid_phase_continues_bitwise_with_the_weighted_merge(name):
-    make = {"diloco": DiLoCo, "noloco": NoLoCo}[name]
-    speeds, H, T, max_steps = (1, 2, 3), 6, 6, 24  # H_i = 6, 3, 2; 4 rounds
-    _, whole = paced(make, speeds, H, T, max_steps, merge="steps")
-    threaded(whole)
-    cuts = [2 * expected_h(s, H, T) + 1 for s in speeds]  # one step into round 2's phase on every replica
-    _, first = paced(make, speeds, H, T, max_steps, merge="steps")
-    run_in_threads([functools.partial(r.run, c) for r, c in zip(first, cuts)])
-    saved = [roundtrip(r.driver.state_dict()) for r in first]
-    _, resumed = paced(make, speeds, H, T, max_steps, weights=[r.flat.gather() for r in first], merge="steps")
-    for r, s in zip(resumed, saved):
-        r.clock.now = 1000.0  # another process, another clock
-        r.driver.load_state_dict(s)
-    threaded(resumed)
-    for r, w, c in zip(resumed, whole, cuts):
-        assert len(r.trace) == len(w.trace) - c
-        for step, (x, y) in enumerate(zip(r.trace, w.trace[c:])):
-            assert_same(x, y, f"replica {r.i} after step {c + step + 1}")
 
 
 # ---------------------------------------------------------------------------- bad arguments
