@@ -17,7 +17,8 @@ How a membership is agreed, with K = ``membership_every``:
   carrying how many rounds of the membership each member committed (see ``make_plan``);
 * a replica that asks with ``current=False`` (it is starting) or with a step below the others' (it fell
   behind) is a *joiner*: at the switch it takes the training state of the *donor* (the first member, by
-  id, that is not a joiner) through the membership's rendezvous store (:mod:`~lightning_loco.elastic.heal`),
+  id, that is not a joiner): a header through the membership's rendezvous store, the tensors over its
+  process group (:mod:`~lightning_loco.elastic.heal`),
   and takes part from round s + K. With ``heal=False`` it takes only the step counts and keeps its own
   weights (a replica resumed from its own checkpoint).
 
@@ -229,9 +230,9 @@ class Membership:
         plan, pg = self._answer(request)
         self._request = None
         if self.replica_id in plan.joiners:
-            next_round = self._heal(plan, load)
+            next_round = self._heal(plan, pg, load)
         elif plan.donor == self.replica_id and plan.joiners:
-            self._send_heal(plan, export())
+            self._send_heal(plan, pg, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),
                                          plan.switch, pg)
         if old is not None and pg is old.pg:
@@ -284,22 +285,28 @@ class Membership:
     def _header(self, plan: Plan) -> dict[str, Any]:
         return store_heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
 
-    def _send_heal(self, plan: Plan, state: dict[str, Any]) -> None:
-        started = time.perf_counter()
-        payload = store_heal.encode(state, self._header(plan))
-        key = store_heal.heal_key(plan.joiners)
-        thread, box = in_thread(lambda: store_heal.put(self._store_client(plan), key, payload), "lightning_loco-heal")
-        wait_in_slices(thread, self.config.join_timeout + GRACE_S, self.check_stop, "the store to take this replica's state")
+    def _send_heal(self, plan: Plan, pg: Optional[Any], state: dict[str, Any]) -> None:
+        """Hands this replica's state to the plan's joiners: a header through the store, the tensors over the
+        membership's process group (see :mod:`~lightning_loco.elastic.heal`); waits until they are sent, as
+        they are views of the live state."""
+        started, timeout = time.perf_counter(), self.config.outer_step_timeout
+        outgoing = store_heal.prepare(state, self._header(plan), over_group=pg is not None)
+        key, ranks = store_heal.heal_key(plan.joiners), [plan.members.index(j) for j in plan.joiners]
+        thread, box = in_thread(lambda: outgoing.send(pg, self._store_client(plan), key, ranks, timeout),
+                                "lightning_loco-heal")
+        wait_in_slices(thread, self.config.join_timeout + outgoing.bound(timeout) + GRACE_S, self.check_stop,
+                       "the joiners to take this replica's state")
         if "error" in box or thread.is_alive():
-            log.warning("Replica %r could not hand its state to %s for membership %d (%s); they time out waiting "
-                        "for it.", self.replica_id, list(plan.joiners), plan.quorum_id, box.get("error", "no answer"))
+            log.warning("Replica %r could not hand its state to %s for membership %d (%s); they stop with an error.",
+                        self.replica_id, list(plan.joiners), plan.quorum_id, box.get("error", "no answer"))
             return
         log.info("Replica %r sent its state to %s for membership %d at outer step %d: %s in %.2f s.",
-                 self.replica_id, list(plan.joiners), plan.quorum_id, plan.switch, size(len(payload)),
+                 self.replica_id, list(plan.joiners), plan.quorum_id, plan.switch, size(outgoing.nbytes),
                  time.perf_counter() - started)
 
-    def _heal(self, plan: Plan, load: Callable[[dict[str, Any], bool], int]) -> int:
-        """Takes the donor's state for ``plan`` (interruptibly) and loads it; returns the round it stands at."""
+    def _heal(self, plan: Plan, pg: Optional[Any], load: Callable[[dict[str, Any], bool], int]) -> int:
+        """Takes the donor's state for ``plan`` (interruptibly: its header from the store, its tensors over the
+        membership's process group ``pg``) and loads it; returns the round it stands at."""
         config, started = self.config, time.perf_counter()
         key = store_heal.heal_key(plan.joiners)
         thread, box = in_thread(lambda: store_heal.take(self._store_client(plan), key, len(plan.joiners)),
@@ -312,8 +319,18 @@ class Membership:
                 f"{plan.donor!r} within join_timeout={config.join_timeout:g} s "
                 f"({box.get('error') if ended else 'no answer'}); restart it to try again."
             ) from box.get("error")
-        raw = box["result"]
-        state = store_heal.decode(raw, self._header(plan))
+        incoming = store_heal.Incoming(box["result"], self._header(plan))
+        src, timeout = plan.members.index(plan.donor or ""), config.outer_step_timeout
+        thread, box = in_thread(lambda: incoming.receive(pg, src, timeout), "lightning_loco-heal")
+        ended = wait_in_slices(thread, incoming.bound(timeout) + GRACE_S, self.check_stop,
+                               f"the state of replica {plan.donor!r}")
+        if "result" not in box:
+            raise RuntimeError(
+                f"Replica {self.replica_id!r} joined membership {plan.quorum_id} but the transfer of replica "
+                f"{plan.donor!r}'s state broke off ({box.get('error') if ended else 'no answer'}; "
+                f"outer_step_timeout={timeout:g} s bounds each message). Nothing was loaded; restart it to try again."
+            ) from box.get("error")
+        state = box["result"]
         everything = config.heal or self.replica_id in plan.behind
         next_round = load(state, everything)
         if next_round != plan.switch:
@@ -323,7 +340,7 @@ class Membership:
             )
         what = "its state" if everything else "its step counts (heal=False: own weights and outer state kept)"
         log.info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
-                 self.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(len(raw)),
+                 self.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(incoming.nbytes),
                  time.perf_counter() - started)
         return next_round
 
