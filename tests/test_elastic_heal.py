@@ -111,6 +111,12 @@ def test_without_a_group_the_state_comes_whole_through_the_store() -> None:
     assert_bitwise(state, mixed_state())
     with pytest.raises(RuntimeError, match="no process group"):
         heal.Incoming(heal.prepare(mixed_state(), head).header, head).receive(None, 0, 1.0)
+    # a state larger than one store value cannot come whole: the joiner is told so at once
+    big = {"weights": [torch.zeros(heal.STORE_VALUE_MAX // 4 + 1)]}
+    outgoing = heal.prepare(big, head, over_group=False)
+    assert len(outgoing.header) < 10_000
+    with pytest.raises(RuntimeError, match="no process group for this membership .* more than one store value"):
+        heal.Incoming(outgoing.header, head)
 
 
 class DiesAfter(FakeGroup):

@@ -28,7 +28,9 @@ as point-to-point messages from the donor's rank to each joiner's (:class:`Outgo
 * the state loaded is bitwise the one exported (dtypes, shapes and values; tensors come back contiguous).
 
 A donor without a process group (its rendezvous failed) puts the whole state in the header instead,
-serialised with ``torch.save`` as before; a joiner loads it the same way. The functions take the process
+serialised with ``torch.save``, if it fits in one store value (``STORE_VALUE_MAX``: torch's default
+``TCPStore`` backend refuses larger ones); a larger state cannot travel, and the header says so, so
+that the joiner stops at once with that reason. The functions take the process
 group and the store of one rank's membership and the ranks of donor and joiners in it: nothing assumes
 one rank per replica.
 """
@@ -48,9 +50,10 @@ from torch import Tensor
 
 PREFIX = "lightning_loco/elastic"
 CHUNK_BYTES = 64 * 2**20  # the largest message of a heal
-SMALL_BYTES = 2**20  # tensors below this share messages (one message per tensor would cost a latency each)
+SMALL_BYTES = 2**16  # tensors below this share messages (one message per tensor would cost a latency each)
 IN_FLIGHT = 4  # messages posted at once, per joiner
 TAG_BASE = 1 << 30  # heal messages' tags: above every exchange tag of the elastic transport
+STORE_VALUE_MAX = 8 * 2**20 - 2**16  # the largest store value torch's TCPStore (libuv backend) takes: 8 MiB
 _TENSOR = "__lightning_loco_tensor__"  # a tensor's placeholder in the header's skeleton
 
 
@@ -213,7 +216,13 @@ def prepare(state: dict[str, Any], head: dict[str, Any], over_group: bool = True
     """The donor's heal of ``state`` for the membership ``head`` names: its tensors over the process group
     (``over_group``), or, without one, the whole state in the header."""
     if not over_group:
-        return Outgoing(encode(state, head))
+        whole = encode(state, head)
+        if len(whole) <= STORE_VALUE_MAX:
+            return Outgoing(whole)
+        return Outgoing(encode({"unavailable": (
+            f"the donor has no process group for this membership (its rendezvous failed), and its state "
+            f"({len(whole) / 1e6:.1f} MB) is more than one store value holds ({STORE_VALUE_MAX / 1e6:.1f} MB); restart this replica to join the next "
+            "membership")}, head))
     tensors: list[Tensor] = []
     skeleton = split(state, tensors)
     tensors = [t.detach().contiguous() for t in tensors]
@@ -235,6 +244,8 @@ class Incoming:
         self.metas: list[tuple[torch.dtype, tuple[int, ...], str]] = []
         self.messages: list[list[tuple[int, int, int]]] = []
         self.state: Optional[dict[str, Any]] = None
+        if "unavailable" in decoded:
+            raise RuntimeError(decoded["unavailable"])
         if "tensors" not in decoded:  # the donor had no process group: the state came whole
             self.state = decoded
             return
