@@ -22,7 +22,10 @@ every variant, is left out; it is the "start → first round" column). Reported:
   killed processes' steps up to their death count. A replica still waiting to be admitted 20 s after r0
   ended is killed and its steps counted;
 * ``survivors``: the survivors' inner steps per second (per replica) over the window, against the same
-  replicas' in the steady runs: what a death and a restart cost the replicas that go on;
+  replicas' in the steady runs: what a death and a restart cost the replicas that go on; split into
+  the stretches while r3 restarts (its kill to its first step: the Lighthouse's heartbeat timeout, and
+  the new process's start competing for the cores) and the rest of the window (``outside restarts``);
+  ``switch wait s``: what a survivor waited for memberships in all, over the run;
 * ``while up``: the run's steps per replica-second that a replica was up, so with the restarted process's
   start-up (its kill to its first step: imports, Lightning's setup on the shared cores, the quorum and
   healing) counted apart; that start-up is the "restart → first step" column;
@@ -64,7 +67,7 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
         procs = {rid: replicas.start(rid) for rid in IDS}
         launches, killed_steps, leftover_steps = 4, 0, 0
         next_kill = None  # M seconds after training starts (r0's first step), then every M seconds
-        downs: list[float] = []  # per restart: its kill to the new process's first step
+        restarts: list[tuple[float, float]] = []  # per restart: its kill, the new process's first step
         killed_at: float | None = None
         try:
             while procs["r0"].poll() is None:
@@ -73,7 +76,7 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
                 if next_kill is None and replicas.progress("r0") > 0:
                     next_kill = time.time() + kill_every
                 if killed_at is not None and replicas.progress(VICTIM) > 0:
-                    downs.append(time.time() - killed_at)
+                    restarts.append((killed_at, time.time()))
                     killed_at = None
                 if kills and next_kill is not None and time.time() >= next_kill and killed_at is None:
                     proc = procs[VICTIM]
@@ -107,6 +110,13 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
         return sum(1 for rid in rids if rid in records for t, _, _ in records[rid]["losses"] if begin <= t <= end)
 
     steps = killed_steps + leftover_steps + steps_of(IDS)
+    if killed_at is not None:  # restarted and not up when r0 ended
+        restarts.append((killed_at, end))
+    downs = [up - down for down, up in restarts]
+    # the survivors' steps while r3 restarts (its kill to its first step) and the rest of the window
+    spans = [(max(begin, down), min(end, up)) for down, up in restarts if min(end, up) > max(begin, down)]
+    during = sum(1 for rid in SURVIVORS for t, _, _ in records[rid]["losses"] if any(a <= t <= b for a, b in spans))
+    span_s = sum(b - a for a, b in spans)
     rounds = [x for r in records.values() for x in r["rounds"]]
     first_round = {rid: r["rounds"][0]["time"] - r["started"] for rid, r in records.items()}
     outer = [x["outer_step"] for x in records["r0"]["rounds"] if begin <= x["time"] <= end]
@@ -115,6 +125,10 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
     return {
         "variant": variant, "wall_s": wall, "window_s": window, "goodput": steps / window, "steps": steps,
         "survivors": steps_of(SURVIVORS) / window / len(SURVIVORS),
+        "survivors_outside_restarts": (steps_of(SURVIVORS) - during) / (window - span_s) / len(SURVIVORS),
+        "survivors_during_restarts": during / span_s / len(SURVIVORS) if span_s else None,
+        "restart_share": span_s / window,
+        "survivors_switch_wait_s": statistics.mean(sum(records[rid]["quorum_waits"][1:]) for rid in SURVIVORS),
         "while_up": steps / (len(IDS) * window - sum(downs)),
         "finished": sorted(records), "outer_steps_per_s": (max(outer) - min(outer)) / window, "launches": launches,
         "restart_to_first_step_s": downs, "heal_s": heals,
@@ -150,6 +164,9 @@ def main() -> None:
     def ratios(mine: list[dict[str, Any]], key: str) -> dict[str, float]:
         return spread([r[key] / steady[r["repeat"]][key] for r in mine])
 
+    def kills_in(mine: list[dict[str, Any]]) -> bool:
+        return any(r["survivors_during_restarts"] is not None for r in mine)
+
     rows = []
     for variant in variants:
         mine = [r for r in runs if r["variant"] == variant]
@@ -161,6 +178,11 @@ def main() -> None:
             "goodput_median": statistics.median(r["goodput"] for r in mine),
             "ratio": ratios(mine, "goodput"), "survivors": spread([r["survivors"] for r in mine]),
             "survivors_ratio": ratios(mine, "survivors"), "while_up_ratio": ratios(mine, "while_up"),
+            "outside_ratio": spread([r["survivors_outside_restarts"] / steady[r["repeat"]]["survivors"] for r in mine]),
+            "during_ratio": spread([r["survivors_during_restarts"] / steady[r["repeat"]]["survivors"] for r in mine
+                                    if r["survivors_during_restarts"] is not None]) if kills_in(mine) else None,
+            "restart_share": statistics.median(r["restart_share"] for r in mine),
+            "survivors_switch_wait_s": statistics.median(r["survivors_switch_wait_s"] for r in mine),
             "kills": statistics.median(r["launches"] - 4 for r in mine),
             "outer_steps_per_s": statistics.median(r["outer_steps_per_s"] for r in mine),
             "alone_pct": 100 * statistics.median(r["alone_fraction"] for r in mine),
@@ -170,7 +192,8 @@ def main() -> None:
             "wait_median_ms": 1000 * waits[len(waits) // 2] if waits else None,
             "wait_p95_ms": 1000 * waits[int(0.95 * (len(waits) - 1))] if waits else None,
         })
-    flat = [{**r, **{f"{k}_m": r[k]["median"] for k in ("ratio", "survivors_ratio", "while_up_ratio")},
+    flat = [{**r, **{f"{k}_m": r[k]["median"] for k in ("ratio", "survivors_ratio", "while_up_ratio", "outside_ratio")},
+             "during_m": r["during_ratio"]["median"] if r["during_ratio"] else None,
              "range": f"{r['survivors_ratio']['min']:.2f}-{r['survivors_ratio']['max']:.2f}",
              "down_m": r["restart_to_first_step_s"]["median"] if r["restart_to_first_step_s"] else None,
              "heal_m": r["heal_s"]["median"] if r["heal_s"] else None} for r in rows]
@@ -178,7 +201,10 @@ def main() -> None:
           "ratios against the same repeat's steady K=1 run")
     print(table(flat, [("variant", "variant", ""), ("kills", "kills", ".0f"), ("goodput_median", "steps/s", ".1f"),
                        ("ratio_m", "vs steady", ".2f"), ("survivors_ratio_m", "survivors vs steady", ".3f"),
-                       ("range", "range", ""), ("while_up_ratio_m", "while up vs steady", ".2f"),
+                       ("range", "range", ""), ("outside_ratio_m", "outside restarts", ".3f"),
+                       ("during_m", "during restarts", ".2f"), ("restart_share", "restart share", ".2f"),
+                       ("survivors_switch_wait_s", "switch wait s", ".1f"),
+                       ("while_up_ratio_m", "while up vs steady", ".2f"),
                        ("outer_steps_per_s", "outer steps/s", ".2f"), ("alone_pct", "rounds alone %", ".1f"),
                        ("first_round_s", "start → first round s", ".1f"), ("down_m", "restart → first step s", ".1f"),
                        ("heal_m", "heal s", ".3f"), ("wait_median_ms", "switch wait median ms", ".1f"),

@@ -1,7 +1,7 @@
 """Elastic healing's speed: the time to heal a replica against the time to send its weights once, by model size.
 
-    python -m benchmarks.elastic_heal            # ~4 min on 2 cores: 1 M, 10 M, 100 M parameters, 5 repeats
-    python -m benchmarks.elastic_heal --quick    # ~20 s: 1 M and 10 M, 2 repeats
+    python -m benchmarks.elastic_heal            # ~1 min on 2 cores: 1 M, 10 M, 100 M parameters, 5 repeats
+    python -m benchmarks.elastic_heal --quick    # ~15 s: 1 M and 10 M, 2 repeats
 
 Two forked processes on one machine (loopback), a donor and a joiner, over torchft's ``ProcessGroupGloo``
 (the elastic membership's process group) and a ``TCPStore`` (its rendezvous store). The donor holds the
