@@ -206,7 +206,8 @@ def main() -> None:
                        ("survivors_switch_wait_s", "switch wait s", ".1f"),
                        ("while_up_ratio_m", "while up vs steady", ".2f"),
                        ("outer_steps_per_s", "outer steps/s", ".2f"), ("alone_pct", "rounds alone %", ".1f"),
-                       ("first_round_s", "start → first round s", ".1f"), ("down_m", "restart → first step s", ".1f"),
+                       ("first_round_s", "start → first round s", ".1f"),
+                       ("down_m", "restart → first step s", ".1f"),
                        ("heal_m", "heal s", ".3f"), ("wait_median_ms", "switch wait median ms", ".1f"),
                        ("wait_p95_ms", "p95 ms", ".1f")]))
     out = Path(args.out or results_dir(args.quick) / "elastic_goodput.json")

@@ -184,7 +184,8 @@ def main() -> None:
         rows.append({
             "size": label, "heal_mb": heal_bytes / 1e6, "bytes_ratio": heal_bytes / weight_bytes,
             "once": spread(once), "fresh": spread(fresh), "heal": spread(healed),
-            "fresh_ratio": statistics.median(healed) / statistics.median(fresh), "store": spread(through_store) if through_store else None,
+            "fresh_ratio": statistics.median(healed) / statistics.median(fresh),
+            "store": spread(through_store) if through_store else None,
             "ratio": statistics.median(healed) / statistics.median(once),
             "ratios": spread([h / o for h, o in zip(healed, once)]),
             "store_ratio": statistics.median(through_store) / statistics.median(once) if through_store else None,
@@ -192,10 +193,12 @@ def main() -> None:
             "heal_gb_s": heal_bytes / statistics.median(healed) / 1e9,
         })
     flat = [{**r, "once_s": r["once"]["median"], "once_range": f"{r['once']['min']:.3f}-{r['once']['max']:.3f}",
-             "fresh_s": r["fresh"]["median"], "heal_s": r["heal"]["median"], "heal_range": f"{r['heal']['min']:.3f}-{r['heal']['max']:.3f}",
+             "fresh_s": r["fresh"]["median"], "heal_s": r["heal"]["median"],
+             "heal_range": f"{r['heal']['min']:.3f}-{r['heal']['max']:.3f}",
              "store_s": r["store"]["median"] if r["store"] else None} for r in rows]
     print(f"\nhealing over loopback gloo on {machine()}, median of {repeats} repeats (min-max)")
-    print(table(flat, [("size", "parameters", ""), ("heal_mb", "healed MB", ".0f"), ("bytes_ratio", "× weights", ".2f"),
+    print(table(flat, [("size", "parameters", ""), ("heal_mb", "healed MB", ".0f"),
+                       ("bytes_ratio", "× weights", ".2f"),
                        ("once_s", "weights once s", ".3f"), ("once_range", "range", ""),
                        ("fresh_s", "into fresh memory s", ".3f"),
                        ("heal_s", "heal s", ".3f"), ("heal_range", "range", ""), ("ratio", "heal / once", ".2f"),

@@ -4,8 +4,9 @@
 donates) instead of asking a Lighthouse; its views carry a :class:`FakeGroup`, a process group with the
 ``send`` / ``recv`` / ``allreduce`` / ``abort`` calls the elastic transport makes, over a shared
 :class:`Hub` in this process. Joiners heal as real ones do (:mod:`~lightning_loco.elastic.heal`): a
-header through a :class:`FakeStore`, the tensors over the membership's fake group. ``Hub.kill(replica_id)`` stands for a replica that died: exchanges with
-it fail, as gloo's do when a peer's connection breaks. Replicas run in threads of their own.
+header through a :class:`FakeStore`, the tensors over a fake group. ``Hub.kill(replica_id)`` stands
+for a replica that died: exchanges with it fail, as gloo's do when a peer's connection breaks.
+Replicas run in threads of their own.
 
 The real :class:`~lightning_loco.elastic.transport.ElasticTransport` and
 :class:`~lightning_loco.elastic.plugin.ElasticPlugin` run on top unchanged. :class:`Runner` is one

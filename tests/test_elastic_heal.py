@@ -30,7 +30,8 @@ def mixed_state(seed: int = 0) -> dict[str, Any]:
         "driver": [{"inner_steps": 12, "outer_steps": 6, "state": {"anchor": weights.clone(), "momentum": torch.randn(
             3000, generator=g, dtype=torch.float64)}, "phase": None}],
         "weights": [weights],
-        "extra": {"optimizer": {"state": {0: {"step": torch.tensor(12.0), "exp_avg": torch.randn(40, 30, generator=g).t(),
+        "extra": {"optimizer": {"state": {0: {"step": torch.tensor(12.0),
+                                              "exp_avg": torch.randn(40, 30, generator=g).t(),
                                               "exp_avg_sq": torch.rand(7, generator=g).to(torch.bfloat16)}},
                                 "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "params": [0]}]},
                   "mask": torch.rand(50, generator=g) > 0.5, "ids": torch.randint(0, 9, (33,), generator=g),
@@ -42,7 +43,8 @@ def assert_bitwise(got: Any, want: Any) -> None:
     """Same structure, same plain values, and tensors of the same dtype, shape and bytes."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
+        raw = [t.contiguous().reshape(-1).view(torch.uint8) for t in (got, want)]
+        assert torch.equal(*raw)
     elif isinstance(want, dict):
         assert isinstance(got, dict) and list(got) == list(want)
         for key in want:

@@ -138,7 +138,8 @@ def join(value: Any, tensors: Sequence[Tensor]) -> Any:
     return value
 
 
-def cut(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES, small: int = SMALL_BYTES) -> list[list[tuple[int, int, int]]]:
+def cut(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES,
+        small: int = SMALL_BYTES) -> list[list[tuple[int, int, int]]]:
     """The messages of a heal: each a list of (tensor index, first byte, end byte). A tensor of ``small``
     bytes or more (or of more than ``chunk_bytes``) has messages of its own, of at most ``chunk_bytes``;
     smaller ones are packed together up to ``chunk_bytes``. Empty tensors have none."""
@@ -221,8 +222,8 @@ def prepare(state: dict[str, Any], head: dict[str, Any], over_group: bool = True
             return Outgoing(whole)
         return Outgoing(encode({"unavailable": (
             f"the donor has no process group for this membership (its rendezvous failed), and its state "
-            f"({len(whole) / 1e6:.1f} MB) is more than one store value holds ({STORE_VALUE_MAX / 1e6:.1f} MB); restart this replica to join the next "
-            "membership")}, head))
+            f"({len(whole) / 1e6:.1f} MB) is more than one store value holds ({STORE_VALUE_MAX / 1e6:.1f} MB); "
+            "restart this replica to join the next membership")}, head))
     tensors: list[Tensor] = []
     skeleton = split(state, tensors)
     tensors = [t.detach().contiguous() for t in tensors]
