@@ -1,34 +1,46 @@
-"""Elastic replicas: goodput with a replica killed every M seconds against no failures, the time from a
-replica's start to its first round, and what the membership costs on the healthy path.
+"""Elastic replicas: goodput with a replica killed and restarted every M seconds against no failures, the
+survivors' pace apart from the run's, the time from a replica's start to its first round, and what the
+membership costs on the healthy path.
 
-    python -m benchmarks.elastic_goodput            # ~8 min on 2 cores: 3 variants × 3 repeats, interleaved
+    python -m benchmarks.elastic_goodput            # ~15 min on 2 cores: 2 variants × 3 repeats, interleaved
     python -m benchmarks.elastic_goodput --quick    # ~1.5 min: 1 repeat, shorter runs, a kill every 6 s
 
 Each run is a Lighthouse process (``min_replicas=2``, heartbeat timeout 2 s) and four replica processes
 of ``examples/elastic/replica.py`` (NoLoCo, a tiny regression model, H = 4, 20 ms of sleep per step standing
-for a bigger model's compute, ``max_steps`` = 600, or 240 with ``--quick``). Variants:
+for a bigger model's compute, ``max_steps`` = 3000, about 100 s of training; 480 with ``--quick``). Variants:
 
 * ``steady K=1``: no failure, a membership refresh requested at every outer step (the default);
-* ``steady K=4``: no failure, ``membership_every=4``;
-* ``kill every M s``: M seconds after training starts and every M seconds after (default 10; 6 with
-  ``--quick``), until r0 is 60 % through, one replica (r1, r2, r3 in turn) is killed with SIGKILL and
-  started again at once under the same id; it heals from a live replica. r0 is never killed.
+* ``steady K=4`` (with ``--k4``): no failure, ``membership_every=4``;
+* ``kill every M s``: M seconds after training starts and every M seconds after (default 30; 6 with
+  ``--quick``), until r0 is 90 % through, r3 is killed with SIGKILL and started again at once under the
+  same id; it heals from a live replica. r0, r1 and r2, the *survivors*, are never killed.
 
-``outer_step_timeout`` is 10 s. Goodput is inner steps per second summed over the live replicas, over
-the training window: from r0's first round to r0's end (start-up, the same in every variant, is left
-out; it is the "start → first round" column). The killed processes' steps up to their death count. A
-replica still waiting to be admitted 20 s after r0 ended is killed and its steps counted. "outer steps/s" is
-the run's progress over the same window (r0's rounds). "start → first round" is a replica process's
-launch to its first round (imports, Lightning's setup, the Lighthouse's quorum and, for a restarted
-replica, healing). "switch wait" is what the training thread waited for the next membership at a switch
-(median and 95th percentile over all switches of the steady runs). Writes
-``benchmarks/results/elastic_goodput.json`` (``--quick``: a temporary folder, or ``$LOCO_BENCH_RESULTS``).
+``outer_step_timeout`` is 10 s. The training window is r0's first round to r0's end (start-up, the same in
+every variant, is left out; it is the "start → first round" column). Reported:
+
+* ``goodput``: inner steps per second summed over all replicas over the window (the run as a whole). The
+  killed processes' steps up to their death count. A replica still waiting to be admitted 20 s after r0
+  ended is killed and its steps counted;
+* ``survivors``: the survivors' inner steps per second (per replica) over the window, against the same
+  replicas' in the steady runs: what a death and a restart cost the replicas that go on; split into
+  the stretches while r3 restarts (its kill to its first step: the Lighthouse's heartbeat timeout, and
+  the new process's start competing for the cores) and the rest of the window (``outside restarts``);
+  ``switch wait s``: what a survivor waited for memberships in all, over the run;
+* ``while up``: the run's steps per replica-second that a replica was up, so with the restarted process's
+  start-up (its kill to its first step: imports, Lightning's setup on the shared cores, the quorum and
+  healing) counted apart; that start-up is the "restart → first step" column;
+* "outer steps/s": the run's progress over the window (r0's rounds); "heal s": the restarted replica's
+  heal as its log line says; "switch wait": what the training thread waited for the next membership at a
+  switch (median and 95th percentile over all switches of the steady runs).
+
+Writes ``benchmarks/results/elastic_goodput.json`` (``--quick``: a temporary folder, or ``$LOCO_BENCH_RESULTS``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -39,6 +51,7 @@ from benchmarks.common import ROOT, machine, results_dir, spread, table
 
 REPLICA = ROOT / "examples" / "elastic" / "replica.py"
 IDS = ("r0", "r1", "r2", "r3")
+VICTIM, SURVIVORS = "r3", ("r0", "r1", "r2")
 
 
 def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[str, Any]:
@@ -52,26 +65,28 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
                             step_sleep=0.02, outer_step_timeout=10, membership_every=every)
         started = time.time()
         procs = {rid: replicas.start(rid) for rid in IDS}
-        launches, killed_steps, n = 4, 0, 4
-        victims = ["r1", "r2", "r3"]
+        launches, killed_steps, leftover_steps = 4, 0, 0
         next_kill = None  # M seconds after training starts (r0's first step), then every M seconds
-        leftover_steps = 0
+        restarts: list[tuple[float, float]] = []  # per restart: its kill, the new process's first step
+        killed_at: float | None = None
         try:
             while procs["r0"].poll() is None:
                 if time.time() - started > limit:
                     raise RuntimeError(f"{variant}: a run took longer than {limit} s; logs in {out}")
                 if next_kill is None and replicas.progress("r0") > 0:
                     next_kill = time.time() + kill_every
-                if kills and next_kill is not None and time.time() >= next_kill:
-                    victim = victims[(n - 4) % 3]
-                    proc = procs[victim]
-                    early = replicas.progress("r0") < 0.6 * max_steps
-                    if proc.poll() is None and replicas.progress(victim) > 0 and early:
+                if killed_at is not None and replicas.progress(VICTIM) > 0:
+                    restarts.append((killed_at, time.time()))
+                    killed_at = None
+                if kills and next_kill is not None and time.time() >= next_kill and killed_at is None:
+                    proc = procs[VICTIM]
+                    if proc.poll() is None and replicas.progress("r0") < 0.9 * max_steps:
+                        steps = replicas.progress(VICTIM)
                         replicas.kill(proc)
-                        killed_steps += replicas.progress(victim)
-                        procs[victim] = replicas.start(victim)
+                        killed_steps += steps
+                        killed_at = time.time()
+                        procs[VICTIM] = replicas.start(VICTIM)
                         launches += 1
-                    n += 1
                     next_kill = time.time() + kill_every
                 time.sleep(0.05)
             # r0 (never killed) has finished: the others finish with it, except a replica restarted too late to
@@ -86,69 +101,115 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
         finally:
             replicas.close()
     wall = time.time() - started
-    records = [replicas.record(rid) for rid in IDS if (out / f"{rid}.json").exists()]
+    records = {rid: replicas.record(rid) for rid in IDS if (out / f"{rid}.json").exists()}
     # The training window: r0's first round (every variant starts alike) to r0's end
-    begin, end = records[0]["rounds"][0]["time"], records[0]["ended"]
+    begin, end = records["r0"]["rounds"][0]["time"], records["r0"]["ended"]
     window = end - begin
-    steps = killed_steps + leftover_steps + sum(1 for r in records for t, _, _ in r["losses"] if begin <= t <= end)
-    rounds = [x for r in records for x in r["rounds"]]
-    first_round = {r["replica_id"]: r["rounds"][0]["time"] - r["started"] for r in records}
-    restarted = [first_round[r["replica_id"]] for r in records
-                 if kills and launches > 4 and r["replica_id"] != "r0" and r["started"] > begin]
-    outer = [x["outer_step"] for x in records[0]["rounds"] if begin <= x["time"] <= end]
+
+    def steps_of(rids: Any) -> int:
+        return sum(1 for rid in rids if rid in records for t, _, _ in records[rid]["losses"] if begin <= t <= end)
+
+    steps = killed_steps + leftover_steps + steps_of(IDS)
+    if killed_at is not None:  # restarted and not up when r0 ended
+        restarts.append((killed_at, end))
+    downs = [up - down for down, up in restarts]
+    # the survivors' steps while r3 restarts (its kill to its first step) and the rest of the window
+    spans = [(max(begin, down), min(end, up)) for down, up in restarts if min(end, up) > max(begin, down)]
+    during = sum(1 for rid in SURVIVORS for t, _, _ in records[rid]["losses"] if any(a <= t <= b for a, b in spans))
+    span_s = sum(b - a for a, b in spans)
+    rounds = [x for r in records.values() for x in r["rounds"]]
+    first_round = {rid: r["rounds"][0]["time"] - r["started"] for rid, r in records.items()}
+    outer = [x["outer_step"] for x in records["r0"]["rounds"] if begin <= x["time"] <= end]
+    heals = [float(m.group(1)) for log in sorted(out.glob(f"{VICTIM}.*.log"))[1:]
+             for m in re.finditer(r"took its state from .*? in ([0-9.]+) s", log.read_text())]
     return {
         "variant": variant, "wall_s": wall, "window_s": window, "goodput": steps / window, "steps": steps,
-        "finished": [r["replica_id"] for r in records],
-        "outer_steps_per_s": (max(outer) - min(outer)) / window, "launches": launches,
+        "survivors": steps_of(SURVIVORS) / window / len(SURVIVORS),
+        "survivors_outside_restarts": (steps_of(SURVIVORS) - during) / (window - span_s) / len(SURVIVORS),
+        "survivors_during_restarts": during / span_s / len(SURVIVORS) if span_s else None,
+        "restart_share": span_s / window,
+        "survivors_switch_wait_s": statistics.mean(sum(records[rid]["quorum_waits"][1:]) for rid in SURVIVORS),
+        "while_up": steps / (len(IDS) * window - sum(downs)),
+        "finished": sorted(records), "outer_steps_per_s": (max(outer) - min(outer)) / window, "launches": launches,
+        "restart_to_first_step_s": downs, "heal_s": heals,
         "alone_fraction": sum(x["alone"] for x in rounds) / len(rounds),
         "first_round_s": statistics.median(first_round.values()),
-        "first_round_restarted_s": statistics.median(restarted) if restarted else None,
-        "switch_waits": [w for r in records for w in r["quorum_waits"][1:]],  # the first is the start's quorum
+        "switch_waits": [w for r in records.values() for w in r["quorum_waits"][1:]],  # the first: the start's
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, max_steps 240")
+    parser.add_argument("--quick", action="store_true", help="1 repeat, max_steps 480, a kill every 6 s")
     parser.add_argument("--repeats", type=int, help="runs per variant (default 3; quick: 1)")
-    parser.add_argument("--kill-every", type=float, help="M: seconds between kills (default 10; quick: 6)")
+    parser.add_argument("--kill-every", type=float, help="M: seconds between kills (default 30; quick: 6)")
+    parser.add_argument("--max-steps", type=int, help="the run's max_steps (default 3000; quick: 480)")
+    parser.add_argument("--k4", action="store_true", help="also the steady runs with membership_every=4")
     parser.add_argument("--out", help="default: elastic_goodput.json in benchmarks/results (quick: a temporary folder)")
     args = parser.parse_args()
-    max_steps = 240 if args.quick else 600
+    max_steps = args.max_steps or (480 if args.quick else 3000)
     repeats = args.repeats or (1 if args.quick else 3)
-    args.kill_every = args.kill_every or (6.0 if args.quick else 10.0)
-    variants = ["steady K=1", "steady K=4", f"kill every {args.kill_every:g} s"]
+    args.kill_every = args.kill_every or (6.0 if args.quick else 30.0)
+    variants = ["steady K=1"] + (["steady K=4"] if args.k4 else []) + [f"kill every {args.kill_every:g} s"]
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for variant in variants:  # interleaved: the machine's load drifts alike over every variant
-            result = run(variant, max_steps, args.kill_every, limit=300.0)
+            result = run(variant, max_steps, args.kill_every, limit=120.0 + max_steps / 5)
             runs.append({"repeat": repeat, **result})
-            print(f"repeat {repeat} {variant}: {result['goodput']:.1f} steps/s, {result['wall_s']:.1f} s, "
-                  f"{result['launches']} launches", flush=True)
+            print(f"repeat {repeat} {variant}: {result['goodput']:.1f} steps/s, survivors {result['survivors']:.1f} "
+                  f"steps/s each, {result['wall_s']:.1f} s, {result['launches']} launches", flush=True)
+    steady = {r["repeat"]: r for r in runs if r["variant"] == "steady K=1"}  # each run against its repeat's steady
+
+    def ratios(mine: list[dict[str, Any]], key: str) -> dict[str, float]:
+        return spread([r[key] / steady[r["repeat"]][key] for r in mine])
+
+    def kills_in(mine: list[dict[str, Any]]) -> bool:
+        return any(r["survivors_during_restarts"] is not None for r in mine)
+
     rows = []
-    steady = statistics.median(r["goodput"] for r in runs if r["variant"] == "steady K=1")
     for variant in variants:
         mine = [r for r in runs if r["variant"] == variant]
         waits = sorted(w for r in mine for w in r["switch_waits"])
-        restarted = [r["first_round_restarted_s"] for r in mine if r["first_round_restarted_s"] is not None]
+        downs = [d for r in mine for d in r["restart_to_first_step_s"]]
+        heals = [h for r in mine for h in r["heal_s"]]
         rows.append({
             "variant": variant, "goodput": spread([r["goodput"] for r in mine]),
             "goodput_median": statistics.median(r["goodput"] for r in mine),
-            "ratio": statistics.median(r["goodput"] for r in mine) / steady,
+            "ratio": ratios(mine, "goodput"), "survivors": spread([r["survivors"] for r in mine]),
+            "survivors_ratio": ratios(mine, "survivors"), "while_up_ratio": ratios(mine, "while_up"),
+            "outside_ratio": spread([r["survivors_outside_restarts"] / steady[r["repeat"]]["survivors"] for r in mine]),
+            "during_ratio": spread([r["survivors_during_restarts"] / steady[r["repeat"]]["survivors"] for r in mine
+                                    if r["survivors_during_restarts"] is not None]) if kills_in(mine) else None,
+            "restart_share": statistics.median(r["restart_share"] for r in mine),
+            "survivors_switch_wait_s": statistics.median(r["survivors_switch_wait_s"] for r in mine),
+            "kills": statistics.median(r["launches"] - 4 for r in mine),
             "outer_steps_per_s": statistics.median(r["outer_steps_per_s"] for r in mine),
             "alone_pct": 100 * statistics.median(r["alone_fraction"] for r in mine),
             "first_round_s": statistics.median(r["first_round_s"] for r in mine),
-            "first_round_restarted_s": statistics.median(restarted) if restarted else None,
+            "restart_to_first_step_s": spread(downs) if downs else None,
+            "heal_s": spread(heals) if heals else None,
             "wait_median_ms": 1000 * waits[len(waits) // 2] if waits else None,
             "wait_p95_ms": 1000 * waits[int(0.95 * (len(waits) - 1))] if waits else None,
         })
-    print(f"\n4 elastic NoLoCo replicas on {machine()}, H = 4, max_steps {max_steps}, median of {repeats} run(s)")
-    print(table(rows, [("variant", "variant", ""), ("goodput_median", "steps/s", ".1f"), ("ratio", "vs steady", ".2f"),
+    flat = [{**r, **{f"{k}_m": r[k]["median"] for k in ("ratio", "survivors_ratio", "while_up_ratio", "outside_ratio")},
+             "during_m": r["during_ratio"]["median"] if r["during_ratio"] else None,
+             "range": f"{r['survivors_ratio']['min']:.2f}-{r['survivors_ratio']['max']:.2f}",
+             "down_m": r["restart_to_first_step_s"]["median"] if r["restart_to_first_step_s"] else None,
+             "heal_m": r["heal_s"]["median"] if r["heal_s"] else None} for r in rows]
+    print(f"\n4 elastic NoLoCo replicas on {machine()}, H = 4, max_steps {max_steps}, median of {repeats} run(s); "
+          "ratios against the same repeat's steady K=1 run")
+    print(table(flat, [("variant", "variant", ""), ("kills", "kills", ".0f"), ("goodput_median", "steps/s", ".1f"),
+                       ("ratio_m", "vs steady", ".2f"), ("survivors_ratio_m", "survivors vs steady", ".3f"),
+                       ("range", "range", ""), ("outside_ratio_m", "outside restarts", ".3f"),
+                       ("during_m", "during restarts", ".2f"), ("restart_share", "restart share", ".2f"),
+                       ("survivors_switch_wait_s", "switch wait s", ".1f"),
+                       ("while_up_ratio_m", "while up vs steady", ".2f"),
                        ("outer_steps_per_s", "outer steps/s", ".2f"), ("alone_pct", "rounds alone %", ".1f"),
                        ("first_round_s", "start → first round s", ".1f"),
-                       ("first_round_restarted_s", "restarted → first round s", ".1f"),
-                       ("wait_median_ms", "switch wait median ms", ".1f"), ("wait_p95_ms", "p95 ms", ".1f")]))
+                       ("down_m", "restart → first step s", ".1f"),
+                       ("heal_m", "heal s", ".3f"), ("wait_median_ms", "switch wait median ms", ".1f"),
+                       ("wait_p95_ms", "p95 ms", ".1f")]))
     out = Path(args.out or results_dir(args.quick) / "elastic_goodput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in runs:

@@ -3,8 +3,10 @@
 :class:`FakeMembership` follows a fixed script of memberships (who, from which round, who joins and who
 donates) instead of asking a Lighthouse; its views carry a :class:`FakeGroup`, a process group with the
 ``send`` / ``recv`` / ``allreduce`` / ``abort`` calls the elastic transport makes, over a shared
-:class:`Hub` in this process. ``Hub.kill(replica_id)`` stands for a replica that died: exchanges with
-it fail, as gloo's do when a peer's connection breaks. Replicas run in threads of their own.
+:class:`Hub` in this process. Joiners heal as real ones do (:mod:`~lightning_loco.elastic.heal`): a
+header through a :class:`FakeStore`, the tensors over a fake group. ``Hub.kill(replica_id)`` stands
+for a replica that died: exchanges with it fail, as gloo's do when a peer's connection breaks.
+Replicas run in threads of their own.
 
 The real :class:`~lightning_loco.elastic.transport.ElasticTransport` and
 :class:`~lightning_loco.elastic.plugin.ElasticPlugin` run on top unchanged. :class:`Runner` is one
@@ -19,7 +21,6 @@ minimum, all-gather) over a :class:`Room` shared by the replica's threads instea
 
 from __future__ import annotations
 
-import io
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from lightning_loco.flat import FlatParameters
 
 
 class Hub:
-    """The wire shared by every fake process group of a run, and the store joiners heal through."""
+    """The wire shared by every fake process group of a run, and the store joiners take headers from."""
 
     def __init__(self, timeout: float = 10.0) -> None:
         self.cond = threading.Condition()
@@ -49,7 +50,7 @@ class Hub:
         self.reduces: dict[tuple[Any, ...], dict[int, Tensor]] = {}
         self.dead: set[str] = set()
         self.aborted: set[int] = set()  # quorum ids whose group a member aborted
-        self.heal_states: dict[int, bytes] = {}  # quorum id -> the donor's state, as the real store holds it
+        self.store: dict[str, Any] = {}  # what the FakeStores of a run hold
 
     def kill(self, replica_id: str) -> None:
         with self.cond:
@@ -67,6 +68,34 @@ class Hub:
                 raise RuntimeError("timed out")
             self.cond.wait(0.05)
             remaining -= 0.05
+
+
+class FakeStore:
+    """The calls a heal makes on a membership's rendezvous store (``set``, a ``get`` that waits for its key,
+    ``add``, ``delete_key``), over a :class:`Hub`, under ``prefix``."""
+
+    def __init__(self, hub: Hub, prefix: str) -> None:
+        self.hub, self.prefix = hub, prefix
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.hub.cond:
+            self.hub.store[self.prefix + key] = value
+            self.hub.cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self.hub.cond:
+            self.hub.wait_for(lambda: self.prefix + key in self.hub.store, lambda: None)
+            return self.hub.store[self.prefix + key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self.hub.cond:
+            value = self.hub.store.get(self.prefix + key, 0) + amount
+            self.hub.store[self.prefix + key] = value
+            return value
+
+    def delete_key(self, key: str) -> bool:
+        with self.hub.cond:
+            return self.hub.store.pop(self.prefix + key, None) is not None
 
 
 class FakeWork:
@@ -160,8 +189,9 @@ class Script:
 class FakeMembership:
     """A membership that follows ``script`` (memberships in order) instead of a Lighthouse."""
 
-    def __init__(self, hub: Hub, replica_id: str, script: Sequence[Script], heal: bool = True) -> None:
-        self.hub, self.replica_id, self.heal = hub, replica_id, heal
+    def __init__(self, hub: Hub, replica_id: str, script: Sequence[Script], heal: bool = True,
+                 chunk_bytes: int = heal.CHUNK_BYTES) -> None:
+        self.hub, self.replica_id, self.heal, self.chunk_bytes = hub, replica_id, heal, chunk_bytes
         self.script = [s for s in script if replica_id in s.members]
         self.view: Optional[View] = None
         self.sync = False
@@ -183,16 +213,18 @@ class FakeMembership:
         if plan is None:
             return next_round
         head = heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
+        store, key = FakeStore(self.hub, f"q{plan.quorum_id}/s{plan.switch}/"), heal.heal_key(plan.joiners)
+        # the heal travels on a group of its own, donor first: a script may let a donor train on alone (or
+        # finish) before its joiner starts; the fake wire keeps what was sent until it is received
+        roster = (plan.donor or "", *plan.joiners)
         if self.replica_id in plan.joiners:
-            with self.hub.cond:
-                self.hub.wait_for(lambda: plan.quorum_id in self.hub.heal_states, lambda: None)
-                raw = self.hub.heal_states[plan.quorum_id]
-            next_round = load(heal.decode(raw, head), self.heal)
+            via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
+            incoming = heal.Incoming(heal.take(store, key, len(plan.joiners)), head)
+            next_round = load(incoming.receive(via, 0, self.hub.timeout), self.heal)
         elif plan.donor == self.replica_id:
-            raw = heal.encode(export(), head)  # serialized at once, as the real membership does
-            with self.hub.cond:
-                self.hub.heal_states[plan.quorum_id] = raw
-                self.hub.cond.notify_all()
+            via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
+            outgoing = heal.prepare(export(), head, chunk_bytes=self.chunk_bytes)
+            outgoing.send(via, store, key, range(1, len(roster)), self.hub.timeout)
         group = FakeGroup(self.hub, plan.quorum_id, plan.members, self.replica_id)
         self.view = View(plan.quorum_id, plan.members, plan.members.index(self.replica_id), plan.switch, group)
         self.history.append({"quorum_id": plan.quorum_id, "first_round": plan.switch, "members": list(plan.members)})

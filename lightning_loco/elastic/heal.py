@@ -1,30 +1,60 @@
-"""How a joiner takes a live replica's state: through the rendezvous store of the membership that admits it.
+"""How a joiner takes a live replica's state: a small header through the rendezvous store of the membership
+that admits it, the tensors point to point over that membership's process group.
 
 **Keys.** Every membership has its own prefix on the store of its first participant,
 ``HOST:PORT/lightning_loco/elastic/q<quorum id>/s<first round>`` (:func:`membership_prefix`): the
-process group's rendezvous and the healing state live under it. The quorum id alone does not name a
+process group's rendezvous and the healing header live under it. The quorum id alone does not name a
 membership. torchft's Lighthouse keeps the id while the participants stay the same (DiLoCo's memberships
 at every switch; a replica restarted under its old id before the Lighthouse counted it as dead) and
 counts from 1 again when it restarts, so two memberships could share a prefix and a joiner would read a
 state written for an earlier one. The first round of a replica's memberships only grows, so the pair is
 new for every membership a store's owner takes part in.
 
-**Protocol.** The donor writes the state once, under ``heal/<joiners>`` of that prefix
-(:func:`heal_key`), with a header naming the membership (:func:`encode`). A joiner's ``get`` waits until
-the key is written; the joiner checks the header (:func:`decode`: a state for another membership is an
-error, never loaded), and the last joiner to take it deletes it (:func:`take`), so the store holds a model
-copy only while someone still needs it.
+**Protocol.** The donor writes a header once, under ``heal/<joiners>`` of that prefix (:func:`heal_key`):
+the state with every tensor replaced by a placeholder, each tensor's dtype, shape and device, and a header
+naming the membership (:func:`prepare`). A joiner's ``get`` waits until the key is written; the joiner
+checks the header (:func:`decode`: a state for another membership is an error, never loaded), and the last
+joiner to take it deletes it (:func:`take`), so the store never holds a model copy. The tensors then
+cross the membership's process group (which every member, joiners included, set up before the switch)
+as point-to-point messages from the donor's rank to each joiner's (:class:`Outgoing`,
+:class:`Incoming`), with tags above every exchange's:
+
+* the tensors' bytes are cut into messages of at most ``CHUNK_BYTES``; a tensor of ``SMALL_BYTES`` or more
+  travels on its own (its messages are views of it, sent and received in place: no copy), smaller ones
+  are packed together. Both sides derive the same cut from the header (:func:`cut`);
+* at most ``IN_FLIGHT`` messages per joiner are posted at once (memory stays bounded), and each wait is
+  bounded by the process group's timeout, so a donor that dies or hangs mid-transfer is an error on the
+  joiner naming the message and the timeout, never a silent wait;
+* the state loaded is bitwise the one exported (dtypes, shapes and values; tensors come back contiguous).
+
+A donor without a process group (its rendezvous failed) puts the whole state in the header instead,
+serialised with ``torch.save``, if it fits in one store value (``STORE_VALUE_MAX``: torch's default
+``TCPStore`` backend refuses larger ones); a larger state cannot travel, and the header says so, so
+that the joiner stops at once with that reason. The functions take the process
+group and the store of one rank's membership and the ranks of donor and joiners in it: nothing assumes
+one rank per replica.
 """
 
 from __future__ import annotations
 
 import io
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
 PREFIX = "lightning_loco/elastic"
+CHUNK_BYTES = 64 * 2**20  # the largest message of a heal
+SMALL_BYTES = 2**16  # tensors below this share messages (one message per tensor would cost a latency each)
+IN_FLIGHT = 4  # messages posted at once, per joiner
+TAG_BASE = 1 << 30  # heal messages' tags: above every exchange tag of the elastic transport
+STORE_VALUE_MAX = 8 * 2**20 - 2**16  # the largest store value torch's TCPStore (libuv backend) takes: 8 MiB
+_TENSOR = "__lightning_loco_tensor__"  # a tensor's placeholder in the header's skeleton
 
 
 def membership_prefix(store_address: str, quorum_id: int, first_round: int) -> str:
@@ -33,7 +63,7 @@ def membership_prefix(store_address: str, quorum_id: int, first_round: int) -> s
 
 
 def heal_key(joiners: Sequence[str]) -> str:
-    """The key of the state the joiners of a membership take (under the membership's prefix)."""
+    """The key of the header the joiners of a membership take (under the membership's prefix)."""
     return "heal/" + ",".join(joiners)
 
 
@@ -62,15 +92,216 @@ def decode(raw: bytes, expected: dict[str, Any]) -> dict[str, Any]:
 
 
 def put(store: Any, key: str, payload: bytes) -> None:
-    """The donor's side: writes the state once."""
+    """The donor's side: writes the header (or the whole state) once."""
     store.set(key, payload)
 
 
 def take(store: Any, key: str, joiners: int) -> bytes:
-    """A joiner's side: waits for the state (the store's timeout bounds the wait), and the last of the
+    """A joiner's side: waits for the header (the store's timeout bounds the wait), and the last of the
     ``joiners`` to take it deletes it."""
     raw = store.get(key)
     if store.add(f"{key}/taken", 1) >= joiners:
         store.delete_key(key)
         store.delete_key(f"{key}/taken")
     return raw
+
+
+# ---------------------------------------------------------------- the state as a skeleton and its tensors
+
+
+def split(value: Any, tensors: list[Tensor]) -> Any:
+    """``value`` with every tensor replaced by a placeholder naming its index in ``tensors`` (appended)."""
+    if isinstance(value, Tensor):
+        tensors.append(value)
+        return {_TENSOR: len(tensors) - 1}
+    if isinstance(value, dict):
+        items = [(k, split(v, tensors)) for k, v in value.items()]
+        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+    if isinstance(value, list):
+        return [split(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(split(v, tensors) for v in value)
+    return value
+
+
+def join(value: Any, tensors: Sequence[Tensor]) -> Any:
+    """The inverse of :func:`split`: the placeholders replaced by their tensors."""
+    if isinstance(value, dict):
+        if len(value) == 1 and _TENSOR in value:
+            return tensors[value[_TENSOR]]
+        items = [(k, join(v, tensors)) for k, v in value.items()]
+        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+    if isinstance(value, list):
+        return [join(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(join(v, tensors) for v in value)
+    return value
+
+
+def cut(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES,
+        small: int = SMALL_BYTES) -> list[list[tuple[int, int, int]]]:
+    """The messages of a heal: each a list of (tensor index, first byte, end byte). A tensor of ``small``
+    bytes or more (or of more than ``chunk_bytes``) has messages of its own, of at most ``chunk_bytes``;
+    smaller ones are packed together up to ``chunk_bytes``. Empty tensors have none."""
+    messages: list[list[tuple[int, int, int]]] = []
+    packed: list[tuple[int, int, int]] = []
+    packed_bytes, small = 0, max(1, min(small, chunk_bytes))  # a tensor larger than a message is always cut
+    for i, n in enumerate(sizes):
+        if n >= small:
+            messages += [[(i, a, min(n, a + chunk_bytes))] for a in range(0, n, chunk_bytes)]
+        elif n:
+            if packed and packed_bytes + n > chunk_bytes:
+                messages.append(packed)
+                packed, packed_bytes = [], 0
+            packed.append((i, 0, n))
+            packed_bytes += n
+    return messages + ([packed] if packed else [])
+
+
+def _bytes_of(t: Tensor) -> Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    started = time.perf_counter()
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except Exception as err:  # gloo: a closed connection, or the wait's timeout
+        raise RuntimeError(f"{what} failed after {time.perf_counter() - started:.1f} s (each message waits up to "
+                           f"{timeout:g} s): {str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+
+
+@dataclass
+class Outgoing:
+    """The donor's side of one heal, built from the state between rounds (:func:`prepare`)."""
+
+    header: bytes  # for the store: the skeleton and the tensors' metadata, or the whole state
+    tensors: list[Tensor] = field(default_factory=list)  # byte views of the state's tensors
+    messages: list[list[tuple[int, int, int]]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """What one joiner receives: the header and every tensor's bytes."""
+        return len(self.header) + sum(t.numel() for t in self.tensors)
+
+    def bound(self, timeout: float) -> float:
+        """The longest the transfer can take when each message waits up to ``timeout`` seconds."""
+        return (len(self.messages) + 1) * timeout
+
+    def _message(self, segments: list[tuple[int, int, int]]) -> Tensor:
+        parts = [self.tensors[i][a:b] for i, a, b in segments]
+        data = parts[0] if len(parts) == 1 else torch.cat([p.cpu() for p in parts])
+        return data.cpu()
+
+    def send(self, pg: Any, store: Any, key: str, dsts: Sequence[int], timeout: float) -> None:
+        """Writes the header, then sends every message to each rank in ``dsts`` (``IN_FLIGHT`` at once per
+        rank, each wait bounded by ``timeout``); ``RuntimeError`` naming the message and rank if one fails."""
+        put(store, key, self.header)
+        posted: deque[tuple[Any, str, Tensor]] = deque()
+        total = len(self.messages)
+        for m, segments in enumerate(self.messages):
+            data = self._message(segments)
+            for dst in dsts:
+                posted.append((pg.send([data], dst, TAG_BASE + m), f"message {m + 1} of {total} to rank {dst}", data))
+            while len(posted) > IN_FLIGHT * len(dsts):
+                work, what, _ = posted.popleft()
+                _wait(work, timeout, what)
+        while posted:
+            work, what, _ = posted.popleft()
+            _wait(work, timeout, what)
+
+
+def prepare(state: dict[str, Any], head: dict[str, Any], over_group: bool = True,
+            chunk_bytes: int = CHUNK_BYTES) -> Outgoing:
+    """The donor's heal of ``state`` for the membership ``head`` names: its tensors over the process group
+    (``over_group``), or, without one, the whole state in the header."""
+    if not over_group:
+        whole = encode(state, head)
+        if len(whole) <= STORE_VALUE_MAX:
+            return Outgoing(whole)
+        return Outgoing(encode({"unavailable": (
+            f"the donor has no process group for this membership (its rendezvous failed), and its state "
+            f"({len(whole) / 1e6:.1f} MB) is more than one store value holds ({STORE_VALUE_MAX / 1e6:.1f} MB); "
+            "restart this replica to join the next membership")}, head))
+    tensors: list[Tensor] = []
+    skeleton = split(state, tensors)
+    tensors = [t.detach().contiguous() for t in tensors]
+    metas = [(t.dtype, tuple(t.shape), str(t.device)) for t in tensors]
+    views = [_bytes_of(t) for t in tensors]
+    messages = cut([v.numel() for v in views], chunk_bytes)
+    head_bytes = encode({"skeleton": skeleton, "tensors": metas, "chunk_bytes": chunk_bytes}, head)
+    return Outgoing(head_bytes, views, messages)
+
+
+class Incoming:
+    """A joiner's side of one heal, from the header it took (checked against ``expected``: see :func:`decode`).
+
+    ``state`` is the donor's state once :meth:`receive` ran (at once for a state that came whole)."""
+
+    def __init__(self, raw: bytes, expected: dict[str, Any]) -> None:
+        decoded = decode(raw, expected)
+        self.nbytes = len(raw)
+        self.metas: list[tuple[torch.dtype, tuple[int, ...], str]] = []
+        self.messages: list[list[tuple[int, int, int]]] = []
+        self.state: Optional[dict[str, Any]] = None
+        if "unavailable" in decoded:
+            raise RuntimeError(decoded["unavailable"])
+        if "tensors" not in decoded:  # the donor had no process group: the state came whole
+            self.state = decoded
+            return
+        self._decoded = decoded
+        self.metas = [(dtype, tuple(shape), device) for dtype, shape, device in decoded["tensors"]]
+        sizes = [torch.empty(0, dtype=dtype).element_size() * _numel(shape) for dtype, shape, _ in self.metas]
+        self.messages = cut(sizes, decoded["chunk_bytes"])
+        self.nbytes += sum(sizes)
+
+    def bound(self, timeout: float) -> float:
+        """The longest :meth:`receive` can take when each message waits up to ``timeout`` seconds."""
+        return (len(self.messages) + 1) * timeout
+
+    def receive(self, pg: Optional[Any], src: int, timeout: float) -> dict[str, Any]:
+        """Receives the tensors from rank ``src`` of ``pg`` (``IN_FLIGHT`` messages at once, each wait bounded
+        by ``timeout``) and returns the state; ``RuntimeError`` naming the message if one fails."""
+        if self.state is not None:
+            return self.state
+        if pg is None:
+            raise RuntimeError("this replica has no process group for the membership (its rendezvous failed), and "
+                               "the donor sends its state over it")
+        tensors = [torch.empty(shape, dtype=dtype) for dtype, shape, _ in self.metas]
+        views = [_bytes_of(t) for t in tensors]
+        posted: deque[tuple[Any, str, Tensor, list[tuple[int, int, int]]]] = deque()
+        total = len(self.messages)
+
+        def land(work: Any, what: str, data: Tensor, segments: list[tuple[int, int, int]]) -> None:
+            _wait(work, timeout, what)
+            if len(segments) > 1:  # a packed message: its tensors are copied out
+                at = 0
+                for i, a, b in segments:
+                    views[i][a:b].copy_(data[at : at + b - a])
+                    at += b - a
+
+        for m, segments in enumerate(self.messages):
+            if len(segments) == 1:
+                i, a, b = segments[0]
+                data = views[i][a:b]  # received in place
+            else:
+                data = torch.empty(sum(b - a for _, a, b in segments), dtype=torch.uint8)
+            posted.append((pg.recv([data], src, TAG_BASE + m), f"message {m + 1} of {total} from rank {src}", data,
+                           segments))
+            while len(posted) > IN_FLIGHT:
+                land(*posted.popleft())
+        while posted:
+            land(*posted.popleft())
+        placed = [t if device == "cpu" else t.to(device) for t, (_, _, device) in zip(tensors, self.metas)]
+        decoded = self._decoded
+        self.state = {**join(decoded["skeleton"], placed), "donor": decoded["donor"],
+                      "membership": decoded["membership"]}
+        return self.state
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

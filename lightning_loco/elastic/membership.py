@@ -17,7 +17,8 @@ How a membership is agreed, with K = ``membership_every``:
   carrying how many rounds of the membership each member committed (see ``make_plan``);
 * a replica that asks with ``current=False`` (it is starting) or with a step below the others' (it fell
   behind) is a *joiner*: at the switch it takes the training state of the *donor* (the first member, by
-  id, that is not a joiner) through the membership's rendezvous store (:mod:`~lightning_loco.elastic.heal`),
+  id, that is not a joiner): a header through the membership's rendezvous store, the tensors over its
+  process group (:mod:`~lightning_loco.elastic.heal`),
   and takes part from round s + K. With ``heal=False`` it takes only the step counts and keeps its own
   weights (a replica resumed from its own checkpoint).
 
@@ -48,14 +49,14 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from lightning_loco.elastic import heal as store_heal
+from lightning_loco.elastic import healing
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
 from lightning_loco.elastic.plan import Plan, View, make_plan
 from lightning_loco.elastic.ranks import ReplicaRankError, ReplicaRanks, publish, rank_prefix, read
-from lightning_loco.elastic.waiting import in_thread, no_stop, wait_in_slices
+from lightning_loco.elastic.waiting import GRACE_S, in_thread, no_stop, wait_in_slices
 
 log = logging.getLogger("lightning_loco")
 HEARTBEAT_EVERY_S, HEARTBEAT_TIMEOUT_S = 0.2, 2.0
-GRACE_S = 10.0  # beyond the timeouts of the calls a quorum request makes, before the main thread gives up
 
 
 @dataclass
@@ -93,11 +94,6 @@ def show_info_lines() -> None:
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
     log.propagate = False
-
-
-def size(nbytes: int) -> str:
-    """``12.3 MB``, ``4.5 kB``: a state's size for a log line."""
-    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
 
 
 class Membership:
@@ -258,9 +254,9 @@ class Membership:
                 pg.shutdown()
             pg = None
         if self.replica_id in plan.joiners:
-            next_round = self._heal(plan, load)
+            next_round = healing.take_state(self, plan, pg, load)
         elif plan.donor == self.replica_id and plan.joiners:
-            self._send_heal(plan, export())
+            healing.hand_state(self, plan, pg, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),
                                          plan.switch, pg)
         if old is not None and pg is old.pg:
@@ -312,52 +308,6 @@ class Membership:
 
         return create_store_client(rank_prefix(plan.store_address, self.rank),
                                    timedelta(seconds=self.config.join_timeout))
-
-    def _header(self, plan: Plan) -> dict[str, Any]:
-        return store_heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
-
-    def _send_heal(self, plan: Plan, state: dict[str, Any]) -> None:
-        started = time.perf_counter()
-        payload = store_heal.encode(state, self._header(plan))
-        key = store_heal.heal_key(plan.joiners)
-        thread, box = in_thread(lambda: store_heal.put(self._store_client(plan), key, payload), "lightning_loco-heal")
-        wait_in_slices(thread, self.config.join_timeout + GRACE_S, self.check_stop, "the store to take this replica's state")
-        if "error" in box or thread.is_alive():
-            log.warning("Replica %r could not hand its state to %s for membership %d (%s); they time out waiting "
-                        "for it.", self.replica_id, list(plan.joiners), plan.quorum_id, box.get("error", "no answer"))
-            return
-        self._info("Replica %r sent its state to %s for membership %d at outer step %d: %s in %.2f s.",
-                 self.replica_id, list(plan.joiners), plan.quorum_id, plan.switch, size(len(payload)),
-                 time.perf_counter() - started)
-
-    def _heal(self, plan: Plan, load: Callable[[dict[str, Any], bool], int]) -> int:
-        """Takes the donor's state for ``plan`` (interruptibly) and loads it; returns the round it stands at."""
-        config, started = self.config, time.perf_counter()
-        key = store_heal.heal_key(plan.joiners)
-        thread, box = in_thread(lambda: store_heal.take(self._store_client(plan), key, len(plan.joiners)),
-                                "lightning_loco-heal")
-        ended = wait_in_slices(thread, config.join_timeout + GRACE_S, self.check_stop,
-                               f"the state of replica {plan.donor!r}")
-        if "result" not in box:
-            raise RuntimeError(
-                f"Replica {self.replica_id!r} joined membership {plan.quorum_id} but got no state from replica "
-                f"{plan.donor!r} within join_timeout={config.join_timeout:g} s "
-                f"({box.get('error') if ended else 'no answer'}); restart it to try again."
-            ) from box.get("error")
-        raw = box["result"]
-        state = store_heal.decode(raw, self._header(plan))
-        everything = config.heal or self.replica_id in plan.behind
-        next_round = load(state, everything)
-        if next_round != plan.switch:
-            raise RuntimeError(
-                f"Replica {self.replica_id!r} healed from {plan.donor!r} to outer step {next_round}, but membership "
-                f"{plan.quorum_id} starts at outer step {plan.switch}; restart this replica to join again."
-            )
-        what = "its state" if everything else "its step counts (heal=False: own weights and outer state kept)"
-        self._info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
-                 self.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(len(raw)),
-                 time.perf_counter() - started)
-        return next_round
 
     def _say_membership(self, old: Optional[View], plan: Plan) -> None:
         """One log line for a membership whose members changed (DEBUG for an unchanged one)."""

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 WAIT_SLICE_S = 0.2  # the main thread's waits are cut into slices this long
+GRACE_S = 10.0  # beyond the timeouts of the calls a background thread makes, before the main thread gives up
 
 
 def no_stop(waiting_for: str) -> None:

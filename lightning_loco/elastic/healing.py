@@ -1,0 +1,92 @@
+"""A switch's healing, as the membership carries it out: the donor hands its state to the joiners, a joiner
+takes it and loads it. Each side runs in a background thread that the main thread waits for in slices
+(signals stop it), with bounds from the membership's timeouts and errors that name them; the wire
+protocol (the header through the store, the tensors over the membership's process group) is
+:mod:`~lightning_loco.elastic.heal`. ``member`` is the :class:`~lightning_loco.elastic.membership.Membership`
+of this rank: its config, store, ``check_stop`` and log lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from lightning_loco.elastic import heal as store_heal
+from lightning_loco.elastic.plan import Plan
+from lightning_loco.elastic.waiting import GRACE_S, in_thread, wait_in_slices
+
+if TYPE_CHECKING:
+    from lightning_loco.elastic.membership import Membership
+
+log = logging.getLogger("lightning_loco")
+
+
+def size(nbytes: int) -> str:
+    """``12.3 MB``, ``4.5 kB``: a state's size for a log line."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
+
+
+def _header(plan: Plan) -> dict[str, Any]:
+    return store_heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
+
+
+def hand_state(member: Membership, plan: Plan, pg: Optional[Any], state: dict[str, Any]) -> None:
+    """Hands this replica's state to the plan's joiners: a header through the store, the tensors over the
+    membership's process group (see :mod:`~lightning_loco.elastic.heal`); waits until they are sent, as
+    they are views of the live state."""
+    started, timeout = time.perf_counter(), member.config.outer_step_timeout
+    outgoing = store_heal.prepare(state, _header(plan), over_group=pg is not None)
+    key, ranks = store_heal.heal_key(plan.joiners), [plan.members.index(j) for j in plan.joiners]
+    thread, box = in_thread(lambda: outgoing.send(pg, member._store_client(plan), key, ranks, timeout),
+                            "lightning_loco-heal")
+    wait_in_slices(thread, member.config.join_timeout + outgoing.bound(timeout) + GRACE_S, member.check_stop,
+                   "the joiners to take this replica's state")
+    if "error" in box or thread.is_alive():
+        log.warning("Replica %r could not hand its state to %s for membership %d (%s); they stop with an error.",
+                    member.replica_id, list(plan.joiners), plan.quorum_id, box.get("error", "no answer"))
+        return
+    member._info("Replica %r sent its state to %s for membership %d at outer step %d: %s in %.2f s.",
+               member.replica_id, list(plan.joiners), plan.quorum_id, plan.switch, size(outgoing.nbytes),
+               time.perf_counter() - started)
+
+
+def take_state(member: Membership, plan: Plan, pg: Optional[Any], load: Callable[[dict[str, Any], bool], int]) -> int:
+    """Takes the donor's state for ``plan`` (interruptibly: its header from the store, its tensors over the
+    membership's process group ``pg``) and loads it; returns the round it stands at."""
+    config, started = member.config, time.perf_counter()
+    key = store_heal.heal_key(plan.joiners)
+    thread, box = in_thread(lambda: store_heal.take(member._store_client(plan), key, len(plan.joiners)),
+                            "lightning_loco-heal")
+    ended = wait_in_slices(thread, config.join_timeout + GRACE_S, member.check_stop,
+                           f"the state of replica {plan.donor!r}")
+    if "result" not in box:
+        raise RuntimeError(
+            f"Replica {member.replica_id!r} joined membership {plan.quorum_id} but got no state from replica "
+            f"{plan.donor!r} within join_timeout={config.join_timeout:g} s "
+            f"({box.get('error') if ended else 'no answer'}); restart it to try again."
+        ) from box.get("error")
+    incoming = store_heal.Incoming(box["result"], _header(plan))
+    src, timeout = plan.members.index(plan.donor or ""), config.outer_step_timeout
+    thread, box = in_thread(lambda: incoming.receive(pg, src, timeout), "lightning_loco-heal")
+    ended = wait_in_slices(thread, incoming.bound(timeout) + GRACE_S, member.check_stop,
+                           f"the state of replica {plan.donor!r}")
+    if "result" not in box:
+        raise RuntimeError(
+            f"Replica {member.replica_id!r} joined membership {plan.quorum_id} but the transfer of replica "
+            f"{plan.donor!r}'s state broke off ({box.get('error') if ended else 'no answer'}; "
+            f"outer_step_timeout={timeout:g} s bounds each message). Nothing was loaded; restart it to try again."
+        ) from box.get("error")
+    state = box["result"]
+    everything = config.heal or member.replica_id in plan.behind
+    next_round = load(state, everything)
+    if next_round != plan.switch:
+        raise RuntimeError(
+            f"Replica {member.replica_id!r} healed from {plan.donor!r} to outer step {next_round}, but membership "
+            f"{plan.quorum_id} starts at outer step {plan.switch}; restart this replica to join again."
+        )
+    what = "its state" if everything else "its step counts (heal=False: own weights and outer state kept)"
+    member._info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
+               member.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(incoming.nbytes),
+               time.perf_counter() - started)
+    return next_round
