@@ -7,6 +7,7 @@ per-step gradient all-reduce, by number of replicas, model size and network.
     python -m benchmarks.b1_sync_latency --parts idle --congestion cubic bbr   # slow start after idle
     python -m benchmarks.b1_sync_latency --parts main --replicas 4 --params 50e6 --methods noloco diloco \
         --codecs float32 bfloat16 int8 --out b1_codecs_50m                   # wire formats
+    python -m benchmarks.b1_sync_latency --parts fragments --params 10e6       # F = 1 against F = 4, overlapped
 
 Each configuration starts N gloo processes (one per node; see ``benchmarks/netem``) that run the
 strategies' own outer-step code (``algorithm.step`` over the transport) on a flat float32 model. A
@@ -44,6 +45,9 @@ The ``idle`` part measures what that silence costs: two nodes, one pair, and rou
 ``net.ipv4.tcp_slow_start_after_idle`` = 1 and 0 (set inside the emulated namespaces, deleted with
 them) after a gap of silence, with the sender's congestion window before each exchange from ``ss``.
 
+The ``fragments`` part (:mod:`benchmarks.b1_fragments`, not run by default) runs the strategies' driver
+with overlap and streaming fragments, F = 1 against F = 4, with modelled compute between the rounds.
+
 Then the paper's latency model (NoLoCo Eq. 5: a tree all-reduce ≈ 2·t·log2 N message times, a pair
 exchange 2·t, with log-normal jitter) is fitted to the measured pair exchanges of the slow network,
 compared with the measured all-reduces, and extended to N = 1024, beside the ring all-reduce model.
@@ -71,7 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import b1_report
-from benchmarks.common import RESULTS, results_dir, skip_final_collection, spread, write_json
+from benchmarks.common import RESULTS, load_average, results_dir, skip_final_collection, spread, write_json
 from benchmarks.latency_model import latency_model
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
@@ -349,15 +353,17 @@ def main() -> None:
     parser.add_argument("--idle-worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
                         help="N = 2; 0.1 M parameters; 2 rounds; no idle gap; the latency model from 10 trials (full: 100)")
-    parser.add_argument("--parts", nargs="+", choices=("main", "idle"),
-                        help="main: the methods side by side; idle: the cost of slow start after idle (emulated). "
+    parser.add_argument("--parts", nargs="+", choices=("main", "idle", "fragments"),
+                        help="main: the methods side by side; idle: the cost of slow start after idle (emulated); "
+                             "fragments: the driver with overlap, F = 1 against F = 4 (benchmarks.b1_fragments). "
                              "Default: main, and idle where emulation runs (not with --quick)")
     parser.add_argument("--modes", nargs="+", choices=launch.MODES, help="default: emulated where root, else modelled; and loopback")
     parser.add_argument("--replicas", nargs="+", type=int)
     parser.add_argument("--params", nargs="+", type=float)
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--methods", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS),
-                        help="the methods and the order of their turns in every round (the table needs noloco and diloco)")
+    parser.add_argument("--methods", nargs="+", choices=ALGORITHMS,
+                        help="the methods and the order of their turns in every round (the table needs noloco and "
+                             "diloco). Default: all four; the fragments part: noloco diloco")
     parser.add_argument("--idle", type=float, help="emulated mode: seconds of silence before every timed outer step, the "
                         "H inner steps of real training (default 11; 0 with --quick)")
     parser.add_argument("--codecs", nargs="+", choices=tuple(CODECS), default=["float32"],
@@ -371,12 +377,18 @@ def main() -> None:
     parser.add_argument("--idle-params", nargs="+", type=float, default=[1e6, 10e6], help="idle part: model sizes")
     parser.add_argument("--idle-gaps", nargs="+", type=float, default=[5.0], help="idle part: seconds of silence")
     parser.add_argument("--idle-rounds", type=int, default=6, help="idle part: rounds per gap and setting")
-    parser.add_argument("--out", default="b1_sync_latency")
+    parser.add_argument("--out", help="the results' name (default b1_sync_latency; the fragments part alone: "
+                        "b1_fragments, beside other parts: <out>_fragments)")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
+    from benchmarks import b1_fragments
+
+    b1_fragments.add_arguments(parser)
     args = parser.parse_args()
+    out = args.out or "b1_sync_latency"
+    methods = args.methods or list(ALGORITHMS)
     if args.replot:
-        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
-        b1_report.plot(saved["rows"], saved["latency_model"], RESULTS / f"{args.out}.png")
+        saved = json.loads((RESULTS / f"{out}.json").read_text())
+        b1_report.plot(saved["rows"], saved["latency_model"], RESULTS / f"{out}.png")
         return
     if args.worker:
         options = json.loads(args.worker)
@@ -391,8 +403,18 @@ def main() -> None:
         return
     results = results_dir(args.quick)
     emulated_ok, why = tun.available()
-    modes = args.modes or ["loopback", "emulated" if emulated_ok else "modelled"]
     parts = args.parts or (["main"] + (["idle"] if emulated_ok and not args.quick else []))
+    if "fragments" in parts:  # its own defaults (the slow link; loopback with --quick) and results file
+        fragment_modes = args.modes or (["loopback", "modelled"] if args.quick else
+                                        ["emulated" if emulated_ok else "modelled"])
+        if "emulated" in fragment_modes and not emulated_ok:
+            sys.exit(f"emulated mode unavailable: {why}; use --modes modelled")
+        alone = parts == ["fragments"]
+        b1_fragments.run(args, fragment_modes, networks, results,
+                         (args.out or "b1_fragments") if alone else f"{args.out or 'b1'}_fragments")
+        if alone:
+            return
+    modes = args.modes or ["loopback", "emulated" if emulated_ok else "modelled"]
     replicas = args.replicas or ([2] if args.quick else [2, 4, 8])
     sizes = [int(p) for p in (args.params or ([1e5] if args.quick else [1e6, 10e6, 50e6]))]
     rounds = args.rounds or (2 if args.quick else 3)
@@ -404,10 +426,11 @@ def main() -> None:
         check_congestion(args.congestion)
     # the methods' table and the latency model compare NoLoCo with DiLoCo; the wire formats' table
     # compares each method with itself, so with several codecs one method may run alone (memory at 50 M)
-    both = {"noloco", "diloco"} <= set(args.methods)
+    both = {"noloco", "diloco"} <= set(methods)
     if "main" in parts and not both and len(args.codecs) < 2:
-        parser.error(f"--methods {' '.join(args.methods)}: the table and the latency model need noloco and diloco "
+        parser.error(f"--methods {' '.join(methods)}: the table and the latency model need noloco and diloco "
                      "(or give several --codecs to compare the wire formats of one method)")
+    uptime_before = load_average()
     rows: list[dict] = []
     for mode in modes if "main" in parts else []:
         for cc in congestion if mode == "emulated" else [None]:
@@ -415,7 +438,7 @@ def main() -> None:
                 for params in sizes:
                     net = networks(n)["loopback" if mode == "loopback" else "wan"]
                     # loopback and the modelled network have no slow connection to go idle
-                    row = measure(mode, net, params, rounds, tuple(args.methods), warm_pairs=not args.cold,
+                    row = measure(mode, net, params, rounds, tuple(methods), warm_pairs=not args.cold,
                                   idle=idle if mode == "emulated" else 0.0, congestion=cc, codecs=tuple(args.codecs))
                     rows.append(row)
                     print(f"{mode:>9} {net.name:<28} {row['tcp'] or '':<6} N={n:<3} {params / 1e6:>5g} M  "
@@ -431,7 +454,7 @@ def main() -> None:
             print(f"idle part: {first['tcp']} {params / 1e6:g} M done", flush=True)
     model = latency_model(rows, trials=10 if args.quick else 100) if both else {}
     if rows and both:
-        b1_report.print_methods(rows, args.methods, rounds, not args.cold, idle)
+        b1_report.print_methods(rows, methods, rounds, not args.cold, idle)
     if rows and args.codecs != ["float32"]:
         b1_report.print_codecs(rows, rounds)
     if model:
@@ -439,14 +462,15 @@ def main() -> None:
     if idle_rows:
         b1_report.print_idle(idle_rows, first_rows, args.idle_rounds)
     labels = sorted({r["mode"] for r in rows})
-    path = write_json(f"{args.out}.json", {"benchmark": "B1 sync latency", "modes": labels, "rounds": rounds,
-                                           "warm_pairs": not args.cold, "idle_s": idle,
-                                           "modelled_note": "rows with mode 'modelled' are modelled, not measured",
-                                           "rows": rows, "latency_model": model, "idle_rows": idle_rows,
-                                           "first_exchange": first_rows}, results)
+    path = write_json(f"{out}.json", {"benchmark": "B1 sync latency", "modes": labels, "rounds": rounds,
+                                      "warm_pairs": not args.cold, "idle_s": idle,
+                                      "modelled_note": "rows with mode 'modelled' are modelled, not measured",
+                                      "rows": rows, "latency_model": model, "idle_rows": idle_rows,
+                                      "first_exchange": first_rows, "uptime_before": uptime_before,
+                                      "uptime_after": load_average()}, results)
     if rows and both:
-        b1_report.plot(rows, model, results / f"{args.out}.png")
-    print(f"wrote {path}" + (f" and {results / (args.out + '.png')}" if rows and both else ""))
+        b1_report.plot(rows, model, results / f"{out}.png")
+    print(f"wrote {path}" + (f" and {results / (out + '.png')}" if rows and both else ""))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,14 @@ def results_dir(quick: bool) -> Path:
 
 def machine() -> str:
     return f"{os.cpu_count()} CPUs ({platform.machine()}), {platform.system()}"
+
+
+def load_average() -> str:
+    """``uptime``'s line (the load averages): what else the machine was running, for a timed run's results."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load averages (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def skip_final_collection() -> None:

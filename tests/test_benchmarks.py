@@ -50,6 +50,53 @@ def test_b1_quick(tmp_path):
     assert "float32/codec" in out  # the table of wire formats
 
 
+@pytest.mark.slow
+def test_b1_fragments_quick(tmp_path):
+    # the driver with overlap, F = 1 against F = 4, on loopback and the modelled WAN (N = 2, 0.1 M parameters)
+    out = bench(tmp_path, "b1_sync_latency", "--parts", "fragments")
+    result = json.loads((tmp_path / "b1_fragments.json").read_text())
+    assert not (tmp_path / "b1_sync_latency.json").exists()  # the fragments part alone writes its own file only
+    assert "MODELLED" in out and "modelled" in result["compute"]  # every output says the compute is modelled
+    assert result["uptime_before"] and result["uptime_after"]
+    from lightning_loco.codecs import ring_all_reduce_bytes
+
+    n, params = 2, 100_000
+    assert {r["mode"] for r in result["rows"]} == {"loopback", "modelled"}
+    for row in result["rows"]:
+        assert (row["replicas"], row["params"], row["sync_every"], row["overlap_steps"]) == (n, params, 8, 1)
+        assert set(row["runs"]) == {"noloco F=1", "noloco F=4", "diloco F=1", "diloco F=4"}
+        for run in row["runs"].values():
+            F = run["fragments"]
+            # every turn holds one round of every fragment, all landed inside the turn
+            assert run["rounds_per_turn"] == [F] and run["fragments_per_turn"] == [list(range(F))]
+            assert run["in_flight_after_turn"] == 0
+            assert run["step_seconds"] > 0 and run["window_s"] == pytest.approx(run["step_seconds"])
+            whole = 4 * params if run["method"] == "noloco" else ring_all_reduce_bytes(4 * params, n)
+            # the same bytes per outer step for every F, and a quarter of them per exchange at F = 4
+            assert run["bytes_per_outer_step"] == [whole] * n
+            assert run["peak_exchange_bytes"] == [whole // F] * n
+            for measure in ("wall_s", "exposed_s", "wait_s"):
+                assert run[measure]["min"] <= run[measure]["median"] <= run[measure]["max"]
+            assert run["wait_s"]["median"] <= run["exposed_s"]["max"]  # the landing waits are inside the driver
+            ratios = run.get("over_f1")
+            assert (ratios is None) == (F == 1)
+            if ratios:
+                assert ratios["wall_s"]["min"] <= ratios["wall_s"]["median"] <= ratios["wall_s"]["max"]
+    assert "exposed F=1/F" in out
+
+
+@pytest.mark.slow
+def test_b1_fragments_refuses_what_it_cannot_measure(tmp_path):
+    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path)}
+    for args, message in ((["--methods", "ddp"], "DDP has no outer step"),
+                          (["--fragments", "1", "3"], "must divide sync_every"),
+                          (["--overlap", "2"], "must be smaller than sync_every / fragments")):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.b1_sync_latency", "--quick", "--parts", "fragments",
+                               *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
 def b1():
     sys.path.insert(0, str(ROOT))
     from benchmarks import b1_sync_latency
