@@ -6,8 +6,9 @@
 Two forked processes on one machine (loopback), a donor and a joiner, over torchft's ``ProcessGroupGloo``
 (the elastic membership's process group) and a ``TCPStore`` (its rendezvous store). The donor holds the
 state a real heal carries for a model of N float32 parameters in about 100 weight matrices, each with a
-bias (NoLoCo with AdamW): the flat weights, the outer state (anchor and momentum), AdamW's two moments and
-step count per parameter, and the counters. Per repeat, interleaved (the machine's load drifts alike over
+bias (NoLoCo with AdamW): the outer state (anchor and momentum), AdamW's two moments and step count per
+parameter, and the counters; the live weights travel as the anchor, which they equal bitwise between rounds
+(a heal sends them apart only when they differ: overlap, or a round dropped), so 4 × N float32 in all. Per repeat, interleaved (the machine's load drifts alike over
 all three):
 
 * ``weights once``: the donor sends its flat weights (N float32) in one message, the joiner receives them
@@ -69,7 +70,7 @@ def training_state(n: int) -> dict[str, Any]:
     return {
         "driver": [{"numel": n, "inner_steps": 1000, "outer_steps": 100, "in_flight": None, "phase": None,
                     "state": {"anchor": weights.clone(), "momentum": torch.randn(n, generator=g) * 1e-3}}],
-        "weights": [weights],
+        "weights": [None],  # between rounds (τ = 0) the live weights are the anchor, bitwise: they travel as it
         "extra": {"optimizers": [{"state": state, "param_groups": [
             {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(state)}]}],
             "schedulers": [{"last_epoch": 1000, "_step_count": 1001}], "loops": {"global_step": 1000}},
@@ -100,7 +101,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
     for label in sizes:
         n = SIZES[label]
         state = training_state(n) if rank == 0 else None
-        weights = state["weights"][0] if state is not None else torch.empty(n)
+        weights = state["driver"][0]["state"]["anchor"] if state is not None else torch.empty(n)
         head = heal.header(1, 100, ["r1"], "r0")
         for repeat in range(repeats):
             row: dict[str, Any] = {"size": label, "parameters": n, "repeat": repeat}
