@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from elastic_fakes import H, FakeMembership, Hub, Runner, Script, elastic_runner, in_threads
 
-from lightning_loco.algorithms import DiLoCo, NoLoCo
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.elastic.plugin import ElasticPlugin, checksum, same
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.transport import InProcessNetwork
@@ -87,14 +87,15 @@ def test_diloco_drops_a_round_whose_all_reduce_failed():
     assert torch.equal(a.driver.plugin.export_state()["weights"][0], weights)
 
 
-def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch():
+@pytest.mark.parametrize("algorithm", [NoLoCo, DiLoCo, GASLoC])
+def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch(algorithm):
     hub = Hub()
     script = [Script(1, 0, ("a", "b")), Script(2, 2, ("a", "b", "c"), joiners=("c",), donor="a")]
-    a, b = elastic_runner(hub, "a", 0, script), elastic_runner(hub, "b", 1, script)
+    a, b = elastic_runner(hub, "a", 0, script, algorithm()), elastic_runner(hub, "b", 1, script, algorithm())
     c_box: list[Runner] = []
     # c's before_training waits for a's state, which a sends at the switch before round 2
     in_threads(lambda: a.run(5 * H), lambda: b.run(5 * H),
-               lambda: (c_box.append(elastic_runner(hub, "c", 2, script)), c_box[0].run(3 * H)))
+               lambda: (c_box.append(elastic_runner(hub, "c", 2, script, algorithm())), c_box[0].run(3 * H)))
     (c,) = c_box
     healed, exported = c.driver.plugin.healed_from, a.driver.plugin.exported
     assert [h["donor"] for h in healed] == ["a"] and healed[0]["outer_step"] == 2
