@@ -6,9 +6,10 @@
 Two forked processes on one machine (loopback), a donor and a joiner, over torchft's ``ProcessGroupGloo``
 (the elastic membership's process group) and a ``TCPStore`` (its rendezvous store). The donor holds the
 state a real heal carries for a model of N float32 parameters in about 100 weight matrices, each with a
-bias (NoLoCo with AdamW): the flat weights, the outer state (anchor and momentum), AdamW's two moments and
-step count per parameter, and the counters. Per repeat, interleaved (the machine's load drifts alike over
-all three):
+bias (NoLoCo with AdamW): the outer state (anchor and momentum), AdamW's two moments and step count per
+parameter, and the counters; the live weights travel as the anchor, which they equal bitwise between rounds
+(a heal sends them apart only when they differ: overlap, or a round dropped), so 4 × N float32 in all.
+Per repeat, interleaved (the machine's load drifts alike over all four):
 
 * ``weights once``: the donor sends its flat weights (N float32) in one message, the joiner receives them
   into a buffer it used before; ``into fresh memory``: the same into a new buffer, as a joiner's receive is
@@ -16,6 +17,8 @@ all three):
 * ``heal``: :mod:`lightning_loco.elastic.heal` as a membership runs it: the donor prepares the state and
   writes the header to the store, then sends the tensors point to point in messages of at most 64 MB;
   the joiner takes the header, receives the tensors and rebuilds the state;
+* ``weights apart``: the same heal with the live weights sent apart from the anchor (5 × N float32), as
+  every heal did before the weights equal to the anchor travelled once;
 * ``store`` (the path healing took before, up to ``--store-max`` parameters): the donor ``torch.save``s the
   whole state into one store value, the joiner ``get``s and loads it. The membership's store (torch's
   default ``TCPStore``, libuv) refuses values above 8 MiB, so that path failed for any state above about
@@ -69,7 +72,7 @@ def training_state(n: int) -> dict[str, Any]:
     return {
         "driver": [{"numel": n, "inner_steps": 1000, "outer_steps": 100, "in_flight": None, "phase": None,
                     "state": {"anchor": weights.clone(), "momentum": torch.randn(n, generator=g) * 1e-3}}],
-        "weights": [weights],
+        "weights": [None],  # between rounds (τ = 0) the live weights are the anchor, bitwise: they travel as it
         "extra": {"optimizers": [{"state": state, "param_groups": [
             {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(state)}]}],
             "schedulers": [{"last_epoch": 1000, "_step_count": 1001}], "loops": {"global_step": 1000}},
@@ -100,7 +103,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
     for label in sizes:
         n = SIZES[label]
         state = training_state(n) if rank == 0 else None
-        weights = state["weights"][0] if state is not None else torch.empty(n)
+        weights = state["driver"][0]["state"]["anchor"] if state is not None else torch.empty(n)
         head = heal.header(1, 100, ["r1"], "r0")
         for repeat in range(repeats):
             row: dict[str, Any] = {"size": label, "parameters": n, "repeat": repeat}
@@ -114,17 +117,19 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
             (pg.send([fresh], 1, 8) if rank == 0 else pg.recv([fresh], 0, 8)).wait()
             row["fresh_s"] = time.perf_counter() - started
             del fresh
-            key = f"heal/{label}/{repeat}"
-            barrier()
-            started = time.perf_counter()
-            if rank == 0:
-                heal.prepare(state, head).send(pg, store, key, [1], 600.0)
-            else:
-                incoming = heal.Incoming(heal.take(store, key, 1), head)
-                healed = incoming.receive(pg, 0, 600.0)
-                row["heal_s"] = time.perf_counter() - started
-                row["heal_bytes"] = incoming.nbytes
-                del healed, incoming
+            # the heal, and the same with the weights sent apart from the anchor (as before they travelled once)
+            for name, sent in (("heal", state), ("apart", {**state, "weights": [weights]} if rank == 0 else None)):
+                key = f"{name}/{label}/{repeat}"
+                barrier()
+                started = time.perf_counter()
+                if rank == 0:
+                    heal.prepare(sent, head).send(pg, store, key, [1], 600.0)
+                else:
+                    incoming = heal.Incoming(heal.take(store, key, 1), head)
+                    healed = incoming.receive(pg, 0, 600.0)
+                    row[f"{name}_s"] = time.perf_counter() - started
+                    row[f"{name}_bytes"] = incoming.nbytes
+                    del healed, incoming
             if n <= store_max:
                 barrier()
                 started = time.perf_counter()
@@ -180,6 +185,7 @@ def main() -> None:
         once, healed = [r["once_s"] for r in mine], [r["heal_s"] for r in mine]
         fresh = [r["fresh_s"] for r in mine]
         through_store = [r["store_s"] for r in mine if "store_s" in r]
+        apart = [r["apart_s"] for r in mine]
         weight_bytes, heal_bytes = 4 * SIZES[label], mine[0]["heal_bytes"]
         rows.append({
             "size": label, "heal_mb": heal_bytes / 1e6, "bytes_ratio": heal_bytes / weight_bytes,
@@ -191,18 +197,23 @@ def main() -> None:
             "store_ratio": statistics.median(through_store) / statistics.median(once) if through_store else None,
             "once_gb_s": weight_bytes / statistics.median(once) / 1e9,
             "heal_gb_s": heal_bytes / statistics.median(healed) / 1e9,
+            "apart": spread(apart), "apart_mb": mine[0]["apart_bytes"] / 1e6,
+            "apart_ratio": statistics.median(apart) / statistics.median(once),
+            "heal_vs_apart": spread([h / a for h, a in zip(healed, apart)]),
         })
     flat = [{**r, "once_s": r["once"]["median"], "once_range": f"{r['once']['min']:.3f}-{r['once']['max']:.3f}",
              "fresh_s": r["fresh"]["median"], "heal_s": r["heal"]["median"],
              "heal_range": f"{r['heal']['min']:.3f}-{r['heal']['max']:.3f}",
-             "store_s": r["store"]["median"] if r["store"] else None} for r in rows]
+             "store_s": r["store"]["median"] if r["store"] else None, "apart_s": r["apart"]["median"],
+             "vs_apart": r["heal_vs_apart"]["median"]} for r in rows]
     print(f"\nhealing over loopback gloo on {machine()}, median of {repeats} repeats (min-max)")
     print(table(flat, [("size", "parameters", ""), ("heal_mb", "healed MB", ".0f"),
                        ("bytes_ratio", "× weights", ".2f"),
                        ("once_s", "weights once s", ".3f"), ("once_range", "range", ""),
                        ("fresh_s", "into fresh memory s", ".3f"),
                        ("heal_s", "heal s", ".3f"), ("heal_range", "range", ""), ("ratio", "heal / once", ".2f"),
-                       ("fresh_ratio", "heal / fresh", ".2f"),
+                       ("fresh_ratio", "heal / fresh", ".2f"), ("apart_s", "weights apart s", ".3f"),
+                       ("apart_ratio", "apart / once", ".2f"), ("vs_apart", "heal / apart", ".2f"),
                        ("once_gb_s", "once GB/s", ".2f"), ("heal_gb_s", "heal GB/s", ".2f"),
                        ("store_s", "store path s", ".3f"), ("store_ratio", "store / once", ".2f")]))
     path = write_json("elastic_heal.json", {"repeats": repeats, "seconds": round(time.perf_counter() - begun, 1),

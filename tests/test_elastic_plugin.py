@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from elastic_fakes import H, FakeMembership, Hub, Runner, Script, elastic_runner, in_threads
 
-from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.elastic.plugin import ElasticPlugin, checksum
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.elastic.plugin import ElasticPlugin, checksum, same
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.transport import InProcessNetwork
 
@@ -83,20 +83,24 @@ def test_diloco_drops_a_round_whose_all_reduce_failed():
     assert torch.equal(a.param.detach(), weights)  # nothing applied to the live weights
     assert len(a.driver.reports) == reports  # a dropped round leaves no report
     assert a.driver.plugin.rounds[-1]["dropped"] and a.driver.plugin.committed == 1
+    # the live weights trained on past the anchor: a heal now carries them apart from it
+    assert torch.equal(a.driver.plugin.export_state()["weights"][0], weights)
 
 
-def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch():
+@pytest.mark.parametrize("algorithm", [NoLoCo, DiLoCo, GASLoC])
+def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch(algorithm):
     hub = Hub()
     script = [Script(1, 0, ("a", "b")), Script(2, 2, ("a", "b", "c"), joiners=("c",), donor="a")]
-    a, b = elastic_runner(hub, "a", 0, script), elastic_runner(hub, "b", 1, script)
+    a, b = elastic_runner(hub, "a", 0, script, algorithm()), elastic_runner(hub, "b", 1, script, algorithm())
     c_box: list[Runner] = []
     # c's before_training waits for a's state, which a sends at the switch before round 2
     in_threads(lambda: a.run(5 * H), lambda: b.run(5 * H),
-               lambda: (c_box.append(elastic_runner(hub, "c", 2, script)), c_box[0].run(3 * H)))
+               lambda: (c_box.append(elastic_runner(hub, "c", 2, script, algorithm())), c_box[0].run(3 * H)))
     (c,) = c_box
     healed, exported = c.driver.plugin.healed_from, a.driver.plugin.exported
     assert [h["donor"] for h in healed] == ["a"] and healed[0]["outer_step"] == 2
     assert healed[0]["checksum"] == exported[0]["checksum"]  # c took a's weights at the switch
+    assert exported[0]["weights_sent"] == [False]  # they were a's anchor, bitwise: they travelled once, as it
     assert c.driver.slots[0].outer_steps == a.driver.slots[0].outer_steps == 5
     assert c.driver.slots[0].inner_steps == a.driver.slots[0].inner_steps == 5 * H
     records = {r: x.driver.plugin.rounds for r, x in zip("abc", (a, b, c))}
@@ -105,6 +109,13 @@ def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch():
         groups = {r: tuple(rec[t - (2 if r == "c" else 0)]["group"]) for r, rec in records.items()}
         assert all(groups[m] == g for g in groups.values() for m in g)
     assert checksum([c.param.detach()]) != checksum([torch.zeros(3)])
+
+
+def test_weights_equal_to_the_anchor_are_told_apart_bitwise():
+    anchor = torch.tensor([0.0, 1.0, float("nan")])
+    assert same(anchor.clone(), anchor)  # a NaN with the same bytes counts as equal
+    assert not same(torch.tensor([-0.0, 1.0, float("nan")]), anchor)  # −0.0 == 0.0, but not bitwise
+    assert not same(anchor.double(), anchor) and not same(anchor[:2], anchor)
 
 
 def test_plugin_hooks_run_in_order_around_rounds():

@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 
@@ -169,9 +171,13 @@ class ElasticPlugin(DriverPlugin):
         slots = self.driver.slots
         weights = [slot.flat.gather() for slot in slots]
         extra = self.training_state.export() if self.training_state is not None else None
+        # Between rounds the live weights are usually the anchor just set (τ = 0: the landing writes it into the
+        # parameters), bitwise: then they travel once, as the anchor, and None stands in their place.
+        sent = [None if same(w, slot.state.anchor) else w for w, slot in zip(weights, slots)]
         self.exported.append({"outer_step": slots[0].outer_steps, "inner_steps": slots[0].inner_steps,
-                              "checksum": checksum(weights), "extra_checksum": checksum(tensors_in(extra))})
-        return {"driver": self.driver.state_dict(), "weights": weights, "extra": extra}
+                              "checksum": checksum(weights), "extra_checksum": checksum(tensors_in(extra)),
+                              "weights_sent": [w is not None for w in sent]})
+        return {"driver": self.driver.state_dict(), "weights": sent, "extra": extra}
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
         """Takes a donor's state (``heal``) or only its step counts (the driver's, and the training state's:
@@ -180,8 +186,8 @@ class ElasticPlugin(DriverPlugin):
         saved, extra = state["driver"], state.get("extra")
         if heal:
             self.driver.load_state_dict(saved)
-            for slot, weights in zip(slots, state["weights"]):
-                slot.flat.scatter(weights.to(slot.state.anchor.device))
+            for slot, weights in zip(slots, state["weights"]):  # None: the donor's weights were its anchor
+                slot.flat.scatter(slot.state.anchor if weights is None else weights.to(slot.state.anchor.device))
         else:
             for slot, entry in zip(slots, saved):
                 slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
@@ -203,6 +209,14 @@ class ElasticPlugin(DriverPlugin):
 def checksum(weights: list[Any]) -> list[float]:
     """Sum and sum of squares of flat weights, in float64: equal for equal weights (a test's fingerprint)."""
     return [float(sum(w.double().sum() for w in weights)), float(sum(w.double().square().sum() for w in weights))]
+
+
+def same(weights: Any, anchor: Any) -> bool:
+    """Whether ``weights`` are bitwise ``anchor``: same dtype, shape and device, equal bytes (so −0.0 is not 0.0
+    and a NaN equals itself only with the same payload)."""
+    if weights.dtype != anchor.dtype or weights.shape != anchor.shape or weights.device != anchor.device:
+        return False
+    return bool(torch.equal(weights.contiguous().view(torch.uint8), anchor.contiguous().view(torch.uint8)))
 
 
 def tensors_in(value: Any) -> list[Any]:
