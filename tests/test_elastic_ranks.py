@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from elastic_fakes import H, FakeMembership, Hub, Room, Runner, Script, ThreadRanks, in_threads
 
-from lightning_loco.algorithms import DiLoCo, NoLoCo
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.ranks import ReplicaRankError, publish, read
@@ -69,7 +69,7 @@ def test_each_rank_moves_its_slice_and_the_rounds_equal_the_static_launchs_bitwi
         assert sent[0] > 0 and sent[0] * 5 == sent[1] * 6, sent
 
 
-@pytest.mark.parametrize("make", [NoLoCo, DiLoCo], ids=["noloco", "diloco"])
+@pytest.mark.parametrize("make", [NoLoCo, DiLoCo, GASLoC], ids=["noloco", "diloco", "gasloc"])
 def test_sharded_ranks_move_their_own_shards_whole_and_each_equals_the_static_launch_of_its_part(make):
     """FSDP2 inside the replicas (``sharded``): rank i of each replica holds its own part of the model and
     exchanges all of it with rank i of the others; nothing is sliced or gathered, and each rank's rounds are
