@@ -118,7 +118,8 @@ class LightningTrainingState:
         if theirs == mine:
             return
         if mine is None or theirs is None:
-            diff = "the donor is sharded, this replica not" if mine is None else "this replica is sharded, the donor not"
+            diff = ("the donor is sharded, this replica not" if mine is None
+                    else "this replica is sharded, the donor not")
         else:
             diff = next((f"{a} here, {b} there" for a, b in zip(mine, theirs) if a != b),
                         f"{len(mine)} parameters here, {len(theirs)} there")
