@@ -62,10 +62,12 @@ class TrainingState:
     ``torch.load(weights_only=True)``; its tensors may be the live ones, so serialize it at once), as it
     stands between two inner steps. ``load(state, everything)``
     takes it: everything (``True``) or only what counts steps (``False``: the loop's counters and the
-    learning-rate schedulers; the optimizers' and scaler's own state stay)."""
+    learning-rate schedulers; the optimizers' and scaler's own state stay). ``check(state)``, if given, raises
+    before anything of a donor's state is loaded (the driver's included) when this replica cannot take it."""
 
     export: Callable[[], dict[str, Any]]
     load: Callable[[dict[str, Any], bool], None]
+    check: Optional[Callable[[dict[str, Any]], None]] = None
 
 
 class DriverPlugin:

@@ -44,7 +44,7 @@ class ShardingConfig:
 
 def sharding_config(
     replica_sharding: Optional[str], fsdp_blocks: Sequence[Block], fsdp_kwargs: Optional[Mapping[str, Any]],
-    elastic: bool, start_method: str,
+    start_method: str,
 ) -> Optional[ShardingConfig]:
     """Checks the strategy's sharding arguments; ``None`` without sharding (DDP inside a replica)."""
     if replica_sharding not in SHARDINGS:
@@ -60,12 +60,6 @@ def sharding_config(
                 "with them, or leave them out."
             )
         return None
-    if elastic:
-        raise ValueError(
-            "replica_sharding='fsdp' with lighthouse=...: an elastic replica of several ranks runs DDP inside for "
-            "now (each rank holds the whole model and moves its slice). Leave replica_sharding=None with a "
-            "lighthouse; ranks_per_replica=k gives DDP over the replica's k ranks."
-        )
     if start_method != "popen":
         raise ValueError(
             f"replica_sharding='fsdp' with start_method={start_method!r}: a sharded model cannot be handed back to "

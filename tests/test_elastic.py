@@ -44,8 +44,6 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
         (dict(lighthouse="h:1", membership_every=0), ["membership_every", "default 1"]),
         (dict(lighthouse="h:1", replica_id=""), ["replica_id=''"]),
         (dict(lighthouse="h:1", overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
-        (dict(lighthouse="h:1", ranks_per_replica=2, replica_sharding="fsdp"), ["replica_sharding='fsdp' with "
-                                                                                "lighthouse", "DDP"]),
         (dict(lighthouse="h:1", transport_factory=print), ["transport_factory and lighthouse"]),
     ],
 )
@@ -74,6 +72,7 @@ def test_an_elastic_replica_of_several_ranks_is_one_trainer_of_that_many_process
 
     assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
     assert DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
+    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, replica_sharding="fsdp").sharding is not None
     with pytest.raises(ValueError, match="ranks_per_replica=2 process.*but it has 4 processes"):
         L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1", ranks_per_replica=2), accelerator="cpu",
                   devices=4, logger=False)
@@ -578,18 +577,21 @@ def test_a_lighthouse_that_refuses_connections_is_named_with_the_connect_timeout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, killed_rank", [("noloco", 1), ("diloco", 0)], ids=["noloco", "diloco"])
+@pytest.mark.parametrize("algorithm, killed_rank, sharding", [("noloco", 1, None), ("diloco", 0, None),
+                                                              ("noloco", 1, "fsdp"), ("diloco", 0, "fsdp")],
+                         ids=["noloco", "diloco", "noloco-fsdp", "diloco-fsdp"])
 def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by_rank(
-        tmp_path: Path, algorithm: str, killed_rank: int) -> None:
-    """Replicas A and B of two ranks each (DDP inside), over a Lighthouse that lets one replica go on alone.
-    One rank of B is killed (SIGKILL) mid-run: B's other rank stops with an error that says the replica
-    leaves as a whole, within the bounded wait below; A goes on to max_steps. B is restarted as torchrun
-    restarts a replica (all its ranks), and heals rank by rank: rank i takes the state of A's rank i (equal
-    checksums of weights, outer state and training state), and takes part from there to max_steps."""
+        tmp_path: Path, algorithm: str, killed_rank: int, sharding: Optional[str]) -> None:
+    """Replicas A and B of two ranks each (DDP inside, or FSDP2: ``sharding``), over a Lighthouse that lets one
+    replica go on alone. One rank of B is killed (SIGKILL) mid-run: B's other rank stops with an error that
+    says the replica leaves as a whole, within the bounded wait below; A goes on to max_steps. B is restarted
+    as torchrun restarts a replica (all its ranks), and heals rank by rank: rank i takes the state of A's
+    rank i (equal checksums of weights, outer state and training state: with FSDP2, rank i's own shards), and
+    takes part from there to max_steps."""
     max_steps, timeout = 120, 10.0
     with Lighthouse(min_replicas=1, heartbeat_timeout_ms=1500, join_timeout_ms=5000) as server:
         launcher = replicas(tmp_path, server.address, algorithm=algorithm, max_steps=max_steps, sync_every=2,
-                            step_sleep=0.2, outer_step_timeout=timeout)
+                            step_sleep=0.2, outer_step_timeout=timeout, sharding=sharding)
         try:
             a = launcher.start_ranks("A", 2)
             b = launcher.start_ranks("B", 2)
@@ -630,8 +632,15 @@ def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by
         assert rec["global_step"] == max_steps and rec["outer_steps"] == max_steps // 2
         assert rec["rounds"][0]["outer_step"] == heal["outer_step"] == rec["memberships"][0]["first_round"]
         assert [step for step, _ in rec["steps"]] == list(range(heal["inner_steps"], max_steps))
-    assert heals[0]["checksum"] == heals[1]["checksum"]  # one model on B's two ranks, as on A's
-    for rid in ("A", "B"):
-        assert records[(rid, 0)]["final_weights"] == records[(rid, 1)]["final_weights"], rid
-    if algorithm == "diloco":  # one anchor for the run: the replicas end equal
-        assert records[("A", 0)]["final_weights"] == pytest.approx(records[("B", 0)]["final_weights"], abs=1e-6)
+    if sharding is None:
+        assert heals[0]["checksum"] == heals[1]["checksum"]  # one model on B's two ranks, as on A's
+        for rid in ("A", "B"):
+            assert records[(rid, 0)]["final_weights"] == records[(rid, 1)]["final_weights"], rid
+    else:  # each rank holds its own shards (uneven: 89 and 72 of the 161 values), and heals them alone
+        assert heals[0]["checksum"] != heals[1]["checksum"]
+        for rid in ("A", "B"):
+            assert [len(records[(rid, rank)]["final_weights"]) for rank in (0, 1)] == [89, 72], rid
+    if algorithm == "diloco":  # one anchor for the run: the replicas end equal, rank by rank
+        for rank in (0, 1):
+            assert records[("A", rank)]["final_weights"] == pytest.approx(records[("B", rank)]["final_weights"],
+                                                                          abs=1e-6)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from elastic_fakes import H, FakeMembership, Hub, Room, Runner, Script, ThreadRanks, in_threads
 
-from lightning_loco.algorithms import DiLoCo, NoLoCo
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.ranks import ReplicaRankError, publish, read
@@ -32,18 +32,20 @@ from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.transport import InProcessNetwork
 
 SIZE = 11  # values of the tiny problem's parameter: rank 0's slice has 6, rank 1's 5
+SHARDS = (7, 4)  # sharded replicas: the values of rank 0's and rank 1's own parts (uneven, as FSDP2's may be)
 IDS = ("A", "B")
 
 
-def ranked_runners(make, hubs: list[Hub], script: list[Script],
-                   rooms: dict[str, Room]) -> dict[tuple[str, int], Runner]:
+def ranked_runners(make, hubs: list[Hub], script: list[Script], rooms: dict[str, Room],
+                   sharded: bool = False) -> dict[tuple[str, int], Runner]:
     """Replica r of IDS as len(hubs) ranks: rank i's memberships over hubs[i] (its own process groups), the
-    replica's ranks over rooms[r]; every rank of replica r starts as the static launch's replica r."""
+    replica's ranks over rooms[r]; every rank of replica r starts as the static launch's replica r. ``sharded``
+    (FSDP2 inside): rank i holds a part of its own, of SHARDS[i] values, as the static launch's replica r would."""
     def build(rid: str, index: int, rank: int) -> Runner:
         config = ElasticConfig(lighthouse="127.0.0.1:1", replica_id=rid)
         transport = ElasticTransport(config, membership=FakeMembership(hubs[rank], rid, script),
-                                     ranks=ThreadRanks(rid, rank, rooms[rid]))
-        return Runner(index, transport, ElasticPlugin(transport), make(), size=SIZE)
+                                     ranks=ThreadRanks(rid, rank, rooms[rid]), sharded=sharded)
+        return Runner(index, transport, ElasticPlugin(transport), make(), size=SHARDS[rank] if sharded else SIZE)
 
     return {(rid, rank): build(rid, index, rank) for index, rid in enumerate(IDS) for rank in range(len(hubs))}
 
@@ -65,6 +67,29 @@ def test_each_rank_moves_its_slice_and_the_rounds_equal_the_static_launchs_bitwi
     for rid in IDS:  # rank 0 moved 6 of the 11 values, rank 1 the other 5
         sent = [ranked[(rid, rank)].driver.transport.stats.bytes_sent for rank in range(k)]
         assert sent[0] > 0 and sent[0] * 5 == sent[1] * 6, sent
+
+
+@pytest.mark.parametrize("make", [NoLoCo, DiLoCo, GASLoC], ids=["noloco", "diloco", "gasloc"])
+def test_sharded_ranks_move_their_own_shards_whole_and_each_equals_the_static_launch_of_its_part(make):
+    """FSDP2 inside the replicas (``sharded``): rank i of each replica holds its own part of the model and
+    exchanges all of it with rank i of the others; nothing is sliced or gathered, and each rank's rounds are
+    bitwise the static launch's over that part alone."""
+    rounds, k = 3, 2
+    hubs, rooms = [Hub() for _ in range(k)], {rid: Room(k) for rid in IDS}
+    ranked = ranked_runners(make, hubs, [Script(quorum_id=1, switch=0, members=IDS)], rooms, sharded=True)
+    in_threads(*[lambda r=r: r.run(rounds * H) for r in ranked.values()])
+    for rank, size in enumerate(SHARDS):
+        network = InProcessNetwork(len(IDS))
+        static = [Runner(i, network.transport(i), algorithm=make(), size=size) for i in range(len(IDS))]
+        in_threads(*[lambda r=r: r.run(rounds * H) for r in static])
+        for index, rid in enumerate(IDS):
+            runner, reference = ranked[(rid, rank)], static[index]
+            assert torch.equal(runner.param.detach(), reference.param.detach()), (rid, rank)
+            assert torch.equal(runner.driver.slots[0].state.anchor, reference.driver.slots[0].state.anchor)
+            assert [r["alone"] for r in runner.driver.plugin.rounds] == [False] * rounds
+    for rid in IDS:  # each rank moved its whole part: 7 values and 4
+        sent = [ranked[(rid, rank)].driver.transport.stats.bytes_sent for rank in range(k)]
+        assert sent[0] > 0 and sent[0] * SHARDS[1] == sent[1] * SHARDS[0], sent
 
 
 @pytest.mark.filterwarnings("ignore:.*finished the round alone")

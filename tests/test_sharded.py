@@ -206,8 +206,14 @@ def test_bad_sharding_arguments():
         lightning_loco.GASLoCStrategy(replica_sharding="fsdp", fsdp_kwargs={"mesh": None})
     with pytest.raises(ValueError, match="Use start_method='popen'"):
         lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", start_method="fork")
-    with pytest.raises(ValueError, match="lighthouse"):
-        lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1")
+    # elastic replicas shard too (tests/test_elastic_sharded.py); what elastic mode refuses stays refused, saying why
+    elastic = lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1", ranks_per_replica=2)
+    assert elastic.sharding is not None and elastic.elastic is not None
+    with pytest.raises(ValueError, match="start_method='popen'"):
+        lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1", start_method="fork")
+    with pytest.raises(ValueError, match="a lossy wire format .* cannot yet undo on one rank alone"):
+        lightning_loco.DiLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1", ranks_per_replica=2,
+                                      wire_dtype="bfloat16")
     strategy = lightning_loco.DiLoCoStrategy(replica_sharding="fsdp", ranks_per_replica=2, fsdp_blocks=("Linear",))
     assert strategy.sharding.blocks == ("Linear",)
 

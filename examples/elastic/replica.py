@@ -12,7 +12,9 @@ warm-up + cosine schedule; ``--csv`` logs the loss and learning rate to ``OUT/cs
 ``--ranks K`` makes the replica K processes (DDP inside, ``ranks_per_replica=K``), started as torchrun
 starts them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``...:
 ``lightning_loco.testing.elastic.Replicas.start_ranks``); rank r > 0 writes ``OUT/ID.rankR.json`` and
-``OUT/ID.rankR.progress``.
+``OUT/ID.rankR.progress``. ``--sharding fsdp`` shards the model over the replica's K ranks with FSDP2
+(``replica_sharding="fsdp"``) instead: each rank then holds, exchanges, heals and records (``final_weights``)
+its own shards.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_loco.examples.gpt import warmup_cosine
@@ -146,6 +149,7 @@ def main() -> None:
                         help="sgd (lr 0.05), or adamw with the shipped GPT's warm-up + cosine schedule")
     parser.add_argument("--csv", action="store_true", help="log the loss and learning rate with a CSVLogger")
     parser.add_argument("--ranks", type=int, default=1, help="processes of this replica (DDP inside)")
+    parser.add_argument("--sharding", choices=["fsdp"], default=None, help="FSDP2 inside the replica, not DDP")
     parser.add_argument("--launched-at", type=float, default=None,
                         help="when the launcher started this process (time.time()); default: after the imports")
     args = parser.parse_args()
@@ -155,7 +159,8 @@ def main() -> None:
     elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
                    join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal,
                    straggler_timeout=args.straggler_timeout, wire_dtype=args.wire_dtype, compression=args.compression)
-    strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, ranks_per_replica=args.ranks, **elastic)
+    strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, ranks_per_replica=args.ranks,
+                                              replica_sharding=args.sharding, **elastic)
     rank = int(os.environ.get("RANK", 0)) if args.ranks > 1 else 0
     name = args.replica_id + (f".rank{rank}" if rank else "")  # this process's files
     model = Regressor(args.replica_id, args.step_sleep, args.out / f"{name}.progress", args.optimizer,
@@ -192,7 +197,8 @@ def main() -> None:
         "failures": driver.transport.failures, "late": driver.transport.late, "quorum_waits": membership.waits,
         "round_seconds": [r.seconds for r in driver.reports], "comm_seconds": [r.comm_seconds for r in driver.reports],
         "outer_steps": driver.slots[0].outer_steps, "steps": model.steps, "global_step": trainer.global_step,
-        "final_weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        "final_weights": torch.cat([(p.to_local() if isinstance(p, DTensor) else p).detach().reshape(-1)
+                                    for p in model.parameters()]).tolist(),  # sharded: this rank's shards
     }
     (args.out / f"{name}.json").write_text(json.dumps(record))
 

@@ -184,6 +184,14 @@ class ElasticPlugin(DriverPlugin):
         see :class:`~lightning_loco.plugins.TrainingState`); returns the round this replica now stands at."""
         slots = self.driver.slots
         saved, extra = state["driver"], state.get("extra")
+        if (extra is None) != (self.training_state is None):
+            raise RuntimeError(
+                f"Replica {self.transport.config.replica_id!r} and its donor {state.get('donor')!r} do not hold the same "
+                "kind of training state (one runs under a training loop that gives one, the other not); run every "
+                "replica the same way."
+            )
+        if self.training_state is not None and self.training_state.check is not None:
+            self.training_state.check(extra)  # e.g. a donor sharded otherwise: before anything is loaded
         if heal:
             self.driver.load_state_dict(saved)
             for slot, weights in zip(slots, state["weights"]):  # None: the donor's weights were its anchor
@@ -191,12 +199,6 @@ class ElasticPlugin(DriverPlugin):
         else:
             for slot, entry in zip(slots, saved):
                 slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
-        if (extra is None) != (self.training_state is None):
-            raise RuntimeError(
-                f"Replica {self.transport.config.replica_id!r} and its donor {state.get('donor')!r} do not hold the same "
-                "kind of training state (one runs under a training loop that gives one, the other not); run every "
-                "replica the same way."
-            )
         if self.training_state is not None:
             self.training_state.load(extra, heal)
         self.healed_from.append({"donor": state.get("donor"), "outer_step": slots[0].outer_steps,

@@ -23,8 +23,10 @@ stays open: see :mod:`~lightning_loco.elastic.straggler`. A round taken alone wi
 this replica's payload as the codec delivers it, so that an error-feedback residual stays true.
 
 A replica of several ranks (``ranks``): each rank moves its own slice on its own group (with the same rank
-of the other members) and the replica's ranks all-gather the result, as on the static launch; the ranks
-agree on each round's outcome first, so that the round is the replica's on all of them or on none
+of the other members) and the replica's ranks all-gather the result, as on the static launch. With FSDP2
+inside the replica (``sharded``) each rank's buffer is already its own part of the model (its local
+shards): it moves the whole of it and nothing is gathered. Either way the ranks agree on each round's
+outcome first, so that the round is the replica's on all of them or on none
 (:mod:`~lightning_loco.elastic.ranks`).
 """
 
@@ -133,8 +135,9 @@ class ElasticTransport(Transport):
 
     def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None,
                  membership: Optional[Any] = None, check_stop: Callable[[str], None] = no_stop,
-                 ranks: Optional[ReplicaRanks] = None) -> None:
+                 ranks: Optional[ReplicaRanks] = None, sharded: bool = False) -> None:
         self.config = config
+        self.sharded = sharded  # FSDP2 inside the replica: each rank's buffer is its own shards, moved whole
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.ranks = ranks
         self.membership = Membership(config, check_stop, ranks) if membership is None else membership
@@ -148,7 +151,7 @@ class ElasticTransport(Transport):
     @property
     def slices_per_replica(self) -> int:
         """How many slices a payload is cut into, one per rank of the replica (1: it moves whole)."""
-        return 1 if self.ranks is None else self.ranks.size
+        return 1 if self.ranks is None or self.sharded else self.ranks.size
 
     @property
     def replica(self) -> int:
@@ -214,10 +217,10 @@ class ElasticTransport(Transport):
         return ElasticPending(self, works, None, finish, len(peers) + 1, nbytes, peers)
 
     def _slice(self, buf: Tensor) -> Tensor:
-        return buf if self.ranks is None else self.ranks.slice(buf)
+        return buf if self.ranks is None or self.sharded else self.ranks.slice(buf)
 
     def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
-        return part if self.ranks is None else self.ranks.gather(part, like)
+        return part if self.ranks is None or self.sharded else self.ranks.gather(part, like)
 
     def _start(self, payload: Tensor, others: tuple[int, ...], size: int, codec: Optional[Codec],
                post: Callable[[], ElasticPending]) -> ElasticPending:
@@ -301,8 +304,8 @@ class ElasticTransport(Transport):
 
 class ElasticTransportFactory:
     """The strategies' ``transport_factory`` in elastic mode: takes ``TorchDistributedTransport``'s keyword
-    arguments (``device``, and ``ranks_per_replica`` with ``replica_group`` for a replica of several ranks) and
-    ``check_stop``, and builds an :class:`ElasticTransport`.
+    arguments (``device``, and ``ranks_per_replica`` with ``replica_group`` for a replica of several ranks,
+    ``sharded`` with FSDP2 inside it) and ``check_stop``, and builds an :class:`ElasticTransport`.
     ``membership`` (tests): builds the membership in place of a :class:`Membership` over the Lighthouse."""
 
     def __init__(self, config: ElasticConfig, membership: Optional[Callable[[], Any]] = None) -> None:
@@ -310,8 +313,9 @@ class ElasticTransportFactory:
         self.membership = membership
 
     def __call__(self, device: Optional[torch.device] = None, check_stop: Callable[[str], None] = no_stop,
-                 ranks_per_replica: int = 1, replica_group: Optional[Any] = None, **_: Any) -> ElasticTransport:
+                 ranks_per_replica: int = 1, replica_group: Optional[Any] = None, sharded: bool = False,
+                 **_: Any) -> ElasticTransport:
         show_info_lines()  # what happens to the replica (joins, heals, memberships) is said at INFO level
         ranks = ReplicaRanks(self.config.replica_id, replica_group, device) if ranks_per_replica > 1 else None
         membership = self.membership() if self.membership is not None else None
-        return ElasticTransport(self.config, device, membership, check_stop, ranks)
+        return ElasticTransport(self.config, device, membership, check_stop, ranks, sharded=sharded)

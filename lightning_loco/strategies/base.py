@@ -107,7 +107,8 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             as for Lightning's ``ModelParallelStrategy`` (the mesh is the replica's k ranks); without
             one, the automatic policy shards every ``fsdp_blocks`` module, then every direct child
             of the LightningModule that holds parameters. Every replica must shard alike (checked at
-            setup). Launch with popen (the default), torchrun or SLURM. See docs/launching.md.
+            setup; elastic replicas: at each heal, which goes shard by shard). Launch with popen (the
+            default), torchrun or SLURM. See docs/launching.md.
         fsdp_blocks: with replica_sharding="fsdp" and no sharding in ``configure_model``: the module
             classes (or class names) sharded one unit each, e.g. ``(TransformerBlock,)`` (default ():
             each direct child of the LightningModule is one unit).
@@ -229,8 +230,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
             algorithm_name=algorithm.name, overlap_steps=overlap_steps, ranks_per_replica=ranks_per_replica,
             topology=getattr(algorithm, "topology", None), lossy_wire=wire.lossy,
         )
-        self.sharding = sharding_config(replica_sharding, fsdp_blocks, fsdp_kwargs, elastic=self.elastic is not None,
-                                        start_method=start_method)
+        self.sharding = sharding_config(replica_sharding, fsdp_blocks, fsdp_kwargs, start_method=start_method)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

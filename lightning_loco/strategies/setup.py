@@ -148,12 +148,15 @@ class ReplicaSetup:
         backend = self._get_process_group_backend()
         if backend != "nccl":
             _compat.destroy_process_group_at_exit()
-        elastic = self.elastic  # type: ignore[attr-defined]
-        # an elastic replica's own operations (DDP, a round's agreement) fail within outer_step_timeout when one
-        # of its ranks dies: the replica then leaves the membership as a whole (lightning_loco.elastic.ranks)
-        timeout = self._timeout if elastic is None else timedelta(seconds=elastic.outer_step_timeout)
-        self._groups = ProcessGroups(self.ranks_per_replica, backend, timeout)
+        self._groups = ProcessGroups(self.ranks_per_replica, backend, self._replica_timeout())
         self._groups.create_replica_groups()
+
+    def _replica_timeout(self) -> timedelta:
+        """The timeout of a replica's own process groups. An elastic replica's own operations (DDP's or FSDP2's
+        collectives, a round's agreement) fail within outer_step_timeout when one of its ranks dies: the
+        replica then leaves the membership as a whole (lightning_loco.elastic.ranks)."""
+        elastic = self.elastic  # type: ignore[attr-defined]
+        return self._timeout if elastic is None else timedelta(seconds=elastic.outer_step_timeout)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -52,7 +52,8 @@ class ReplicaSharding:
         super().setup_distributed()  # type: ignore[misc]
         if self.sharding is not None:
             self._replica_mesh = sharding.replica_mesh(
-                self.root_device.type, self.ranks_per_replica, self._get_process_group_backend(), self._timeout
+                self.root_device.type, self.ranks_per_replica, self._get_process_group_backend(),
+                self._replica_timeout(),  # type: ignore[attr-defined]
             )
             if self.lightning_module is not None:
                 self.lightning_module._device_mesh = self.device_mesh  # what configure_model reads

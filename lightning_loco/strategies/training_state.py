@@ -14,6 +14,12 @@ rest, as a :class:`~lightning_loco.plugins.TrainingState`:
 * the fit loop's counters (``_compat.LOOP_COUNTERS``): ``global_step`` and what the loop derives from it,
   the epoch and the batch index, scheduler steps, the step loggers get.
 
+With FSDP2 inside the replica (``replica_sharding="fsdp"``) each rank exports its own part: its local shards
+of the sharded tensors (the inner optimizer's moments, frozen sharded parameters) as plain tensors, with the
+layout of the model's shards (:func:`~lightning_loco.sharding.layout`); rank i of a joiner loads them into its
+own ``DTensor`` objects, which are placed alike, and a donor that shards differently is an error before anything
+is loaded. Nothing is gathered: the state crosses shard by shard.
+
 Both sides export and load at the start of a training batch, where every counter of the previous batch
 is complete and the current batch's fetch is counted alike on both: :class:`BetweenSteps`, first among
 the Trainer's callbacks while fit runs, calls the plug-in's ``between_steps`` there, before any other
@@ -28,7 +34,9 @@ from typing import Any, Callable
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.distributed.tensor import DTensor
 
+from lightning_loco import sharding
 from lightning_loco.plugins import TrainingState
 from lightning_loco.strategies import _compat
 
@@ -44,21 +52,28 @@ class LightningTrainingState:
     def _schedulers(self) -> list[Any]:
         return [config.scheduler for config in self.trainer.lr_scheduler_configs]
 
+    def _sharded(self) -> bool:
+        return getattr(self.trainer.strategy, "sharding", None) is not None
+
     def _untrained(self) -> dict[str, Any]:
-        """The module's state_dict entries that no optimizer trains (buffers, frozen parameters)."""
-        trained = {p.data_ptr() for o in self.trainer.strategy.optimizers for g in o.param_groups for p in g["params"]}
+        """The module's state_dict entries that no optimizer trains (buffers, frozen parameters); sharded
+        ones as ``DTensor`` objects."""
+        trained = {_data_ptr(p) for o in self.trainer.strategy.optimizers for g in o.param_groups for p in g["params"]}
         state = self.trainer.lightning_module.state_dict()
-        return {name: value for name, value in state.items() if value.data_ptr() not in trained}
+        return {name: value for name, value in state.items() if _data_ptr(value) not in trained}
 
     def export(self) -> dict[str, Any]:
         trainer = self.trainer
-        return {
+        state = {
             "module": self._untrained(),
             "optimizers": [optimizer.state_dict() for optimizer in trainer.strategy.optimizers],
             "lr_schedulers": [scheduler.state_dict() for scheduler in self._schedulers()],
             "precision": trainer.precision_plugin.state_dict(),
             "loops": _compat.loop_counters(trainer),
         }
+        if self._sharded():  # this rank's local shards, as plain tensors, and how the model is sharded
+            state = {**sharding.local_tree(state), "layout": sharding.layout(trainer.lightning_module)}
+        return state
 
     def load(self, state: dict[str, Any], everything: bool) -> None:
         """Takes ``state`` (from a donor's :meth:`export`): everything, or (``everything=False``) only the loop's
@@ -78,9 +93,13 @@ class LightningTrainingState:
                     f"The donor's module holds {sorted(set(state['module']) ^ set(own))} where this replica's does "
                     "not, or the other way round: every replica must run the same model."
                 )
-            trainer.lightning_module.load_state_dict(state["module"], strict=False)
+            if self._sharded():  # shard by shard, into this rank's DTensors
+                sharding.load_state_dict(trainer.lightning_module, state["module"], strict=False)
+            else:
+                trainer.lightning_module.load_state_dict(state["module"], strict=False)
             for optimizer, saved in zip(optimizers, state["optimizers"]):
-                optimizer.load_state_dict(saved)
+                optimizer.load_state_dict(sharding.optimizer_state_to_shards(optimizer, saved)
+                                          if self._sharded() else saved)
             trainer.precision_plugin.load_state_dict(state["precision"])
         for scheduler, saved in zip(schedulers, state["lr_schedulers"]):
             scheduler.load_state_dict(saved)
@@ -90,8 +109,33 @@ class LightningTrainingState:
                     group["lr"] = lr
         _compat.load_loop_counters(trainer, state["loops"])
 
+    def check(self, state: dict[str, Any]) -> None:
+        """Rank i of a sharded replica heals only from a donor's rank i that holds the same shards (and a
+        replica that is not sharded only from one that is not): ``RuntimeError`` otherwise, before anything
+        is loaded."""
+        mine = sharding.layout(self.trainer.lightning_module) if self._sharded() else None
+        theirs = state.get("layout")
+        if theirs == mine:
+            return
+        if mine is None or theirs is None:
+            diff = ("the donor is sharded, this replica not" if mine is None
+                    else "this replica is sharded, the donor not")
+        else:
+            diff = next((f"{a} here, {b} there" for a, b in zip(mine, theirs) if a != b),
+                        f"{len(mine)} parameters here, {len(theirs)} there")
+        raise RuntimeError(
+            f"The donor shards the model differently from this replica ({diff}); nothing of its state was loaded. "
+            "Every replica must shard identically (the same replica_sharding, fully_shard calls and "
+            "ranks_per_replica), since rank i of a joiner takes the shards of the donor's rank i."
+        )
+
     def for_plugin(self) -> TrainingState:
-        return TrainingState(export=self.export, load=self.load)
+        return TrainingState(export=self.export, load=self.load, check=self.check)
+
+
+def _data_ptr(t: Any) -> int:
+    """Where a tensor's data lives; a ``DTensor``'s: its local shard's."""
+    return t.to_local().data_ptr() if isinstance(t, DTensor) else t.data_ptr()
 
 
 class BetweenSteps(Callback):
