@@ -577,9 +577,8 @@ def test_a_lighthouse_that_refuses_connections_is_named_with_the_connect_timeout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, killed_rank, sharding", [("noloco", 1, None), ("diloco", 0, None),
-                                                              ("noloco", 1, "fsdp"), ("diloco", 0, "fsdp")],
-                         ids=["noloco", "diloco", "noloco-fsdp", "diloco-fsdp"])
+@pytest.mark.parametrize("algorithm, killed_rank, sharding", [("noloco", 1, None), ("diloco", 0, "fsdp")],
+                         ids=["noloco", "diloco-fsdp"])  # each algorithm, each way inside, each rank killed once
 def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by_rank(
         tmp_path: Path, algorithm: str, killed_rank: int, sharding: Optional[str]) -> None:
     """Replicas A and B of two ranks each (DDP inside, or FSDP2: ``sharding``), over a Lighthouse that lets one
