@@ -2,7 +2,6 @@
 set-up and clean-up where this machine allows namespaces."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -87,14 +86,14 @@ def test_b1_fragments_quick(tmp_path):
 
 @pytest.mark.slow
 def test_b1_fragments_refuses_what_it_cannot_measure(tmp_path):
-    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path)}
-    for args, message in ((["--methods", "ddp"], "DDP has no outer step"),
-                          (["--fragments", "1", "3"], "must divide sync_every"),
-                          (["--overlap", "2"], "must be smaller than sync_every / fragments")):
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.b1_sync_latency", "--quick", "--parts", "fragments",
-                               *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    results = tmp_path / "results"
+    for n, (args, message) in enumerate(((["--methods", "ddp"], "DDP has no outer step"),
+                                         (["--fragments", "1", "3"], "must divide sync_every"),
+                                         (["--overlap", "2"], "must be smaller than sync_every / fragments"))):
+        proc = run_module_forked("benchmarks.b1_sync_latency", ["--quick", "--parts", "fragments", *args],
+                                 tmp_path / f"run{n}", {"LOCO_BENCH_RESULTS": str(results)}, 120, cwd=ROOT)
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
-    assert not list(tmp_path.iterdir())  # refused before anything ran
+    assert not results.exists() or not list(results.iterdir())  # refused before anything ran
 
 
 def b1():
@@ -447,9 +446,8 @@ def test_b6_merge_quick(tmp_path):
 @pytest.mark.slow
 def test_gpu_quality_dry_run(tmp_path):
     """Without CUDA: every configuration trains the tiny model (no budget) and the table and JSON come out."""
-    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_quality"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = run_module_forked("benchmarks.gpu_quality", [], tmp_path / "run", {"LOCO_BENCH_RESULTS": str(tmp_path)},
+                             900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "gpu_quality.json").read_text())
     assert result["cuda"] is False and result["calibration"] is None and result["replicas"] == 8
