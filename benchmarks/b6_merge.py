@@ -38,11 +38,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from typing import Any
 
-from benchmarks.b6_simulated import loss_by, make_algorithm, run_one, speeds_of
+from benchmarks.b6_simulated import loss_by, make_algorithm, run_in_pool, run_one, speeds_of
 from benchmarks.common import machine, results_dir, table, write_json
 from lightning_loco.algorithms import DiLoCo, NoLoCo
 from lightning_loco.pacing import phase_steps
@@ -139,16 +137,10 @@ def main() -> None:
           f"T = {h * min(speeds):.0f} s, {settings['rounds']} rounds, seeds {seeds}; {len(jobs)} runs; plain_lr: "
           f"outer lr × {lr_factor(speeds, h, h * min(speeds)):.3f}", flush=True)
     started = time.perf_counter()
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(run_merge, a, m, s, settings) for a, m, s in jobs]
-        runs = []
-        for future in futures:
-            run = future.result()
-            runs.append(run)
-            last = run["curve"][-1]
-            print(f"seed {run['seed']} {run['algorithm']:<7} {run['merge']:<6} loss {last['val_loss']:.4f} "
-                  f"(consensus {last['consensus_loss']:.4f}) at {last['train_seconds']:.0f} s (modelled)  "
-                  f"H_i {run['h_i']}  ({run['seconds']:.0f} s here)", flush=True)
+    runs = run_in_pool(run_merge, jobs, settings, args.workers, lambda run: (
+        f"seed {run['seed']} {run['algorithm']:<7} {run['merge']:<6} loss {run['curve'][-1]['val_loss']:.4f} "
+        f"(consensus {run['curve'][-1]['consensus_loss']:.4f}) at {run['curve'][-1]['train_seconds']:.0f} s "
+        f"(modelled)  H_i {run['h_i']}  ({run['seconds']:.0f} s here)"))
     rows = summarise(runs, algorithms)
     wall = time.perf_counter() - started
     print(f"\nB6 part 4: {settings['replicas']} simulated GPT replicas, step times {speeds} s, H = {h}, "

@@ -38,7 +38,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from benchmarks.b2_time_to_loss import time_to
 from benchmarks.b6_heterogeneous import loss_by  # the processes' part reads its curves the same way
@@ -113,6 +113,19 @@ def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm
             "slowest_share": sim.time.compute_share(speeds.index(max(speeds))),
             "h_i": [statistics.median(r.phase_steps for r in d.reports) for d in sim.drivers],
             "steps": [d.slots[0].inner_steps for d in sim.drivers], "seconds": time.perf_counter() - started}
+
+
+def run_in_pool(run: Callable[..., dict[str, Any]], jobs: list[tuple[str, str, int]], settings: dict[str, Any],
+                workers: int, line: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """``run(algorithm, variant, seed, settings)`` for every job, in ``workers`` spawned processes; the runs in
+    the jobs' order, each announced with ``line(run)`` as it comes in."""
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(run, a, m, s, settings) for a, m, s in jobs]
+        runs = []
+        for future in futures:
+            runs.append(future.result())
+            print(line(runs[-1]), flush=True)
+    return runs
 
 
 def summarise(runs: list[dict[str, Any]], algorithms: list[str]) -> tuple[list[dict[str, Any]], float]:
@@ -237,15 +250,10 @@ def main() -> None:
     print(f"B6 part 3 (simulator): {settings['replicas']} replicas of step times {speeds} s, H = "
           f"{settings['sync_every']}, {settings['rounds']} rounds, seeds {seeds}; {len(jobs)} runs", flush=True)
     started = time.perf_counter()
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(run_one, a, m, s, settings) for a, m, s in jobs]
-        runs = []
-        for future in futures:
-            run = future.result()
-            runs.append(run)
-            print(f"seed {run['seed']} {run['algorithm']:<7} {run['mode']:<10} loss {run['curve'][-1]['val_loss']:.4f} "
-                  f"at {run['curve'][-1]['train_seconds']:.0f} s (modelled)  fast share {run['fast_share']:.3f}  "
-                  f"H_i {run['h_i'][-3:]}  ({run['seconds']:.0f} s here)", flush=True)
+    runs = run_in_pool(run_one, jobs, settings, args.workers, lambda run: (
+        f"seed {run['seed']} {run['algorithm']:<7} {run['mode']:<10} loss {run['curve'][-1]['val_loss']:.4f} "
+        f"at {run['curve'][-1]['train_seconds']:.0f} s (modelled)  fast share {run['fast_share']:.3f}  "
+        f"H_i {run['h_i'][-3:]}  ({run['seconds']:.0f} s here)"))
     rows, target = summarise(runs, algorithms)
     wall = time.perf_counter() - started
     print(f"\nB6 part 3: {settings['replicas']} simulated GPT replicas, step times {speeds[-3:]} s (the rest 1 s), "
