@@ -198,6 +198,7 @@ class FakeMembership:
         self.history: list[dict[str, Any]] = []
         self.failures = 0
         self.closed = False
+        self.landed = 0  # tensors the last heal received in place
 
     def _next(self) -> Optional[Script]:
         taken = len(self.history)
@@ -208,7 +209,8 @@ class FakeMembership:
         return self.view is None or (plan is not None and next_round >= plan.switch)
 
     def at_switch(self, next_round: int, export: Callable[[], dict[str, Any]],
-                  load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None) -> int:
+                  load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None,
+                  land: Optional[Callable[[Any], Any]] = None) -> int:
         plan = self._next()
         if plan is None:
             return next_round
@@ -220,7 +222,11 @@ class FakeMembership:
         if self.replica_id in plan.joiners:
             via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
             incoming = heal.Incoming(heal.take(store, key, len(plan.joiners)), head)
-            next_round = load(incoming.receive(via, 0, self.hub.timeout), self.heal)
+            into = None  # as a membership does: a whole-state heal lands in the joiner's own outer state
+            if self.heal and land is not None and incoming.skeleton is not None:
+                into = heal.landing(incoming.skeleton, land(incoming.skeleton), incoming.metas)
+            self.landed = len(into or ())
+            next_round = load(incoming.receive(via, 0, self.hub.timeout, into), self.heal)
         elif plan.donor == self.replica_id:
             via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
             outgoing = heal.prepare(export(), head, chunk_bytes=self.chunk_bytes)

@@ -45,6 +45,8 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
         (dict(lighthouse="h:1", replica_id=""), ["replica_id=''"]),
         (dict(lighthouse="h:1", overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
         (dict(lighthouse="h:1", transport_factory=print), ["transport_factory and lighthouse"]),
+        (dict(lighthouse="h:1", heal_optimizer="no"), ["heal_optimizer must be True or False", "'no'"]),
+        (dict(lighthouse="h:1", heal=1), ["heal must be True or False"]),
     ],
 )
 def test_bad_elastic_arguments_fail_when_built(kwargs: dict[str, Any], words: list[str]) -> None:

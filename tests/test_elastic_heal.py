@@ -96,6 +96,38 @@ def test_a_state_crosses_in_messages_bitwise_to_every_joiner() -> None:
     assert hub.store == {}  # the last joiner deleted the header
 
 
+def test_a_joiner_receives_in_place_where_its_own_state_matches() -> None:
+    """landing() pairs the donor's tensors with the joiner's own by path, dtype and shape (CPU, contiguous,
+    not sharing memory with an earlier one); the state received is the donor's bitwise, in the joiner's own
+    tensors where they matched and in new ones elsewhere."""
+    hub, state, head = Hub(), mixed_state(), heal.header(4, 8, ["j"], "d")
+    outgoing = heal.prepare(state, head, chunk_bytes=CHUNK)
+    own = mixed_state(seed=1)
+    anchor, momentum = own["driver"][0]["state"]["anchor"], own["driver"][0]["state"]["momentum"]
+    own["driver"][0]["state"]["momentum"] = momentum.float()  # another dtype: not a landing place
+    own["extra"]["optimizer"]["state"][0]["exp_avg"] = torch.zeros(40, 30)  # another shape (the donor's is 30 × 40)
+    own["extra"]["mask"] = anchor[:50]  # shares the anchor's memory
+    own["extra"]["ids"] = torch.zeros(33, dtype=torch.int64)
+    incoming = heal.Incoming(outgoing.header, head)
+    into = heal.landing(incoming.skeleton, own, incoming.metas)
+    optimizer = own["extra"]["optimizer"]["state"][0]
+    assert {t.data_ptr() for t in into.values()} == {t.data_ptr() for t in (
+        anchor, own["weights"][0], own["extra"]["ids"], optimizer["step"], optimizer["exp_avg_sq"])}
+
+    got: dict[str, Any] = {}
+    store = FakeStore(hub, "q4/s8/")
+    thread = threading.Thread(target=lambda: got.update(incoming.receive(
+        FakeGroup(hub, "heal", ("d", "j"), "j"), 0, 10.0, into)))
+    thread.start()
+    outgoing.send(FakeGroup(hub, "heal", ("d", "j"), "d"), store, "heal/j", [1], 10.0)
+    thread.join(30)
+    assert got.pop("donor") == "d" and got.pop("membership") == head
+    assert_bitwise(got, mixed_state())
+    assert got["driver"][0]["state"]["anchor"].data_ptr() == anchor.data_ptr()  # received in place
+    assert got["extra"]["ids"].data_ptr() == own["extra"]["ids"].data_ptr()
+    assert got["driver"][0]["state"]["momentum"].dtype == torch.float64  # received into a new tensor
+
+
 def test_a_state_for_another_membership_is_refused_before_any_transfer() -> None:
     outgoing = heal.prepare(mixed_state(), heal.header(2, 3, ["j"], "d"), chunk_bytes=CHUNK)
     with pytest.raises(RuntimeError, match="two memberships shared a store key"):

@@ -101,6 +101,7 @@ def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch(algorithm)
     assert [h["donor"] for h in healed] == ["a"] and healed[0]["outer_step"] == 2
     assert healed[0]["checksum"] == exported[0]["checksum"]  # c took a's weights at the switch
     assert exported[0]["weights_sent"] == [False]  # they were a's anchor, bitwise: they travelled once, as it
+    assert c.driver.transport.membership.landed >= 1  # into c's own anchor (and momentum), in place
     assert c.driver.slots[0].outer_steps == a.driver.slots[0].outer_steps == 5
     assert c.driver.slots[0].inner_steps == a.driver.slots[0].inner_steps == 5 * H
     records = {r: x.driver.plugin.rounds for r, x in zip("abc", (a, b, c))}
@@ -195,13 +196,15 @@ class Snapshots(L.Callback):
             "inner_steps": trainer.strategy.driver.slots[0].inner_steps,
             "outer_steps": trainer.strategy.outer_steps,
             "batches_seen": pl_module.batches_seen.item(),
+            "weights": [p.detach().clone() for p in pl_module.parameters()],
         }
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_) -> None:
         pl_module.batches_seen += 1  # a buffer no optimizer trains (as a BatchNorm's running statistics)
 
 
-def fit_gpt_replica(hub: Hub, replica_id: str, script, out, heal: bool = True) -> tuple[L.Trainer, Snapshots]:
+def fit_gpt_replica(hub: Hub, replica_id: str, script, out, heal: bool = True,
+                    heal_optimizer: bool = True) -> tuple[L.Trainer, Snapshots]:
     """The shipped GPT (AdamW, warm-up then cosine decay), tiny, as one elastic replica over the scripted membership."""
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -217,7 +220,7 @@ def fit_gpt_replica(hub: Hub, replica_id: str, script, out, heal: bool = True) -
     tokens = torch.randint(0, 256, (64, 9), generator=g)
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)  # 8 batches: epochs end too
     strategy = NoLoCoStrategy(sync_every=LIGHTNING_H, lighthouse="127.0.0.1:1", replica_id=replica_id,
-                              average_at_end=False, heal=heal)
+                              average_at_end=False, heal=heal, heal_optimizer=heal_optimizer)
     strategy.transport_factory = ElasticTransportFactory(
         strategy.elastic, membership=lambda: FakeMembership(hub, replica_id, script, heal=heal))
     snapshots = Snapshots()
@@ -294,6 +297,31 @@ def test_heal_false_takes_the_step_counts_and_keeps_its_own_optimizer_state(tmp_
     record = b.strategy.outer_step_reports  # b went on alone from there, with its own weights
     assert [r.outer_step for r in record] == list(range(HEAL_ROUND, MAX_STEPS // LIGHTNING_H))
     assert a.global_step == b.global_step == MAX_STEPS
+
+
+def test_heal_optimizer_false_heals_everything_but_the_inner_optimizers_state(tmp_path, in_this_process):
+    """A donor with heal_optimizer=False hands over its weights, outer state, schedule and counters but not
+    AdamW's moments: b is at a's step, learning rate and weights right after healing, its AdamW starts afresh
+    there (step 1 after its first step, where a's counts on)."""
+    hub = Hub(timeout=60)
+    script_a = [Script(1, 0, ("a",)), Script(2, HEAL_ROUND, ("a",), joiners=("b",), donor="a")]
+    script_b = [Script(2, HEAL_ROUND, ("b",), joiners=("b",), donor="a")]
+    a, seen_a = fit_gpt_replica(hub, "a", script_a, tmp_path, heal_optimizer=False)
+    b, seen_b = fit_gpt_replica(hub, "b", script_b, tmp_path)
+    healed_at = HEAL_ROUND * LIGHTNING_H
+    donor, healed = seen_a.by_step[healed_at], seen_b.by_step[healed_at]
+    for key in ("lr", "scheduler", "logged_step", "batch_idx", "inner_steps", "outer_steps", "batches_seen"):
+        assert healed[key] == donor[key], key
+    assert healed["optimizer"]["state"] == {} and donor["optimizer"]["state"]
+    assert all(torch.equal(x, y) for x, y in zip(healed["weights"], donor["weights"]))  # a's weights, bitwise
+    steps_after = {i: float(m["step"]) for i, m in seen_b.by_step[healed_at + 1]["optimizer"]["state"].items()}
+    assert set(steps_after.values()) == {1.0}
+    assert {float(m["step"]) for m in seen_a.by_step[healed_at + 1]["optimizer"]["state"].values()} == {healed_at + 1.0}
+    assert a.global_step == b.global_step == MAX_STEPS
+    from lightning_loco.elastic.healing import taken
+
+    assert "heal_optimizer=False" in taken({"extra": {"optimizers": None}}, True)  # what b's log line says
+    assert taken({"extra": {"optimizers": []}}, True) == taken({"extra": None}, True) == "its state"
 
 
 # ---------------------------------------------------------------- heal keys: one per membership, read once written

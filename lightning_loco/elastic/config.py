@@ -64,6 +64,10 @@ class ElasticConfig:
             background at one switch and used at the next, K outer steps later.
         heal: a joining replica takes the weights and outer state of a live one (True) or keeps its own,
             taking only the counters (False: a replica resumed from its own checkpoint).
+        heal_optimizer: with ``heal``, whether the state this replica hands joiners includes its inner
+            optimizer's per-parameter state (True, default: AdamW's moments, twice the weights' bytes). False
+            halves a heal with AdamW: a joiner's inner optimizer then starts afresh from the healed weights
+            (its learning rate still the schedule's), so it is no longer a copy of its donor.
         straggler_timeout: seconds an exchange waits for a live partner that is late before it takes the
             round without it (the late one takes it alone too, and both take part in the next round); None
             (off): a live partner is waited for up to ``outer_step_timeout``. See
@@ -77,6 +81,7 @@ class ElasticConfig:
     membership_every: int = 1
     heal: bool = True
     straggler_timeout: Optional[float] = None
+    heal_optimizer: bool = True
 
     @property
     def url(self) -> str:
@@ -96,6 +101,7 @@ def elastic_config(
     membership_every: int,
     heal: bool = True,
     straggler_timeout: Optional[float] = None,
+    heal_optimizer: bool = True,
     *,
     algorithm_name: str,
     overlap_steps: Any,
@@ -129,6 +135,13 @@ def elastic_config(
                 "outer_step_timeout a partner counts as failed (its membership's group is closed). Lower "
                 "straggler_timeout, or leave it None."
             )
+    for name, flag in (("heal", heal), ("heal_optimizer", heal_optimizer)):
+        if not isinstance(flag, bool):
+            raise ValueError(
+                f"{name} must be True or False, got {flag!r} (default True: a joiner takes a live replica's whole "
+                "training state; heal_optimizer=False leaves its inner optimizer's state out, halving a heal with "
+                "AdamW)."
+            )
     if isinstance(membership_every, bool) or not isinstance(membership_every, int) or membership_every < 1:
         raise ValueError(
             f"membership_every must be an integer >= 1, got {membership_every!r} (default 1: a membership refresh "
@@ -157,8 +170,9 @@ def elastic_config(
     return ElasticConfig(
         lighthouse=lighthouse, replica_id=replica_id or default_replica_id(),
         outer_step_timeout=float(outer_step_timeout),
-        join_timeout=float(join_timeout), membership_every=membership_every, heal=bool(heal),
+        join_timeout=float(join_timeout), membership_every=membership_every, heal=heal,
         straggler_timeout=None if straggler_timeout is None else float(straggler_timeout),
+        heal_optimizer=heal_optimizer,
     )
 
 

@@ -25,7 +25,11 @@ as point-to-point messages from the donor's rank to each joiner's (:class:`Outgo
 * at most ``IN_FLIGHT`` messages per joiner are posted at once (memory stays bounded), and each wait is
   bounded by the process group's timeout, so a donor that dies or hangs mid-transfer is an error on the
   joiner naming the message and the timeout, never a silent wait;
-* the state loaded is bitwise the one exported (dtypes, shapes and values; tensors come back contiguous).
+* the state loaded is bitwise the one exported (dtypes, shapes and values; tensors come back contiguous);
+* a joiner may name tensors of its own to receive into (:func:`landing`: where its own state holds a CPU
+  tensor of the same path, dtype and shape, such as the outer state it is about to overwrite), which saves
+  the first touch of fresh memory, about as costly as the transfer itself on loopback; the others arrive
+  in new tensors.
 
 A donor without a process group (its rendezvous failed) puts the whole state in the header instead,
 serialised with ``torch.save``, if it fits in one store value (``STORE_VALUE_MAX``: torch's default
@@ -138,6 +142,35 @@ def join(value: Any, tensors: Sequence[Tensor]) -> Any:
     return value
 
 
+def landing(skeleton: Any, own: Any, metas: Sequence[tuple[torch.dtype, tuple[int, ...], str]]) -> dict[int, Tensor]:
+    """Where a joiner can receive tensors in place: for each placeholder of ``skeleton`` (the donor's state,
+    see :func:`split`) at whose path ``own`` holds a contiguous CPU tensor of the donor's dtype and shape,
+    that tensor (detached), by placeholder index. Empty tensors, and tensors that share memory with an earlier
+    one, are left out."""
+    found: dict[int, Tensor] = {}
+    storages: set[int] = set()
+
+    def walk(theirs: Any, mine: Any) -> None:
+        if isinstance(theirs, dict) and len(theirs) == 1 and _TENSOR in theirs:
+            i = theirs[_TENSOR]
+            dtype, shape, device = metas[i]
+            if (isinstance(mine, Tensor) and mine.dtype == dtype and tuple(mine.shape) == tuple(shape)
+                    and device == "cpu" and mine.device.type == "cpu" and mine.is_contiguous() and mine.numel()
+                    and mine.untyped_storage().data_ptr() not in storages):
+                storages.add(mine.untyped_storage().data_ptr())
+                found[i] = mine.detach()
+        elif isinstance(theirs, dict) and isinstance(mine, dict):
+            for key, value in theirs.items():
+                if key in mine:
+                    walk(value, mine[key])
+        elif isinstance(theirs, (list, tuple)) and isinstance(mine, (list, tuple)):
+            for value, other in zip(theirs, mine):
+                walk(value, other)
+
+    walk(skeleton, own)
+    return found
+
+
 def cut(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES,
         small: int = SMALL_BYTES) -> list[list[tuple[int, int, int]]]:
     """The messages of a heal: each a list of (tensor index, first byte, end byte). A tensor of ``small``
@@ -245,12 +278,14 @@ class Incoming:
         self.metas: list[tuple[torch.dtype, tuple[int, ...], str]] = []
         self.messages: list[list[tuple[int, int, int]]] = []
         self.state: Optional[dict[str, Any]] = None
+        self.skeleton: Any = None  # the donor's state with placeholders (None: the state came whole)
         if "unavailable" in decoded:
             raise RuntimeError(decoded["unavailable"])
         if "tensors" not in decoded:  # the donor had no process group: the state came whole
             self.state = decoded
             return
         self._decoded = decoded
+        self.skeleton = decoded["skeleton"]
         self.metas = [(dtype, tuple(shape), device) for dtype, shape, device in decoded["tensors"]]
         sizes = [torch.empty(0, dtype=dtype).element_size() * _numel(shape) for dtype, shape, _ in self.metas]
         self.messages = cut(sizes, decoded["chunk_bytes"])
@@ -260,15 +295,20 @@ class Incoming:
         """The longest :meth:`receive` can take when each message waits up to ``timeout`` seconds."""
         return (len(self.messages) + 1) * timeout
 
-    def receive(self, pg: Optional[Any], src: int, timeout: float) -> dict[str, Any]:
+    def receive(self, pg: Optional[Any], src: int, timeout: float,
+                into: Optional[dict[int, Tensor]] = None) -> dict[str, Any]:
         """Receives the tensors from rank ``src`` of ``pg`` (``IN_FLIGHT`` messages at once, each wait bounded
-        by ``timeout``) and returns the state; ``RuntimeError`` naming the message if one fails."""
+        by ``timeout``) and returns the state; ``RuntimeError`` naming the message if one fails. ``into``
+        (from :func:`landing`): tensors to receive in place, by placeholder index; a failed transfer may
+        leave them partly written."""
         if self.state is not None:
             return self.state
         if pg is None:
             raise RuntimeError("this replica has no process group for the membership (its rendezvous failed), and "
                                "the donor sends its state over it")
-        tensors = [torch.empty(shape, dtype=dtype) for dtype, shape, _ in self.metas]
+        into = into or {}
+        tensors = [into[i] if i in into else torch.empty(shape, dtype=dtype)
+                   for i, (dtype, shape, _) in enumerate(self.metas)]
         views = [_bytes_of(t) for t in tensors]
         posted: deque[tuple[Any, str, Tensor, list[tuple[int, int, int]]]] = deque()
         total = len(self.messages)

@@ -27,6 +27,20 @@ def size(nbytes: int) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
 
 
+def taken(state: dict[str, Any], everything: bool) -> str:
+    """What a joiner took of ``state``, for its log line."""
+    extra = state.get("extra")
+    if not everything:
+        return "its step counts (heal=False: own weights and outer state kept)"
+    if isinstance(extra, dict) and extra.get("optimizers", ()) is None:
+        return "its state except its inner optimizer's (heal_optimizer=False: own kept, none after a restart)"
+    return "its state"
+
+
+def _partly(into: Optional[dict[int, Any]]) -> str:
+    return " (the outer state it was receiving in place may be partly written)" if into else ""
+
+
 def _header(plan: Plan) -> dict[str, Any]:
     return store_heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
 
@@ -51,9 +65,13 @@ def hand_state(member: Membership, plan: Plan, pg: Optional[Any], state: dict[st
                time.perf_counter() - started)
 
 
-def take_state(member: Membership, plan: Plan, pg: Optional[Any], load: Callable[[dict[str, Any], bool], int]) -> int:
+def take_state(member: Membership, plan: Plan, pg: Optional[Any], load: Callable[[dict[str, Any], bool], int],
+               land: Optional[Callable[[Any], Any]] = None) -> int:
     """Takes the donor's state for ``plan`` (interruptibly: its header from the store, its tensors over the
-    membership's process group ``pg``) and loads it; returns the round it stands at."""
+    membership's process group ``pg``) and loads it; returns the round it stands at. ``land(skeleton)``, for
+    a joiner that takes the whole state: checks the donor's state before any tensor crosses (raising if this
+    replica cannot take it) and returns tensors of this replica's own that the donor's may be received into
+    in place (see :func:`~lightning_loco.elastic.heal.landing`)."""
     config, started = member.config, time.perf_counter()
     key = store_heal.heal_key(plan.joiners)
     thread, box = in_thread(lambda: store_heal.take(member._store_client(plan), key, len(plan.joiners)),
@@ -67,25 +85,29 @@ def take_state(member: Membership, plan: Plan, pg: Optional[Any], load: Callable
             f"({box.get('error') if ended else 'no answer'}); restart it to try again."
         ) from box.get("error")
     incoming = store_heal.Incoming(box["result"], _header(plan))
+    everything = config.heal or member.replica_id in plan.behind
+    into = None
+    if everything and land is not None and incoming.skeleton is not None:
+        into = store_heal.landing(incoming.skeleton, land(incoming.skeleton), incoming.metas)
     src, timeout = plan.members.index(plan.donor or ""), config.outer_step_timeout
-    thread, box = in_thread(lambda: incoming.receive(pg, src, timeout), "lightning_loco-heal")
+    thread, box = in_thread(lambda: incoming.receive(pg, src, timeout, into), "lightning_loco-heal")
     ended = wait_in_slices(thread, incoming.bound(timeout) + GRACE_S, member.check_stop,
                            f"the state of replica {plan.donor!r}")
     if "result" not in box:
         raise RuntimeError(
             f"Replica {member.replica_id!r} joined membership {plan.quorum_id} but the transfer of replica "
             f"{plan.donor!r}'s state broke off ({box.get('error') if ended else 'no answer'}; "
-            f"outer_step_timeout={timeout:g} s bounds each message). Nothing was loaded; restart it to try again."
+            f"outer_step_timeout={timeout:g} s bounds each message). Nothing was loaded{_partly(into)}; restart it to "
+            "try again."
         ) from box.get("error")
     state = box["result"]
-    everything = config.heal or member.replica_id in plan.behind
     next_round = load(state, everything)
     if next_round != plan.switch:
         raise RuntimeError(
             f"Replica {member.replica_id!r} healed from {plan.donor!r} to outer step {next_round}, but membership "
             f"{plan.quorum_id} starts at outer step {plan.switch}; restart this replica to join again."
         )
-    what = "its state" if everything else "its step counts (heal=False: own weights and outer state kept)"
+    what = taken(state, everything)
     member._info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
                member.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(incoming.nbytes),
                time.perf_counter() - started)

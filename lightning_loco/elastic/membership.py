@@ -233,10 +233,12 @@ class Membership:
         return request is None or next_round >= request.step + self.config.membership_every
 
     def at_switch(self, next_round: int, export: Callable[[], dict[str, Any]],
-                  load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None) -> int:
+                  load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None,
+                  land: Optional[Callable[[Any], Any]] = None) -> int:
         """Between rounds (before the inner steps of round ``next_round``): takes up the next membership when
         it is due, healing this replica (``load(state, heal)``, which returns the round it now stands at) or
-        healing joiners from it (``export()``), and asks for the one after. Returns the next round.
+        healing joiners from it (``export()``), and asks for the one after. Returns the next round. ``land``:
+        see :func:`~lightning_loco.elastic.healing.take_state`.
 
         ``committed`` (DiLoCo, whose members must hold the same anchor): the rounds of the current membership
         this replica committed; members with fewer than the most heal from one with the most, and at the
@@ -254,7 +256,7 @@ class Membership:
                 pg.shutdown()
             pg = None
         if self.replica_id in plan.joiners:
-            next_round = healing.take_state(self, plan, pg, load)
+            next_round = healing.take_state(self, plan, pg, load, land)
         elif plan.donor == self.replica_id and plan.joiners:
             healing.hand_state(self, plan, pg, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),

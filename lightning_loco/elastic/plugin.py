@@ -161,7 +161,7 @@ class ElasticPlugin(DriverPlugin):
         view = self.membership.view
         if self.membership.due(next_round):
             self.membership.at_switch(next_round, self.export_state, self.load_state,
-                                      committed=self.committed if self.collective else None)
+                                      committed=self.committed if self.collective else None, land=self.landing)
         if self.membership.view is not view:
             self.committed = 0
 
@@ -178,6 +178,15 @@ class ElasticPlugin(DriverPlugin):
                               "checksum": checksum(weights), "extra_checksum": checksum(tensors_in(extra)),
                               "weights_sent": [w is not None for w in sent]})
         return {"driver": self.driver.state_dict(), "weights": sent, "extra": extra}
+
+    def landing(self, skeleton: dict[str, Any]) -> dict[str, Any]:
+        """Before a whole-state heal's tensors cross: checks the donor's training state (its placeholders'
+        skeleton, e.g. a donor sharded otherwise is refused here) and returns this replica's driver state,
+        whose outer-state tensors the donor's are received into in place (they are overwritten anyway)."""
+        extra = skeleton.get("extra")
+        if self.training_state is not None and self.training_state.check is not None and isinstance(extra, dict):
+            self.training_state.check(extra)
+        return {"driver": self.driver.state_dict()}
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
         """Takes a donor's state (``heal``) or only its step counts (the driver's, and the training state's:

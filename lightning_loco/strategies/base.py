@@ -157,6 +157,8 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         membership_every: elastic only: K, outer steps between membership refreshes (default 1).
         heal: elastic only: a joiner takes a live replica's whole training state (True, default) or only
             its step counts (False: resumed from its own checkpoint).
+        heal_optimizer: elastic only: the state a joiner takes includes the inner optimizer's (True, default);
+            False leaves it out (half a heal's bytes with AdamW; the joiner's optimizer starts afresh).
         straggler_timeout: elastic only: seconds an exchange waits for a live partner that is late; past it
             both take that round alone (DiLoCo: drop it) and meet again next round (default None: off).
         accelerator: as in ``DDPStrategy``.
@@ -203,6 +205,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         membership_every: int = 1,
         heal: bool = True,
         straggler_timeout: Optional[float] = None,
+        heal_optimizer: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -227,6 +230,7 @@ class OuterStepStrategy(ReplicaViews, ReplicaSharding, ReplicaSetup, ReplicaChec
         check_picklable(getattr(algorithm, "outer_optimizer", None), start_method)
         self.elastic = elastic_config(
             lighthouse, replica_id, outer_step_timeout, join_timeout, membership_every, heal, straggler_timeout,
+            heal_optimizer,
             algorithm_name=algorithm.name, overlap_steps=overlap_steps, ranks_per_replica=ranks_per_replica,
             topology=getattr(algorithm, "topology", None), lossy_wire=wire.lossy,
         )

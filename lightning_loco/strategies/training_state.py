@@ -8,7 +8,9 @@ rest, as a :class:`~lightning_loco.plugins.TrainingState`:
 
 * the module's state that no optimizer trains: buffers (a BatchNorm's running statistics) and frozen
   parameters (the trained ones travel as the driver's flat weights);
-* the inner optimizers' state (AdamW's moments and step counts, the learning rates of its groups);
+* the inner optimizers' state (AdamW's moments and step counts, the learning rates of its groups), unless
+  the donor's ``heal_optimizer`` is False: then ``None`` stands in its place, and the joiner's optimizers
+  keep their own state (a restarted process's: none, so they start afresh) and take the schedule's rates;
 * the learning-rate schedulers' state (where each is in its schedule);
 * the precision plugin's state (a loss scaler's scale and growth tracker; nothing for most plugins);
 * the fit loop's counters (``_compat.LOOP_COUNTERS``): ``global_step`` and what the loop derives from it,
@@ -62,11 +64,16 @@ class LightningTrainingState:
         state = self.trainer.lightning_module.state_dict()
         return {name: value for name, value in state.items() if _data_ptr(value) not in trained}
 
+    def _send_optimizers(self) -> bool:
+        elastic = getattr(self.trainer.strategy, "elastic", None)
+        return elastic is None or elastic.heal_optimizer
+
     def export(self) -> dict[str, Any]:
         trainer = self.trainer
+        optimizers = trainer.strategy.optimizers
         state = {
             "module": self._untrained(),
-            "optimizers": [optimizer.state_dict() for optimizer in trainer.strategy.optimizers],
+            "optimizers": [o.state_dict() for o in optimizers] if self._send_optimizers() else None,
             "lr_schedulers": [scheduler.state_dict() for scheduler in self._schedulers()],
             "precision": trainer.precision_plugin.state_dict(),
             "loops": _compat.loop_counters(trainer),
@@ -77,12 +84,14 @@ class LightningTrainingState:
 
     def load(self, state: dict[str, Any], everything: bool) -> None:
         """Takes ``state`` (from a donor's :meth:`export`): everything, or (``everything=False``) only the loop's
-        counters and the schedulers, which count steps too."""
+        counters and the schedulers, which count steps too. A state without the optimizers' (``None``: the
+        donor's ``heal_optimizer=False``) leaves this replica's optimizers as they are."""
         trainer = self.trainer
         optimizers, schedulers = trainer.strategy.optimizers, self._schedulers()
-        if len(state["optimizers"]) != len(optimizers) or len(state["lr_schedulers"]) != len(schedulers):
+        sent = state["optimizers"]
+        if (sent is not None and len(sent) != len(optimizers)) or len(state["lr_schedulers"]) != len(schedulers):
             raise RuntimeError(
-                f"The donor's training state has {len(state['optimizers'])} optimizer(s) and "
+                f"The donor's training state has {len(sent or optimizers)} optimizer(s) and "
                 f"{len(state['lr_schedulers'])} LR scheduler(s), this replica {len(optimizers)} and {len(schedulers)}: "
                 "every replica must run the same model and configure_optimizers."
             )
@@ -97,13 +106,13 @@ class LightningTrainingState:
                 sharding.load_state_dict(trainer.lightning_module, state["module"], strict=False)
             else:
                 trainer.lightning_module.load_state_dict(state["module"], strict=False)
-            for optimizer, saved in zip(optimizers, state["optimizers"]):
+            for optimizer, saved in zip(optimizers, sent or ()):
                 optimizer.load_state_dict(sharding.optimizer_state_to_shards(optimizer, saved)
                                           if self._sharded() else saved)
             trainer.precision_plugin.load_state_dict(state["precision"])
         for scheduler, saved in zip(schedulers, state["lr_schedulers"]):
             scheduler.load_state_dict(saved)
-            if not everything and hasattr(scheduler, "get_last_lr"):
+            if (not everything or sent is None) and hasattr(scheduler, "get_last_lr"):
                 # the optimizer kept its own state: its groups take the schedule's current learning rates
                 for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
                     group["lr"] = lr
