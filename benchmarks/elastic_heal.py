@@ -1,7 +1,7 @@
 """Elastic healing's speed: the time to heal a replica against the time to send its weights once, by model size.
 
-    python -m benchmarks.elastic_heal            # ~1 min on 2 cores: 1 M, 10 M, 100 M parameters, 5 repeats
-    python -m benchmarks.elastic_heal --quick    # ~15 s: 1 M and 10 M, 2 repeats
+    python -m benchmarks.elastic_heal            # ~40 s on 2 cores: 1 M, 10 M, 100 M parameters, 5 repeats
+    python -m benchmarks.elastic_heal --quick    # ~10 s: 1 M and 10 M, 2 repeats
 
 Two forked processes on one machine (loopback), a donor and a joiner, over torchft's ``ProcessGroupGloo``
 (the elastic membership's process group) and a ``TCPStore`` (its rendezvous store). The donor holds the
@@ -16,9 +16,13 @@ Per repeat, interleaved (the machine's load drifts alike over all four):
   (the first touch of fresh pages costs the kernel's page faults, here about as much as the transfer);
 * ``heal``: :mod:`lightning_loco.elastic.heal` as a membership runs it: the donor prepares the state and
   writes the header to the store, then sends the tensors point to point in messages of at most 64 MB;
-  the joiner takes the header, receives the tensors and rebuilds the state;
+  the joiner takes the header, receives the tensors (the outer state in place, into its own anchor and
+  momentum, set up before it joined; the rest into fresh memory) and rebuilds the state; ``heal, all
+  fresh``: the same with every tensor received into fresh memory (as before the outer state landed in place);
 * ``weights apart``: the same heal with the live weights sent apart from the anchor (5 × N float32), as
   every heal did before the weights equal to the anchor travelled once;
+* ``without the optimizer``: the heal of a donor with ``heal_optimizer=False`` (AdamW's moments left out:
+  the outer state, 2 × N float32);
 * ``store`` (the path healing took before, up to ``--store-max`` parameters): the donor ``torch.save``s the
   whole state into one store value, the joiner ``get``s and loads it. The membership's store (torch's
   default ``TCPStore``, libuv) refuses values above 8 MiB, so that path failed for any state above about
@@ -105,6 +109,9 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
         state = training_state(n) if rank == 0 else None
         weights = state["driver"][0]["state"]["anchor"] if state is not None else torch.empty(n)
         head = heal.header(1, 100, ["r1"], "r0")
+        # the joiner's own outer state, set up (and so touched) before it joins, as its driver's is: a heal of
+        # the whole state lands there (ElasticPlugin.landing); AdamW's moments arrive in fresh memory
+        own = None if rank == 0 else {"driver": [{"state": {"anchor": torch.zeros(n), "momentum": torch.zeros(n)}}]}
         for repeat in range(repeats):
             row: dict[str, Any] = {"size": label, "parameters": n, "repeat": repeat}
             barrier()
@@ -118,7 +125,10 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
             row["fresh_s"] = time.perf_counter() - started
             del fresh
             # the heal, and the same with the weights sent apart from the anchor (as before they travelled once)
-            for name, sent in (("heal", state), ("apart", {**state, "weights": [weights]} if rank == 0 else None)):
+            lean = {**state, "extra": {**state["extra"], "optimizers": None}} if rank == 0 else None  # no moments
+            variants = (("heal", state, True), ("fresh_heal", state, False),
+                        ("apart", {**state, "weights": [weights]} if rank == 0 else None, True), ("lean", lean, True))
+            for name, sent, in_place in variants:
                 key = f"{name}/{label}/{repeat}"
                 barrier()
                 started = time.perf_counter()
@@ -126,7 +136,8 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
                     heal.prepare(sent, head).send(pg, store, key, [1], 600.0)
                 else:
                     incoming = heal.Incoming(heal.take(store, key, 1), head)
-                    healed = incoming.receive(pg, 0, 600.0)
+                    into = heal.landing(incoming.skeleton, own, incoming.metas) if in_place else None
+                    healed = incoming.receive(pg, 0, 600.0, into)
                     row[f"{name}_s"] = time.perf_counter() - started
                     row[f"{name}_bytes"] = incoming.nbytes
                     del healed, incoming
@@ -141,7 +152,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
                     row["store_s"] = time.perf_counter() - started
                     del raw, loaded
             results.append(row)
-        del state, weights
+        del state, weights, own
     barrier()
     if rank == 1:
         conn.send(results)
@@ -200,20 +211,30 @@ def main() -> None:
             "apart": spread(apart), "apart_mb": mine[0]["apart_bytes"] / 1e6,
             "apart_ratio": statistics.median(apart) / statistics.median(once),
             "heal_vs_apart": spread([h / a for h, a in zip(healed, apart)]),
+            "fresh_heal": spread([r["fresh_heal_s"] for r in mine]),
+            "in_place_vs_fresh": spread([r["heal_s"] / r["fresh_heal_s"] for r in mine]),
+            "lean": spread([r["lean_s"] for r in mine]), "lean_mb": mine[0]["lean_bytes"] / 1e6,
+            "lean_ratio": statistics.median([r["lean_s"] for r in mine]) / statistics.median(once),
+            "lean_ratios": spread([r["lean_s"] / r["once_s"] for r in mine]),
         })
     flat = [{**r, "once_s": r["once"]["median"], "once_range": f"{r['once']['min']:.3f}-{r['once']['max']:.3f}",
              "fresh_s": r["fresh"]["median"], "heal_s": r["heal"]["median"],
              "heal_range": f"{r['heal']['min']:.3f}-{r['heal']['max']:.3f}",
              "store_s": r["store"]["median"] if r["store"] else None, "apart_s": r["apart"]["median"],
-             "vs_apart": r["heal_vs_apart"]["median"]} for r in rows]
+             "vs_apart": r["heal_vs_apart"]["median"], "lean_s": r["lean"]["median"],
+             "fresh_heal_s": r["fresh_heal"]["median"], "in_place": r["in_place_vs_fresh"]["median"],
+             "lean_range": f"{r['lean_ratios']['min']:.2f}-{r['lean_ratios']['max']:.2f}"} for r in rows]
     print(f"\nhealing over loopback gloo on {machine()}, median of {repeats} repeats (min-max)")
     print(table(flat, [("size", "parameters", ""), ("heal_mb", "healed MB", ".0f"),
                        ("bytes_ratio", "× weights", ".2f"),
                        ("once_s", "weights once s", ".3f"), ("once_range", "range", ""),
                        ("fresh_s", "into fresh memory s", ".3f"),
                        ("heal_s", "heal s", ".3f"), ("heal_range", "range", ""), ("ratio", "heal / once", ".2f"),
-                       ("fresh_ratio", "heal / fresh", ".2f"), ("apart_s", "weights apart s", ".3f"),
+                       ("fresh_ratio", "heal / fresh", ".2f"), ("fresh_heal_s", "heal, all fresh s", ".3f"),
+                       ("in_place", "heal / all fresh", ".2f"), ("apart_s", "weights apart s", ".3f"),
                        ("apart_ratio", "apart / once", ".2f"), ("vs_apart", "heal / apart", ".2f"),
+                       ("lean_mb", "no optimizer MB", ".0f"), ("lean_s", "no optimizer s", ".3f"),
+                       ("lean_ratio", "no optimizer / once", ".2f"), ("lean_range", "per repeat", ""),
                        ("once_gb_s", "once GB/s", ".2f"), ("heal_gb_s", "heal GB/s", ".2f"),
                        ("store_s", "store path s", ".3f"), ("store_ratio", "store / once", ".2f")]))
     path = write_json("elastic_heal.json", {"repeats": repeats, "seconds": round(time.perf_counter() - begun, 1),
