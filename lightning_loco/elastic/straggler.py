@@ -47,7 +47,13 @@ class PeerWork:
         self._error: Optional[BaseException] = None
 
     def is_completed(self) -> bool:
-        return self._done.is_set() or bool(self.work.is_completed())
+        work = self.work  # None once a waiter saw it end
+        return self._done.is_set() or work is None or bool(work.is_completed())
+
+    # release: a gloo work holds its process group's connections open, so a group this replica aborts after
+    # a failure closes them only once no work of it is referenced: an ended operation's work is let go at
+    # once, and its error keeps no frames. Otherwise a partner that posts to this replica later (it does not
+    # know the group broke) waits for its whole timeout instead of failing at once.
 
     def _wait_once(self) -> None:
         with self._lock:
@@ -55,8 +61,9 @@ class PeerWork:
                 try:
                     self.work.wait()
                 except RuntimeError as err:
-                    self._error = err
+                    self._error = err.with_traceback(None)  # its frames would hold this work (see release)
                 self._done.set()
+                self.work = None  # see release
 
     def watch(self) -> None:
         """Waits for the operation in a thread of its own (it ends with the operation, or its failure)."""

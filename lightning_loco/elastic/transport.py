@@ -98,7 +98,7 @@ class ElasticPending(Pending):
                     status = agreed
                 result = self.finish() if status == TOGETHER else None
             except PeerFailed as failure:  # this partner failed; the others' transfers still complete
-                result, self.error = None, failure.error
+                result, self.error, self.works = None, failure.error, []  # no work left to hold the group open
                 self.transport.partner_failed(self.peers if -1 in failure.peers else failure.peers, failure.error)
                 if not told:  # the replica's other ranks take the round alone too
                     ranks.agree(FAILED)
@@ -171,6 +171,7 @@ class ElasticTransport(Transport):
         ids = self.member_ids(peers)
         self.failures.append({"outer_step": self.outer_step, "peers": list(ids), "error": str(err)[:200],
                               "time": time.time()})
+        self._lingering = []  # their works would hold the group's connections open after the abort
         self.membership.failed()
         warnings.warn(
             f"Replica {self.config.replica_id!r}: outer step {self.outer_step} could not complete with {list(ids)} "
@@ -210,7 +211,8 @@ class ElasticTransport(Transport):
             works = [PeerWork(j, pg.recv([buf], j, tag)) for j, buf in receives.items()]
             return works + [PeerWork(j, pg.send([buf], j, tag)) for j, buf in sends.items()]
         except RuntimeError as err:  # gloo may fail at once when a peer is already gone
-            raise PeerFailed(sorted(set(sends) | set(receives)), err) from err
+            # without its frames, which hold the works posted so far (and so the group's connections open)
+            raise PeerFailed(sorted(set(sends) | set(receives)), err.with_traceback(None)) from None
 
     def _pending(self, works: list[PeerWork], finish: Callable[[], Tensor], nbytes: int,
                  peers: tuple[int, ...]) -> ElasticPending:
