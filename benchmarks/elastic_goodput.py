@@ -2,7 +2,8 @@
 survivors' pace apart from the run's, the time from a replica's start to its first round, and what the
 membership costs on the healthy path.
 
-    python -m benchmarks.elastic_goodput            # ~15 min on 2 cores: 2 variants × 3 repeats, interleaved
+    python -m benchmarks.elastic_goodput            # ~11 min on 2 cores: 2 variants × 3 repeats, interleaved
+    python -m benchmarks.elastic_goodput --heartbeat-ms 2000 1000   # ~17 min: the kill runs under both timeouts
     python -m benchmarks.elastic_goodput --quick    # ~1.5 min: 1 repeat, shorter runs, a kill every 6 s
 
 Each run is a Lighthouse process (``min_replicas=2``, heartbeat timeout 2 s) and four replica processes
@@ -13,7 +14,9 @@ for a bigger model's compute, ``max_steps`` = 3000, about 100 s of training; 480
 * ``steady K=4`` (with ``--k4``): no failure, ``membership_every=4``;
 * ``kill every M s``: M seconds after training starts and every M seconds after (default 30; 6 with
   ``--quick``), until r0 is 90 % through, r3 is killed with SIGKILL and started again at once under the
-  same id; it heals from a live replica. r0, r1 and r2, the *survivors*, are never killed.
+  same id; it heals from a live replica. r0, r1 and r2, the *survivors*, are never killed;
+* ``kill every M s, heartbeat T s`` (with ``--heartbeat-ms``): the same under a Lighthouse whose heartbeat
+  timeout is T (a dead replica holds the survivors' next quorum until its heartbeats count as stopped).
 
 ``outer_step_timeout`` is 10 s. The training window is r0's first round to r0's end (start-up, the same in
 every variant, is left out; it is the "start → first round" column). Reported:
@@ -54,13 +57,13 @@ IDS = ("r0", "r1", "r2", "r3")
 VICTIM, SURVIVORS = "r3", ("r0", "r1", "r2")
 
 
-def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[str, Any]:
+def run(variant: str, max_steps: int, kill_every: float, limit: float, heartbeat_ms: int = 2000) -> dict[str, Any]:
     from lightning_loco.testing.elastic import Lighthouse, Replicas
 
     every = 4 if variant == "steady K=4" else 1
     kills = variant.startswith("kill")
     out = Path(tempfile.mkdtemp(prefix="elastic_goodput_"))
-    with Lighthouse(min_replicas=2, heartbeat_timeout_ms=2000) as lighthouse:
+    with Lighthouse(min_replicas=2, heartbeat_timeout_ms=heartbeat_ms) as lighthouse:
         replicas = Replicas(REPLICA, out, lighthouse.address, limit_s=limit + 20, max_steps=max_steps, sync_every=4,
                             step_sleep=0.02, outer_step_timeout=10, membership_every=every)
         started = time.time()
@@ -123,7 +126,7 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float) -> dict[s
     heals = [float(m.group(1)) for log in sorted(out.glob(f"{VICTIM}.*.log"))[1:]
              for m in re.finditer(r"took its state from .*? in ([0-9.]+) s", log.read_text())]
     return {
-        "variant": variant, "wall_s": wall, "window_s": window, "goodput": steps / window, "steps": steps,
+        "variant": variant, "heartbeat_timeout_ms": heartbeat_ms, "wall_s": wall, "window_s": window, "goodput": steps / window, "steps": steps,
         "survivors": steps_of(SURVIVORS) / window / len(SURVIVORS),
         "survivors_outside_restarts": (steps_of(SURVIVORS) - during) / (window - span_s) / len(SURVIVORS),
         "survivors_during_restarts": during / span_s / len(SURVIVORS) if span_s else None,
@@ -145,17 +148,23 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, help="M: seconds between kills (default 30; quick: 6)")
     parser.add_argument("--max-steps", type=int, help="the run's max_steps (default 3000; quick: 480)")
     parser.add_argument("--k4", action="store_true", help="also the steady runs with membership_every=4")
+    parser.add_argument("--heartbeat-ms", type=int, nargs="+", default=[2000],
+                        help="the Lighthouse's heartbeat timeouts of the kill runs, each a variant (default 2000; "
+                             "the steady runs keep 2000)")
     parser.add_argument("--out", help="default: elastic_goodput.json in benchmarks/results (quick: a temporary folder)")
     args = parser.parse_args()
     max_steps = args.max_steps or (480 if args.quick else 3000)
     repeats = args.repeats or (1 if args.quick else 3)
     args.kill_every = args.kill_every or (6.0 if args.quick else 30.0)
-    variants = ["steady K=1"] + (["steady K=4"] if args.k4 else []) + [f"kill every {args.kill_every:g} s"]
+    kill = f"kill every {args.kill_every:g} s"
+    beats = {kill if ms == 2000 else f"{kill}, heartbeat {ms / 1000:g} s": ms for ms in args.heartbeat_ms}
+    variants = ["steady K=1"] + (["steady K=4"] if args.k4 else []) + list(beats)
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for variant in variants:  # interleaved: the machine's load drifts alike over every variant
-            result = run(variant, max_steps, args.kill_every, limit=120.0 + max_steps / 5)
+            result = run(variant, max_steps, args.kill_every, limit=120.0 + max_steps / 5,
+                         heartbeat_ms=beats.get(variant, 2000))
             runs.append({"repeat": repeat, **result})
             print(f"repeat {repeat} {variant}: {result['goodput']:.1f} steps/s, survivors {result['survivors']:.1f} "
                   f"steps/s each, {result['wall_s']:.1f} s, {result['launches']} launches", flush=True)
