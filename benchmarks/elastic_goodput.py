@@ -126,7 +126,8 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float, heartbeat
     heals = [float(m.group(1)) for log in sorted(out.glob(f"{VICTIM}.*.log"))[1:]
              for m in re.finditer(r"took its state from .*? in ([0-9.]+) s", log.read_text())]
     return {
-        "variant": variant, "heartbeat_timeout_ms": heartbeat_ms, "wall_s": wall, "window_s": window, "goodput": steps / window, "steps": steps,
+        "variant": variant, "heartbeat_timeout_ms": heartbeat_ms, "wall_s": wall, "window_s": window,
+        "goodput": steps / window, "steps": steps,
         "survivors": steps_of(SURVIVORS) / window / len(SURVIVORS),
         "survivors_outside_restarts": (steps_of(SURVIVORS) - during) / (window - span_s) / len(SURVIVORS),
         "survivors_during_restarts": during / span_s / len(SURVIVORS) if span_s else None,

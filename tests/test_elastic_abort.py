@@ -95,4 +95,5 @@ def test_a_member_that_posts_to_a_replica_that_aborted_fails_at_once() -> None:
     assert got[0] == ("r0", True, True, [["r2"]]), got
     label, alone, errors = got[1]
     assert label == "r1" and alone and len(errors) == 1, got
-    assert "Timed out" not in errors[0] and "closed" in errors[0].lower(), errors  # the abort reached it
+    said = errors[0].lower()
+    assert "timed out" not in said and ("closed" in said or "reset" in said), errors  # the abort reached it

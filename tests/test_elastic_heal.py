@@ -106,13 +106,14 @@ def test_a_joiner_receives_in_place_where_its_own_state_matches() -> None:
     anchor, momentum = own["driver"][0]["state"]["anchor"], own["driver"][0]["state"]["momentum"]
     own["driver"][0]["state"]["momentum"] = momentum.float()  # another dtype: not a landing place
     own["extra"]["optimizer"]["state"][0]["exp_avg"] = torch.zeros(40, 30)  # another shape (the donor's is 30 × 40)
-    own["extra"]["mask"] = anchor[:50]  # shares the anchor's memory
+    own["extra"]["mask"] = torch.zeros(50, dtype=torch.bool)
+    own["weights"][0] = anchor.view(-1)  # the donor's dtype and shape, but the anchor's memory: not landed too
     own["extra"]["ids"] = torch.zeros(33, dtype=torch.int64)
     incoming = heal.Incoming(outgoing.header, head)
     into = heal.landing(incoming.skeleton, own, incoming.metas)
     optimizer = own["extra"]["optimizer"]["state"][0]
     assert {t.data_ptr() for t in into.values()} == {t.data_ptr() for t in (
-        anchor, own["weights"][0], own["extra"]["ids"], optimizer["step"], optimizer["exp_avg_sq"])}
+        anchor, own["extra"]["mask"], own["extra"]["ids"], optimizer["step"], optimizer["exp_avg_sq"])}
 
     got: dict[str, Any] = {}
     store = FakeStore(hub, "q4/s8/")
@@ -126,6 +127,7 @@ def test_a_joiner_receives_in_place_where_its_own_state_matches() -> None:
     assert got["driver"][0]["state"]["anchor"].data_ptr() == anchor.data_ptr()  # received in place
     assert got["extra"]["ids"].data_ptr() == own["extra"]["ids"].data_ptr()
     assert got["driver"][0]["state"]["momentum"].dtype == torch.float64  # received into a new tensor
+    assert got["weights"][0].data_ptr() != anchor.data_ptr()  # so were the weights: both arrived whole
 
 
 def test_a_state_for_another_membership_is_refused_before_any_transfer() -> None:

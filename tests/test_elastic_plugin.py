@@ -87,6 +87,42 @@ def test_diloco_drops_a_round_whose_all_reduce_failed():
     assert torch.equal(a.driver.plugin.export_state()["weights"][0], weights)
 
 
+def test_a_heal_that_stops_after_landing_in_place_leaves_a_state_that_is_not_saved(tmp_path):
+    """c (GASLoC with the other momentum form) receives a's outer state into its own anchor, then refuses to
+    load it: the error stands, c's plug-in says its outer state is torn, and its strategy refuses to save it."""
+    from types import SimpleNamespace
+
+    from lightning_loco import GASLoCStrategy
+    from lightning_loco.elastic.config import ElasticConfig
+    from lightning_loco.elastic.transport import ElasticTransport
+
+    hub = Hub()
+    script = [Script(1, 0, ("a",)), Script(2, 1, ("a", "c"), joiners=("c",), donor="a")]
+    a = elastic_runner(hub, "a", 0, script, GASLoC())
+    errors: list[BaseException] = []
+
+    transport = ElasticTransport(ElasticConfig(lighthouse="127.0.0.1:1", replica_id="c"),
+                                 membership=FakeMembership(hub, "c", script))
+    plugin = ElasticPlugin(transport)
+
+    def joiner() -> None:
+        try:  # the heal runs as c sets up (before its first inner step)
+            Runner(1, transport, plugin, GASLoC(momentum_on="sent"))
+        except ValueError as err:
+            errors.append(err)
+
+    in_threads(lambda: a.run(H), joiner)
+    assert "momentum_on='mixed' and cannot resume with momentum_on='sent'" in str(errors[0]), errors
+    assert transport.membership.landed >= 1  # its anchor was written before the refusal
+    assert "not saved" in plugin.torn
+    strategy = GASLoCStrategy()
+    strategy.driver = SimpleNamespace(plugin=plugin)
+    with pytest.raises(RuntimeError, match="partly overwritten by a heal"):
+        strategy.save_checkpoint({}, tmp_path / "x.ckpt")
+    assert not list(tmp_path.iterdir())  # nothing written
+    assert a.driver.plugin.torn is None
+
+
 @pytest.mark.parametrize("algorithm", [NoLoCo, DiLoCo, GASLoC])
 def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch(algorithm):
     hub = Hub()
@@ -101,7 +137,8 @@ def test_a_joiner_heals_from_its_donor_and_takes_part_from_the_switch(algorithm)
     assert [h["donor"] for h in healed] == ["a"] and healed[0]["outer_step"] == 2
     assert healed[0]["checksum"] == exported[0]["checksum"]  # c took a's weights at the switch
     assert exported[0]["weights_sent"] == [False]  # they were a's anchor, bitwise: they travelled once, as it
-    assert c.driver.transport.membership.landed >= 1  # into c's own anchor (and momentum), in place
+    landed = c.driver.transport.membership.landed  # into c's own outer state, in place
+    assert landed == {NoLoCo: 2, DiLoCo: 1, GASLoC: 1}[algorithm], landed  # an outer optimizer: no momentum yet
     assert c.driver.slots[0].outer_steps == a.driver.slots[0].outer_steps == 5
     assert c.driver.slots[0].inner_steps == a.driver.slots[0].inner_steps == 5 * H
     records = {r: x.driver.plugin.rounds for r, x in zip("abc", (a, b, c))}

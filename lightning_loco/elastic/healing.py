@@ -37,8 +37,30 @@ def taken(state: dict[str, Any], everything: bool) -> str:
     return "its state"
 
 
+def _receive(member: Membership, plan: Plan, pg: Optional[Any], incoming: Any, everything: bool,
+             land: Optional[Callable[[Any], Any]]) -> tuple[dict[str, Any], Optional[dict[int, Any]]]:
+    """The donor's tensors over ``pg`` (interruptibly), in place where ``land`` offers tensors of this replica's own."""
+    config = member.config
+    into = None
+    if everything and land is not None and incoming.skeleton is not None:
+        into = store_heal.landing(incoming.skeleton, land(incoming.skeleton), incoming.metas)
+    src, timeout = plan.members.index(plan.donor or ""), config.outer_step_timeout
+    thread, box = in_thread(lambda: incoming.receive(pg, src, timeout, into), "lightning_loco-heal")
+    ended = wait_in_slices(thread, incoming.bound(timeout) + GRACE_S, member.check_stop,
+                           f"the state of replica {plan.donor!r}")
+    if "result" not in box:
+        raise RuntimeError(
+            f"Replica {member.replica_id!r} joined membership {plan.quorum_id} but the transfer of replica "
+            f"{plan.donor!r}'s state broke off ({box.get('error') if ended else 'no answer'}; "
+            f"outer_step_timeout={timeout:g} s bounds each message). Nothing was loaded{_partly(into)}; restart it to "
+            "try again."
+        ) from box.get("error")
+    return box["result"], into
+
+
 def _partly(into: Optional[dict[int, Any]]) -> str:
-    return " (the outer state it was receiving in place may be partly written)" if into else ""
+    return (" (its outer state, received in place, may be partly written: it is not saved in a checkpoint)"
+            if into else "")
 
 
 def _header(plan: Plan) -> dict[str, Any]:
@@ -86,22 +108,15 @@ def take_state(member: Membership, plan: Plan, pg: Optional[Any], load: Callable
         ) from box.get("error")
     incoming = store_heal.Incoming(box["result"], _header(plan))
     everything = config.heal or member.replica_id in plan.behind
-    into = None
-    if everything and land is not None and incoming.skeleton is not None:
-        into = store_heal.landing(incoming.skeleton, land(incoming.skeleton), incoming.metas)
-    src, timeout = plan.members.index(plan.donor or ""), config.outer_step_timeout
-    thread, box = in_thread(lambda: incoming.receive(pg, src, timeout, into), "lightning_loco-heal")
-    ended = wait_in_slices(thread, incoming.bound(timeout) + GRACE_S, member.check_stop,
-                           f"the state of replica {plan.donor!r}")
-    if "result" not in box:
-        raise RuntimeError(
-            f"Replica {member.replica_id!r} joined membership {plan.quorum_id} but the transfer of replica "
-            f"{plan.donor!r}'s state broke off ({box.get('error') if ended else 'no answer'}; "
-            f"outer_step_timeout={timeout:g} s bounds each message). Nothing was loaded{_partly(into)}; restart it to "
-            "try again."
-        ) from box.get("error")
-    state = box["result"]
-    next_round = load(state, everything)
+    try:
+        state, into = _receive(member, plan, pg, incoming, everything, land)
+        next_round = load(state, everything)
+    except BaseException:
+        # A refusal, a broken transfer or SIGTERM: abort the group, so that a receive still running stops
+        # writing into this replica's own tensors and the donor's sends fail at once instead of waiting.
+        if pg is not None:
+            pg.abort()
+        raise
     if next_round != plan.switch:
         raise RuntimeError(
             f"Replica {member.replica_id!r} healed from {plan.donor!r} to outer step {next_round}, but membership "

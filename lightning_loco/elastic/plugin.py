@@ -61,6 +61,8 @@ class ElasticPlugin(DriverPlugin):
         self.collective = False
         self._switch_pending = False  # a switch waits for the loop owner's next between_steps
         self._residual: Any = None  # the error-feedback residual as the round in flight found it
+        self._healing = False  # a heal is receiving into this replica's own outer state (see landing)
+        self.torn: Any = None  # why the outer state cannot be saved: a heal into it did not complete
 
     @property
     def membership(self) -> Any:
@@ -160,8 +162,15 @@ class ElasticPlugin(DriverPlugin):
     def _switch(self, next_round: int) -> None:
         view = self.membership.view
         if self.membership.due(next_round):
-            self.membership.at_switch(next_round, self.export_state, self.load_state,
-                                      committed=self.committed if self.collective else None, land=self.landing)
+            try:
+                self.membership.at_switch(next_round, self.export_state, self.load_state,
+                                          committed=self.committed if self.collective else None, land=self.landing)
+            except BaseException:
+                if self._healing:
+                    self.torn = (f"Replica {self.transport.config.replica_id!r}'s outer state was partly overwritten "
+                                 "by a heal that did not complete, so it is not saved; restart the replica (it heals "
+                                 "again) or resume from an earlier checkpoint.")
+                raise
         if self.membership.view is not view:
             self.committed = 0
 
@@ -184,21 +193,27 @@ class ElasticPlugin(DriverPlugin):
         skeleton, e.g. a donor sharded otherwise is refused here) and returns this replica's driver state,
         whose outer-state tensors the donor's are received into in place (they are overwritten anyway)."""
         extra = skeleton.get("extra")
+        self._same_kind(extra, skeleton.get("donor"))
         if self.training_state is not None and self.training_state.check is not None and isinstance(extra, dict):
             self.training_state.check(extra)
+        self._healing = True  # until load_state completes
         return {"driver": self.driver.state_dict()}
+
+    def _same_kind(self, extra: Any, donor: Any) -> None:
+        if (extra is None) != (self.training_state is None):
+            raise RuntimeError(
+                f"Replica {self.transport.config.replica_id!r} and its donor{f' {donor!r}' if donor else ''} do not "
+                "hold the same "
+                "kind of training state (one runs under a training loop that gives one, the other not); run every "
+                "replica the same way."
+            )
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
         """Takes a donor's state (``heal``) or only its step counts (the driver's, and the training state's:
         see :class:`~lightning_loco.plugins.TrainingState`); returns the round this replica now stands at."""
         slots = self.driver.slots
         saved, extra = state["driver"], state.get("extra")
-        if (extra is None) != (self.training_state is None):
-            raise RuntimeError(
-                f"Replica {self.transport.config.replica_id!r} and its donor {state.get('donor')!r} do not hold the same "
-                "kind of training state (one runs under a training loop that gives one, the other not); run every "
-                "replica the same way."
-            )
+        self._same_kind(extra, state.get("donor"))
         if self.training_state is not None and self.training_state.check is not None:
             self.training_state.check(extra)  # e.g. a donor sharded otherwise: before anything is loaded
         if heal:
@@ -210,6 +225,7 @@ class ElasticPlugin(DriverPlugin):
                 slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
         if self.training_state is not None:
             self.training_state.load(extra, heal)
+        self._healing = False
         self.healed_from.append({"donor": state.get("donor"), "outer_step": slots[0].outer_steps,
                                  "inner_steps": slots[0].inner_steps, "weights": heal,
                                  "checksum": checksum([s.flat.gather() for s in slots]),

@@ -99,6 +99,7 @@ class ElasticPending(Pending):
                 result = self.finish() if status == TOGETHER else None
             except PeerFailed as failure:  # this partner failed; the others' transfers still complete
                 result, self.error, self.works = None, failure.error, []  # no work left to hold the group open
+                failure.__traceback__ = None  # nor frames that hold some (the abort below closes the group)
                 self.transport.partner_failed(self.peers if -1 in failure.peers else failure.peers, failure.error)
                 if not told:  # the replica's other ranks take the round alone too
                     ranks.agree(FAILED)

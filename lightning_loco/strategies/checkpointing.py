@@ -36,6 +36,9 @@ class ReplicaCheckpoints:
         """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
         Collective: Lightning calls it on every rank. Sharded replicas: every rank writes its own
         shards, and the main file holds the full consensus model and no inner optimizer state."""
+        torn = getattr(getattr(self.driver, "plugin", None), "torn", None)
+        if torn:  # an elastic heal into the outer state stopped part way: nothing of it is written
+            raise RuntimeError(torn)
         save_id = self.broadcast(uuid.uuid4().hex[:12])
         averaged = self._checkpoint_consensus(checkpoint["state_dict"])
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight

@@ -90,8 +90,9 @@ class LightningTrainingState:
         optimizers, schedulers = trainer.strategy.optimizers, self._schedulers()
         sent = state["optimizers"]
         if (sent is not None and len(sent) != len(optimizers)) or len(state["lr_schedulers"]) != len(schedulers):
+            theirs = "no optimizer state (heal_optimizer=False)" if sent is None else f"{len(sent)} optimizer(s)"
             raise RuntimeError(
-                f"The donor's training state has {len(sent or optimizers)} optimizer(s) and "
+                f"The donor's training state has {theirs} and "
                 f"{len(state['lr_schedulers'])} LR scheduler(s), this replica {len(optimizers)} and {len(schedulers)}: "
                 "every replica must run the same model and configure_optimizers."
             )
