@@ -279,14 +279,13 @@ def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subpr
 def _fork_main(out: Path, config: dict[str, Any], streams: dict[int, Path], env: dict[str, str]) -> int:
     """Forks a child that runs ``main(out, config)``: see :func:`_fork_call`."""
     def run() -> None:
-        torch.set_num_threads(1)
         main(str(out), config)
 
     return _fork_call(run, streams, env)
 
 
 def _fork_call(run: Any, streams: dict[int, Path], env: dict[str, str]) -> int:
-    """Forks a child that calls ``run()`` with ``env`` added to its environment and its output in
+    """Forks a child that calls ``run()`` on one thread, with ``env`` added to its environment and its output in
     ``streams`` (see :func:`_print_to_files`), and ends with status 0, or 1 after printing the traceback of
     what it raised; it never returns into the test runner. Returns the child's process id."""
     sys.stdout.flush()
@@ -296,6 +295,10 @@ def _fork_call(run: Any, streams: dict[int, Path], env: dict[str, str]) -> int:
         return pid
     status = 1
     try:
+        # One thread: GNU OpenMP is not fork-safe. A child's parallel region waits at a barrier for the
+        # parent's OpenMP threads, which a fork does not copy, and hangs (seen in the GPU quality dry run's
+        # first parallel op after this process had run others); with one thread torch starts none.
+        torch.set_num_threads(1)
         _print_to_files(streams)
         os.environ.update(env)
         run()
