@@ -192,30 +192,29 @@ class ElasticPlugin(DriverPlugin):
         """Before a whole-state heal's tensors cross: checks the donor's training state (its placeholders'
         skeleton, e.g. a donor sharded otherwise is refused here) and returns this replica's driver state,
         whose outer-state tensors the donor's are received into in place (they are overwritten anyway)."""
-        extra = skeleton.get("extra")
-        self._same_kind(extra, skeleton.get("donor"))
-        if self.training_state is not None and self.training_state.check is not None and isinstance(extra, dict):
-            self.training_state.check(extra)
+        self._check_donor(skeleton.get("extra"))
         self._healing = True  # until load_state completes
         return {"driver": self.driver.state_dict()}
 
-    def _same_kind(self, extra: Any, donor: Any) -> None:
+    def _check_donor(self, extra: Any, donor: Any = None) -> None:
+        """Raises before anything is loaded when this replica cannot take a donor's training state ``extra``
+        (or its skeleton): one kind of replica runs under a training loop and the other not, or the training
+        state's own check refuses it (e.g. a donor sharded otherwise)."""
         if (extra is None) != (self.training_state is None):
             raise RuntimeError(
                 f"Replica {self.transport.config.replica_id!r} and its donor{f' {donor!r}' if donor else ''} do not "
-                "hold the same "
-                "kind of training state (one runs under a training loop that gives one, the other not); run every "
-                "replica the same way."
+                "hold the same kind of training state (one runs under a training loop that gives one, the other "
+                "not); run every replica the same way."
             )
+        if extra is not None and self.training_state is not None and self.training_state.check is not None:
+            self.training_state.check(extra)
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
         """Takes a donor's state (``heal``) or only its step counts (the driver's, and the training state's:
         see :class:`~lightning_loco.plugins.TrainingState`); returns the round this replica now stands at."""
         slots = self.driver.slots
         saved, extra = state["driver"], state.get("extra")
-        self._same_kind(extra, state.get("donor"))
-        if self.training_state is not None and self.training_state.check is not None:
-            self.training_state.check(extra)  # e.g. a donor sharded otherwise: before anything is loaded
+        self._check_donor(extra, state.get("donor"))
         if heal:
             self.driver.load_state_dict(saved)
             for slot, weights in zip(slots, state["weights"]):  # None: the donor's weights were its anchor
