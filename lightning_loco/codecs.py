@@ -33,15 +33,13 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_loco import codec_kernels
 
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
-COMPRESSIONS = (None, "int8")
+FORMATS = ("float32", "bfloat16", "float16", "int8")  # the wire formats (``wire=`` of the strategies)
 DEFAULT_BLOCK_SIZE = 256
 FLOAT16_MAX = 65504.0
 
@@ -147,7 +145,8 @@ class Int8BlockCodec(Codec):
     name = "int8"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        check_block_size(block_size)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"int8's block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
 
     def blocks(self, n: int) -> int:
@@ -176,37 +175,15 @@ class Int8BlockCodec(Codec):
         return total
 
 
-def check_block_size(block_size: Any) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(
-            f"compression_block_size must be an integer >= 1, got {block_size!r}. The default, "
-            f"{DEFAULT_BLOCK_SIZE}, spends 4 bytes of scale per {DEFAULT_BLOCK_SIZE} values (1.6 % on top of "
-            "int8); smaller blocks follow outliers more closely for more scale bytes."
-        )
-
-
-def make_codec(wire_dtype: Any = "float32", compression: Any = None, block_size: Any = DEFAULT_BLOCK_SIZE) -> Codec:
-    """The codec for the strategies' arguments; ``ValueError`` naming the argument for bad ones."""
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(
-            f"wire_dtype must be one of {', '.join(map(repr, WIRE_DTYPES))}, got {wire_dtype!r}. 'float32' (the "
-            "default) sends payloads as they are; 'bfloat16' and 'float16' halve the bytes."
-        )
-    if compression not in COMPRESSIONS:
-        raise ValueError(
-            f"compression must be None (the default) or 'int8', got {compression!r}. 'int8' quantises each block "
-            "of compression_block_size values with one float32 scale (about a quarter of float32's bytes)."
-        )
-    check_block_size(block_size)
-    if compression == "int8":
-        if wire_dtype != "float32":
-            raise ValueError(
-                f"compression='int8' already sets the wire format; leave wire_dtype at 'float32', got {wire_dtype!r}."
-            )
+def make_codec(format: str = "float32", block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
+    """The codec of a wire format (one of :data:`FORMATS`; ``block_size``: int8's values per scale)."""
+    if format not in FORMATS:
+        raise ValueError(f"the wire format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+    if format == "int8":
         return Int8BlockCodec(block_size)
-    if wire_dtype == "float32":
+    if format == "float32":
         return Float32Codec()
-    return CastCodec(torch.bfloat16 if wire_dtype == "bfloat16" else torch.float16)
+    return CastCodec(torch.bfloat16 if format == "bfloat16" else torch.float16)
 
 
 def check_payload(x: Tensor, codec: Codec | None, who: str) -> None:
@@ -322,22 +299,3 @@ class WireFormat:
     @property
     def lossy(self) -> bool:
         return self.codec.lossy
-
-
-def wire_format(
-    wire_dtype: Any = "float32",
-    compression: Any = None,
-    block_size: Any = DEFAULT_BLOCK_SIZE,
-    error_feedback: Any = None,
-    pseudo_gradient: bool = False,
-) -> WireFormat:
-    """Checks the arguments and builds the :class:`WireFormat`. ``error_feedback=None`` turns it on
-    for a lossy codec when the payload is a pseudo-gradient (``pseudo_gradient``), off otherwise."""
-    codec = make_codec(wire_dtype, compression, block_size)
-    if error_feedback is not None and not isinstance(error_feedback, bool):
-        raise ValueError(
-            f"error_feedback must be None (on for pseudo-gradient payloads such as DiLoCo's with a lossy wire "
-            f"format, off for weights), True or False, got {error_feedback!r}."
-        )
-    feedback = pseudo_gradient if error_feedback is None else error_feedback
-    return WireFormat(codec, feedback and codec.lossy)

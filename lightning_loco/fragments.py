@@ -23,53 +23,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any
 
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.flat import FlatParameters
 from lightning_loco.schedules import _MASK64, _splitmix64
 
-if TYPE_CHECKING:
-    from lightning_loco.slots import OuterSlot
 
-
-def check_fragments(
-    fragments: Any, sync_every: int, overlap_steps: Any = 0, *, sync_seconds: Optional[float] = None,
-    elastic: bool = False, replica_sharding: Optional[str] = None,
-) -> None:
-    """Raises ``ValueError`` saying what to do when ``fragments`` cannot work with the other arguments."""
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(
-            f"fragments must be an integer >= 1, got {fragments!r}. 1 (the default) sends the whole model at "
-            "each outer step; F > 1 sends one fragment of it every sync_every / F inner steps."
-        )
-    if fragments == 1:
-        return
-    if sync_every % fragments:
-        divisors = [d for d in range(1, sync_every + 1) if sync_every % d == 0]
-        raise ValueError(
-            f"fragments={fragments} must divide sync_every={sync_every}, so that one fragment's round starts "
-            f"every sync_every / fragments inner steps. Use one of {divisors}, or change sync_every."
-        )
-    stride = sync_every // fragments
-    if overlap_steps != "auto" and isinstance(overlap_steps, int) and overlap_steps >= stride:
-        raise ValueError(
-            f"overlap_steps={overlap_steps} must be smaller than sync_every / fragments = {stride} with "
-            f"fragments={fragments}: a fragment's round must land before the next fragment's starts. Use at "
-            f"most {stride - 1}, fewer fragments, or 'auto'."
-        )
-    refused = []
-    if sync_seconds is not None:
-        refused.append("sync_seconds (replicas of different speeds post after their own number of steps)")
-    if elastic:
-        refused.append("elastic replicas (lighthouse)")
-    if replica_sharding is not None:
-        refused.append(f"replica_sharding={replica_sharding!r}")
-    if refused:
-        raise ValueError(
-            f"fragments={fragments} does not work with {refused[0]} yet. Use fragments=1 with it, or leave it "
-            "out to train with fragments."
-        )
+def too_few_parameters(fragments: int, parameters: int) -> str:
+    """Why ``fragments`` fragments cannot be cut from an optimizer's ``parameters`` parameters."""
+    return (f"fragments={fragments} needs at least {fragments} parameters per optimizer (a parameter is never "
+            f"split across fragments), got {parameters}. Use fragments <= {parameters}.")
 
 
 def layout(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
@@ -78,10 +42,7 @@ def layout(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
     size as small as such a split allows (the smallest capacity that a greedy packing fits in F
     fragments, found by bisection). Raises ``ValueError`` with fewer parameters than fragments."""
     if len(numels) < fragments:
-        raise ValueError(
-            f"fragments={fragments} needs at least {fragments} parameters per optimizer (a parameter is never "
-            f"split across fragments), got {len(numels)}. Use fragments <= {len(numels)}."
-        )
+        raise ValueError(too_few_parameters(fragments, len(numels)))
     low, high = max(numels), sum(numels)
     while low < high:  # the smallest capacity that fits in F fragments
         middle = (low + high) // 2
@@ -89,7 +50,8 @@ def layout(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
             high = middle
         else:
             low = middle + 1
-    ranges, start, size = [], 0, 0
+    ranges: list[tuple[int, int]] = []
+    start, size = 0, 0
     for i, n in enumerate(numels):
         left = fragments - len(ranges)  # fragments still to close, the current one included
         if i > start and (size + n > low or len(numels) - i < left):
@@ -130,9 +92,10 @@ def fragment_seed(seed: int, fragment: int) -> int:
 
 
 def fragment_algorithm(algorithm: OuterAlgorithm, fragment: int) -> OuterAlgorithm:
-    """The algorithm that runs fragment f: ``algorithm`` itself for f = 0 or one without a ``seed``;
-    otherwise a shallow copy with the fragment's seed (the maths is the same, the peers differ)."""
-    if fragment == 0 or not hasattr(algorithm, "seed"):
+    """The algorithm that runs fragment f: ``algorithm`` itself for f = 0 or one whose schedule draws
+    nothing (``seeded_schedule`` False); otherwise a shallow copy with the fragment's seed (the maths is
+    the same, the peers differ)."""
+    if fragment == 0 or not algorithm.seeded_schedule:
         return algorithm
     twin = copy.copy(algorithm)
     twin.seed = fragment_seed(algorithm.seed, fragment)  # type: ignore[attr-defined]
@@ -144,9 +107,10 @@ def offset(fragment: int, sync_every: int, fragments: int) -> int:
     return fragment * (sync_every // fragments)
 
 
-def next_round_step(slot: "OuterSlot", sync_every: int) -> int:
-    """The inner step (the optimizer's count) at which ``slot``'s next round starts, H-paced."""
-    return slot.offset + sync_every * (slot.outer_steps + (1 if slot.offset == 0 else 0))
+def next_round_step(offset: int, outer_steps: int, sync_every: int) -> int:
+    """The inner step (the optimizer's count) at which the next round of a slot starts, H-paced: a slot
+    whose first round is at inner step ``offset`` and that has started ``outer_steps`` rounds."""
+    return offset + sync_every * (outer_steps + (1 if offset == 0 else 0))
 
 
 def check_saved(saved: Sequence[dict[str, Any]], fragments: int) -> None:

@@ -34,13 +34,9 @@ MERGES = ("predict_correct", "delayed")
 OverlapSteps = Union[int, str]
 
 
-def check_overlap(overlap_steps: Any, overlap_merge: Any, sync_every: int) -> None:
-    """Raises ``ValueError`` with what to do instead when the overlap arguments cannot work."""
-    if overlap_merge not in MERGES:
-        raise ValueError(
-            f"overlap_merge must be 'predict_correct' (the default: start from the local prediction, correct "
-            f"at the landing) or 'delayed' (apply the outer step late), got {overlap_merge!r}."
-        )
+def check_overlap_steps(overlap_steps: Any) -> None:
+    """Raises ``ValueError`` unless ``overlap_steps`` is an integer >= 0 or "auto" (how it meets
+    ``sync_every`` and the other options is a rule of :mod:`lightning_loco.options`)."""
     if overlap_steps == "auto":
         return
     if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or overlap_steps < 0:
@@ -48,17 +44,18 @@ def check_overlap(overlap_steps: Any, overlap_merge: Any, sync_every: int) -> No
             f"overlap_steps must be an integer >= 0 or 'auto', got {overlap_steps!r}. 0 (the default) is the "
             "synchronous outer step."
         )
-    if overlap_steps >= sync_every:
-        raise ValueError(
-            f"overlap_steps={overlap_steps} must be smaller than sync_every={sync_every}: a round must land "
-            f"before the next one starts. Use at most {sync_every - 1}, or 'auto'."
-        )
 
 
-def auto_cap(sync_every: int, algorithm_name: str) -> int:
-    """The largest τ that ``"auto"`` may choose: H/2 for NoLoCo, H/4 otherwise (where our simulation
-    found the loss change small; see docs/algorithms.md)."""
-    return sync_every // 2 if algorithm_name == "noloco" else sync_every // 4
+def auto_cap(sync_every: int, share: float) -> int:
+    """The largest τ that ``"auto"`` may choose: the algorithm's ``overlap_share`` of H (H/2 for NoLoCo,
+    H/4 otherwise: where our simulation found the loss change small; see docs/algorithms.md)."""
+    return math.floor(sync_every * share)
+
+
+def share_text(share: float) -> str:
+    """``H/2`` for a share of ½, ``0.3·H`` for one that is not a unit fraction."""
+    inverse = 1 / share if share > 0 else 0
+    return f"H/{round(inverse)}" if inverse and abs(inverse - round(inverse)) < 1e-9 else f"{share:g}·H"
 
 
 @dataclass
@@ -72,17 +69,21 @@ class InFlight:
     pending: Pending
     reference: Tensor  # φ̂ for "predict_correct", S for "delayed" (float32, outer-state device)
     merge: str
+    collective: bool = False  # the round is one all-reduce (its schedule's, computed once when posted)
+    posted_at: float = 0.0  # on the driver's clock
     pseudo_gradient_norm: Optional[float] = None
     anchor_before: Optional[Tensor] = None  # kept only when norms are tracked
     own_payload: Optional[Tensor] = None  # kept only when norms are tracked (for the peer distance)
     start_seconds: float = 0.0  # time the start took from training (posting, prediction)
     exchange_seconds: Optional[float] = None  # seconds from posting until the exchange was first seen complete
     compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload sent (lossy wire formats)
+    residual_before: Optional[Tensor] = None  # the error-feedback residual before a round that may be dropped
 
-    def poll(self) -> None:
-        """Notes when the exchange is first seen complete (non-blocking)."""
-        if self.exchange_seconds is None:
-            self.exchange_seconds = self.pending.completed_after()
+    def poll(self, now: float) -> None:
+        """Notes when the exchange is first seen complete (non-blocking; ``now`` on the driver's clock:
+        to within one inner step)."""
+        if self.exchange_seconds is None and self.pending.done():
+            self.exchange_seconds = now - self.posted_at
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the round: the received sum is awaited first (this only waits
@@ -91,17 +92,20 @@ class InFlight:
         return {
             "outer_step": self.outer_step, "start_step": self.start_step, "land_step": self.land_step,
             "group": list(self.group), "sum": total, "reference": self.reference, "merge": self.merge,
+            "collective": self.collective,
         }
 
     @classmethod
-    def from_state_dict(cls, saved: dict[str, Any], transport: Any, device: torch.device) -> "InFlight":
-        """The round :meth:`state_dict` saved, its exchange already complete (``transport.resolved``)."""
+    def from_state_dict(cls, saved: dict[str, Any], transport: Any, device: torch.device, now: float) -> "InFlight":
+        """The round :meth:`state_dict` saved, its exchange already complete (``transport.resolved``);
+        ``now``: the driver's clock."""
         group = tuple(saved["group"])
         peers = tuple(j for j in group if j != transport.replica)
         return cls(
             outer_step=saved["outer_step"], start_step=saved["start_step"], land_step=saved["land_step"],
             group=group, pending=transport.resolved(saved["sum"].to(device), peers),
             reference=saved["reference"].to(device), merge=saved["merge"],
+            collective=bool(saved.get("collective", False)), posted_at=now,
         )
 
 
@@ -152,11 +156,11 @@ class AutoOverlap:
         return self.needed is not None and self.needed > self.cap
 
 
-def choose_overlap(auto: AutoOverlap, agree: Optional[Callable[[int], int]], label: str, algorithm_name: str,
+def choose_overlap(auto: AutoOverlap, agree: Optional[Callable[[int], int]], label: str, share: float,
                    stride: int) -> int:
     """τ for the next round under ``overlap_steps="auto"``: ``auto``'s choice, agreed over the replica's
-    ranks by ``agree`` when given; warns once when the cap (H/2 or H/4 of ``stride``, the inner steps
-    between rounds) cannot hide the exchange."""
+    ranks by ``agree`` when given; warns once when the cap (the algorithm's ``share`` of ``stride``, the
+    inner steps between rounds) cannot hide the exchange."""
     tau = auto.choose()
     if agree is not None:
         tau = agree(tau)
@@ -165,7 +169,7 @@ def choose_overlap(auto: AutoOverlap, agree: Optional[Callable[[int], int]], lab
         warnings.warn(
             f"{label}: overlap_steps='auto' needs about {auto.needed} inner steps to hide the outer "
             f"step's exchange but is capped at {auto.cap} "
-            f"({'H/2' if algorithm_name == 'noloco' else 'H/4'} with H={stride}); the rest of "
+            f"({share_text(share)} with H={stride}); the rest of "
             "the exchange is waited for at each landing. A larger sync_every hides more.",
             stacklevel=4,
         )

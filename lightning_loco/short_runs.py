@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_loco.algorithms.outer_optimizer import SGDFactory
-
 
 @dataclass(frozen=True)
 class ShortRun:
@@ -49,25 +47,6 @@ SHORT_RUN: dict[str, ShortRun] = {
 }
 
 
-def _diloco_defaults(algorithm: Any) -> bool:
-    # DiLoCo builds SGDFactory(outer_lr, outer_momentum, nesterov) unless given an outer_optimizer
-    return algorithm.outer_optimizer == SGDFactory(0.7, 0.9, True)
-
-
-def _noloco_defaults(algorithm: Any) -> bool:
-    return (algorithm.outer_lr, algorithm.outer_momentum, algorithm.averaging_rate) == (0.7, 0.5, 0.7)
-
-
-def _gasloc_defaults(algorithm: Any) -> bool:
-    default_optimizer = algorithm.sent or algorithm.outer_optimizer == SGDFactory(1.0, algorithm.outer_momentum, True)
-    return default_optimizer and (algorithm.outer_lr, algorithm.outer_momentum, algorithm.gossip_step) == (0.7, 0.5, 0.25)
-
-
-DEFAULTS: dict[str, Callable[[Any], bool]] = {
-    "diloco": _diloco_defaults, "noloco": _noloco_defaults, "gasloc": _gasloc_defaults,
-}
-
-
 def planned_outer_steps(max_steps: Optional[float], sync_every: int) -> Optional[int]:
     """The run's outer steps: ``max_steps // H``; ``None`` where the length is unknown or endless."""
     if max_steps is None or max_steps < 0 or max_steps == float("inf"):
@@ -82,7 +61,7 @@ def short_run_note(algorithm: Any, outer_steps: Optional[int]) -> Optional[str]:
     threshold = SHORT_RUN.get(name) if isinstance(name, str) else None
     if threshold is None or outer_steps is None or not 1 <= outer_steps < threshold.outer_steps:
         return None
-    if not DEFAULTS[name](algorithm):
+    if not algorithm.keeps_paper_outer_step():
         return None
     return (
         f"{type(algorithm).__name__} with its default outer step on a run of {outer_steps} outer step(s): in our "

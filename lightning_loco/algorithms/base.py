@@ -47,15 +47,42 @@ class OuterState(ABC):
 
 
 class OuterAlgorithm(ABC):
-    """The maths of one outer step, on flat float32 buffers."""
+    """The maths of one outer step, on flat float32 buffers.
+
+    What an algorithm can do is declared here, as attributes (an algorithm whose capabilities depend on
+    its arguments sets them in ``__init__``); the driver, the rules of :mod:`lightning_loco.options` and
+    elastic replicas read them, never the algorithm's name:
+
+    * ``collective``: every round is one all-reduce over all replicas (DiLoCo; GASLoC on the complete
+      topology), rather than point-to-point sums inside groups. A collective round that a replica
+      finishes without its partners is dropped (the replicas must keep one anchor);
+    * ``seeded_schedule``: the peers of round t are drawn from ``self.seed`` and t, so each streaming
+      fragment gets a seed of its own (:func:`lightning_loco.fragments.fragment_algorithm`);
+    * ``any_replica_count``: the schedule serves any number of replicas (elastic memberships change);
+    * ``overlap_share``: the largest share of a round's H that ``overlap_steps="auto"`` may overlap,
+      where our simulation found the loss change small (docs/algorithms.md);
+    * ``step_weighting``: ``apply`` uses the group's size only as the divisor of a mean, so the merge
+      weighted by inner steps (``merge="steps"``) can serve it
+      (:mod:`lightning_loco.algorithms.step_weighted`);
+    * ``payload_is_pseudo_gradient``: the payload is a pseudo-gradient (θ − φ, DiLoCo), which error
+      feedback suits, rather than weights (NoLoCo's θ, GASLoC's z): see docs/compression.md.
+    """
 
     name: ClassVar[str]
-    # Whether the payload is a pseudo-gradient (θ − φ, DiLoCo), which error feedback suits, rather than
-    # weights (NoLoCo's θ, GASLoC's z): see docs/compression.md.
-    payload_is_pseudo_gradient: ClassVar[bool] = False
+    payload_is_pseudo_gradient: bool = False
+    collective: bool = False
+    seeded_schedule: bool = False
+    any_replica_count: bool = True
+    overlap_share: float = 0.25
+    step_weighting: bool = False
 
     def check_num_replicas(self, num_replicas: int) -> None:
         """Raises ``ValueError`` if the algorithm cannot run on ``num_replicas`` (checked early)."""
+
+    def keeps_paper_outer_step(self) -> bool:
+        """Whether the outer step's arguments are the paper's defaults (the short-run warning of
+        :mod:`lightning_loco.short_runs` is for those); False for an algorithm without paper defaults."""
+        return False
 
     @abstractmethod
     def schedule(self, outer_step: int, num_replicas: int) -> Round:

@@ -49,6 +49,8 @@ class DiLoCo(OuterAlgorithm):
 
     name = "diloco"
     payload_is_pseudo_gradient = True
+    collective = True
+    step_weighting = True
 
     def __init__(
         self,
@@ -64,7 +66,11 @@ class DiLoCo(OuterAlgorithm):
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.nesterov = bool(nesterov)
+        self.custom_outer_optimizer = outer_optimizer is not None  # the SGD arguments above then configure nothing
         self.outer_optimizer = outer_optimizer or SGDFactory(self.outer_lr, self.outer_momentum, self.nesterov)
+
+    def keeps_paper_outer_step(self) -> bool:
+        return self.outer_optimizer == SGDFactory(0.7, 0.9, True)
 
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         return everyone(num_replicas)

@@ -168,12 +168,6 @@ class GASLoC(OuterAlgorithm):
         momentum_on: str = "mixed",
     ) -> None:
         check_momentum_on(momentum_on)
-        if momentum_on == "sent" and outer_optimizer is not None:
-            raise ValueError(
-                "outer_optimizer with momentum_on='sent': that form puts the momentum γ·(z − z_prev) on the sent "
-                "iterates, outside any optimizer, and the summary it follows defines no place for another outer "
-                "optimizer. Use momentum_on='mixed' (the default) with outer_optimizer, or drop outer_optimizer."
-            )
         check_factory(outer_optimizer)
         check_positive("outer_lr (η)", outer_lr, 0.7)  # η is used with any outer optimizer (z = θ + η·g)
         if outer_optimizer is None:  # γ only configures the default SGD, as in DiLoCo
@@ -189,12 +183,20 @@ class GASLoC(OuterAlgorithm):
         self.outer_momentum = float(outer_momentum)
         self.gossip_step = float(gossip_step)
         self.topology = topology
+        self.collective = topology == "complete"  # x = mean z: one all-reduce
+        self.seeded_schedule = topology == "random_pairs"
+        self.any_replica_count = topology != "exponential"  # hypercube rounds need a power of two
         self.seed = int(seed)
         self.momentum_on = momentum_on
+        self.custom_outer_optimizer = outer_optimizer is not None
         if momentum_on == "sent":  # θ ← θ − (θ − x), then + γ·(z − z_prev): see _extrapolate
             self.outer_optimizer: OuterOptimizerFactory = SGDFactory(1.0, 0.0, nesterov=False)
         else:
             self.outer_optimizer = outer_optimizer or SGDFactory(1.0, self.outer_momentum, nesterov=True)
+
+    def keeps_paper_outer_step(self) -> bool:
+        default_optimizer = self.sent or self.outer_optimizer == SGDFactory(1.0, self.outer_momentum, True)
+        return default_optimizer and (self.outer_lr, self.outer_momentum, self.gossip_step) == (0.7, 0.5, 0.25)
 
     @property
     def sent(self) -> bool:

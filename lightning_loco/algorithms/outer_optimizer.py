@@ -60,20 +60,22 @@ def check_factory(factory: Optional[OuterOptimizerFactory]) -> None:
         )
 
 
-def check_picklable(factory: Optional[OuterOptimizerFactory], start_method: str) -> None:
-    """With ``start_method`` "spawn" or "forkserver" the strategy travels to every process by pickle:
-    a lambda or a function defined inside another cannot. "popen" and "fork" pickle nothing."""
+def picklable_problem(factory: Optional[OuterOptimizerFactory], start_method: str) -> Optional[str]:
+    """Why ``factory`` cannot travel with ``start_method`` (None if it can). With "spawn" or "forkserver"
+    the strategy travels to every process by pickle: a lambda or a function defined inside another
+    cannot. "popen" and "fork" pickle nothing."""
     if factory is None or start_method not in ("spawn", "forkserver"):
-        return
+        return None
     try:
         pickle.dumps(factory)
     except Exception as error:
-        raise ValueError(
+        return (
             f"outer_optimizer {factory!r} cannot be pickled, which start_method={start_method!r} needs to send "
             "it to every process. Use a module-level function or functools.partial, e.g. "
             "functools.partial(torch.optim.Adam, lr=1e-3), instead of a lambda or a local function "
             f"(or start_method='popen'). Pickling failed with: {error}"
-        ) from error
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ GASLoC is refused: its mix x_i = z_i − α·Σ_j (z_i − z_j) is mean-preservi
 follows Nesterov DiLoCo), and no mix of a pair that leans both members towards the one that took more
 steps can be (docs/algorithms.md, "Replicas of different speeds").
 
-:func:`with_merge` is what the driver calls: it checks the combination and returns the algorithm to
-run. No torch.distributed, transport or Lightning here.
+:func:`with_merge` is what the driver calls: it returns the algorithm to run (the combinations that serve
+are rules of :mod:`lightning_loco.options`). No torch.distributed, transport or Lightning here.
 """
 
 from __future__ import annotations
@@ -34,44 +34,10 @@ from torch import Tensor
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.schedules import Round
 
-MERGES = ("mean", "steps")
-WEIGHTED = ("diloco", "noloco")  # the algorithms whose apply uses the group's size only as the mean's divisor
 
-
-def check_merge(merge: Any, sync_seconds: Optional[float], algorithm_name: str, lossy_wire: bool) -> None:
-    """Raises ``ValueError``, saying what to do instead, when ``merge`` cannot be served."""
-    if merge not in MERGES:
-        raise ValueError(
-            f"merge must be 'mean' (the default: the plain mean of the group's payloads) or 'steps' (each "
-            f"replica's payload weighted by its inner steps H_i, with sync_seconds), got {merge!r}."
-        )
-    if merge == "mean":
-        return
-    if sync_seconds is None:
-        raise ValueError(
-            "merge='steps' weights each replica by its inner steps H_i, which differ only under sync_seconds: "
-            "with sync_every alone every replica takes H steps and the weighted mean is the plain one. Set "
-            "sync_seconds, or leave merge='mean'."
-        )
-    if algorithm_name not in WEIGHTED:
-        raise ValueError(
-            f"merge='steps' does not serve {algorithm_name}: its gossip mix must stay mean-preserving (the mean "
-            "over replicas follows Nesterov DiLoCo), and a mix weighted by steps moves that mean towards the "
-            "faster replica. Use merge='mean' with it, or NoLoCo or DiLoCo with merge='steps'."
-        )
-    if lossy_wire:
-        raise ValueError(
-            "merge='steps' sends each replica's H_i with its payload, and a lossy wire format (wire_dtype "
-            "'bfloat16' or 'float16', compression='int8') would round it. Use wire_dtype='float32' and "
-            "compression=None with merge='steps', or merge='mean' to keep the lossy format."
-        )
-
-
-def with_merge(algorithm: OuterAlgorithm, merge: str, sync_seconds: Optional[float],
-               lossy_wire: bool) -> OuterAlgorithm:
+def with_merge(algorithm: OuterAlgorithm, merge: str) -> OuterAlgorithm:
     """The algorithm to run: ``algorithm`` itself for ``merge="mean"``, else :class:`StepWeighted` over
-    it. Raises ``ValueError`` as :func:`check_merge` does."""
-    check_merge(merge, sync_seconds, algorithm.name, lossy_wire)
+    it (which combinations serve is a rule of :mod:`lightning_loco.options`)."""
     return algorithm if merge == "mean" else StepWeighted(algorithm)
 
 
@@ -104,10 +70,14 @@ class StepWeighted(OuterAlgorithm):
     """``inner`` (DiLoCo or NoLoCo) with its group's mean weighted by each member's inner steps."""
 
     def __init__(self, inner: OuterAlgorithm) -> None:
-        assert inner.name in WEIGHTED, inner.name
+        if not inner.step_weighting:
+            raise ValueError(f"merge='steps' does not serve {inner.name}: its apply does not take the group's size "
+                             "as the divisor of a mean (see the rule steps-merge-algorithm)")
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
-        self.payload_is_pseudo_gradient = inner.payload_is_pseudo_gradient  # type: ignore[misc]
+        for capability in ("payload_is_pseudo_gradient", "collective", "seeded_schedule", "any_replica_count",
+                           "overlap_share", "step_weighting"):
+            setattr(self, capability, getattr(inner, capability))
 
     def check_num_replicas(self, num_replicas: int) -> None:
         self.inner.check_num_replicas(num_replicas)
