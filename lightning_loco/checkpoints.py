@@ -143,7 +143,8 @@ def read_replica(filepath: Any, meta: Mapping[str, Any], replica: int, shard: Op
     fs, inner = storage(path)
     advice = (
         "The checkpoint is incomplete: restore that file, resume from another checkpoint, or start a new "
-        f"run from the consensus model (`MyModule.load_from_checkpoint({str(filepath)!r})`, then fit without ckpt_path)."
+        f"run from the consensus model (`MyModule.load_from_checkpoint({str(filepath)!r})`, then fit without "
+        "ckpt_path)."
     )
     if not fs.isfile(inner):
         raise CheckpointError(f"Replica file missing: {path} (replica {replica} of checkpoint {filepath}). {advice}")

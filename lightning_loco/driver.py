@@ -39,105 +39,90 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.step_weighted import with_merge
 from lightning_loco.codecs import WireFormat
 from lightning_loco.flat import FlatParameters
+from lightning_loco.options import Options
 from lightning_loco.overlap import (
     AutoOverlap,
     InFlight,
-    OverlapSteps,
     auto_cap,
-    check_overlap,
     choose_overlap,
     correction_norm,
     merge_at_landing,
 )
-from lightning_loco.pacing import Pacing, check_pacing, compute_share
+from lightning_loco.pacing import Pacing, compute_share
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.reports import OuterStepReport, peer_distance
 from lightning_loco.slots import OuterSlot, load_slots
-from lightning_loco.transport.base import Transport
-
-FINAL_OUTER_STEPS = ("average", "outer")
-
-
-def check_final_outer_step(value: Any) -> None:
-    """Raises ``ValueError`` naming the allowed values."""
-    if value not in FINAL_OUTER_STEPS:
-        raise ValueError(
-            f"final_outer_step must be 'average' (the round that ends training lands without the outer step's "
-            f"momentum extrapolation) or 'outer' (the papers' plain outer step), got {value!r}."
-        )
+from lightning_loco.transport.base import RoundId, Transport
 
 
 class OuterStepDriver:
     """Runs an outer-step algorithm over a transport for one replica.
 
     Args:
-        algorithm: the outer-step maths.
-        transport: moves payloads between replicas (torch.distributed or in-process).
-        sync_every: H, inner steps between rounds, counted per optimizer.
-        overlap_steps: τ (0: synchronous), or "auto".
-        overlap_merge: "predict_correct" or "delayed".
+        options: the run's options (:class:`~lightning_loco.options.Options`, checked when built): the
+            algorithm and H, overlap (τ or "auto", and the merge), fragments, pacing (``sync_seconds``
+            and its merge), the wire format and ``final_outer_step``. The driver reads those; the rest
+            are the strategies'.
+        transport: moves payloads between replicas (torch.distributed, elastic or in-process).
+        label: how warnings name this replica.
+        plugin: told around rounds (:mod:`lightning_loco.plugins`); default: none.
+        clock: the driver's one clock (injectable for tests): the inner phases that pace rounds under
+            ``sync_seconds``, the exchange and step times that ``overlap_steps="auto"`` reads, and the
+            reports' seconds.
         agree_overlap: with replicas of several ranks, makes the ranks of a replica agree on τ
             (they all-gather at the landing); given τ, returns the agreed τ.
-        label: how warnings name this replica.
-        final_outer_step: "average" (default, as on the strategies and the simulator): a round that
-            lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
-            live weights to ``algorithm.final_weights``, without the momentum extrapolation; "outer":
-            the papers' outer step, always.
-        wire: how payloads travel (:mod:`lightning_loco.codecs`); default float32 as they are. With
-            error feedback every slot keeps a residual.
-        plugin: told around rounds (:mod:`lightning_loco.plugins`); default: none.
-        sync_seconds: T: each replica posts its next round once its inner phase is as near T seconds
-            of compute on ``clock`` as its steps allow (at least one inner step, at most
-            ``sync_every``), so that replicas of different speeds post together
-            (:mod:`lightning_loco.pacing`). None (default): every ``sync_every`` steps. Needs
-            ``overlap_steps=0``.
-        merge: with ``sync_seconds``, how a group combines payloads of unequal H_i: "mean" (default) or
-            "steps", weighted by each member's H_i (:mod:`lightning_loco.algorithms.step_weighted`).
-        clock: the clock of the inner phases (injectable for tests).
         agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).
         agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
             rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
-        fragments: F, fragments of each optimizer's parameters with rounds at f·H/F + kH (1: whole).
+
+    Under ``final_outer_step="average"`` (the default, as on the strategies and the simulator) a round
+    that lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
+    live weights to ``algorithm.final_weights``, without the momentum extrapolation. With a lossy wire
+    format and error feedback every slot keeps a residual.
     """
 
     def __init__(
         self,
-        algorithm: OuterAlgorithm,
+        options: Options,
         transport: Transport,
-        sync_every: int,
-        overlap_steps: OverlapSteps = 0,
-        overlap_merge: str = "predict_correct",
-        agree_overlap: Optional[Callable[[int], int]] = None,
+        *,
         label: str = "",
-        final_outer_step: str = "average",
-        wire: Optional[WireFormat] = None,
         plugin: Optional[DriverPlugin] = None,
-        sync_seconds: Optional[float] = None,
-        merge: str = "mean",
         clock: Callable[[], float] = time.perf_counter,
+        agree_overlap: Optional[Callable[[int], int]] = None,
         agree_due: Optional[Callable[[int], int]] = None,
         agree_seconds: Optional[Callable[[float], float]] = None,
-        fragments: int = 1,
     ) -> None:
-        check_overlap(overlap_steps, overlap_merge, sync_every)
-        streaming.check_fragments(fragments, sync_every, overlap_steps, sync_seconds=sync_seconds)
-        check_pacing(sync_seconds, overlap_steps)
-        check_final_outer_step(final_outer_step)
-        algorithm.check_num_replicas(transport.num_replicas)
-        self.algorithm = with_merge(algorithm, merge, sync_seconds, wire is not None and wire.lossy)
-        self.transport, self.sync_every, self.wire, self.fragments = transport, sync_every, wire, fragments
-        self.overlap_steps, self.overlap_merge, self.agree_overlap = overlap_steps, overlap_merge, agree_overlap
-        self.final_outer_step, self.label = final_outer_step, label or f"Replica {transport.replica}"
+        options.algorithm.check_num_replicas(transport.num_replicas)
+        self.options = options
+        wire = options.wire_format
+        self.algorithm = with_merge(options.algorithm, options.merge)
+        self.transport, self.sync_every, self.fragments = transport, options.sync_every, options.fragments
+        self.wire: Optional[WireFormat] = wire if wire.lossy else None
+        self.overlap_steps, self.overlap_merge = options.overlap_steps, options.overlap_merge
+        self.agree_overlap = agree_overlap
+        self.final_outer_step, self.label = options.final_outer_step, label or f"Replica {transport.replica}"
         self.slots: list[OuterSlot] = []  # every optimizer's F fragments, in order (F = 1: one per optimizer)
         self.optimizer_slots: list[list[OuterSlot]] = []  # optimizer index → its fragments' slots
         self.reports: list[OuterStepReport] = []
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as fragment 0's rounds start
         self.track_norms, self.clock = False, clock  # track_norms: norms and peer distance, one anchor copy a round
-        self.pacing = None if sync_seconds is None else Pacing(sync_every, sync_seconds, clock, agree_due,
+        sync_seconds = options.sync_seconds
+        self.pacing = None if sync_seconds is None else Pacing(self.sync_every, sync_seconds, clock, agree_due,
                                                                agree_seconds)
         self.plugin = plugin if plugin is not None else DriverPlugin()
         self.plugin.attach(self)
+
+    @classmethod
+    def of(cls, algorithm: OuterAlgorithm, transport: Transport, sync_every: int, *, label: str = "",
+           plugin: Optional[DriverPlugin] = None, clock: Callable[[], float] = time.perf_counter,
+           agree_overlap: Optional[Callable[[int], int]] = None, agree_due: Optional[Callable[[int], int]] = None,
+           agree_seconds: Optional[Callable[[float], float]] = None, **options: Any) -> OuterStepDriver:
+        """A driver of ``algorithm`` every ``sync_every`` steps, with ``options`` as the strategies take them
+        (``overlap_steps``, ``fragments``, ``pacing``, ``wire``, ...: :meth:`Options.build`)."""
+        return cls(Options.build(algorithm, sync_every, **options), transport, label=label, plugin=plugin,
+                   clock=clock, agree_overlap=agree_overlap, agree_due=agree_due, agree_seconds=agree_seconds)
 
     def add(self, flat: FlatParameters) -> OuterSlot:
         """Adds an optimizer's parameters (as F fragments: :func:`lightning_loco.fragments.layout`); the
@@ -146,7 +131,7 @@ class OuterStepDriver:
         self.optimizer_slots.append([])
         for f, part in enumerate(streaming.split(flat, F)):
             algorithm = streaming.fragment_algorithm(self.algorithm, f)
-            auto = AutoOverlap(auto_cap(H // F, algorithm.name)) if self.overlap_steps == "auto" else None
+            auto = AutoOverlap(auto_cap(H // F, algorithm.overlap_share)) if self.overlap_steps == "auto" else None
             slot = OuterSlot(flat=part, state=algorithm.init_state(part.gather(), part.shapes), auto=auto,
                              algorithm=algorithm, fragment=f, fragments=F, offset=streaming.offset(f, H, F))
             slot.phase.restart(self.clock())
@@ -208,11 +193,11 @@ class OuterStepDriver:
         slot.outer_weights = None  # training went on after a landing taken for the last one
         final = last and self.final_outer_step == "average"
         if slot.auto is not None and slot.last_step_end is not None:
-            slot.auto.observe_step(time.perf_counter() - slot.last_step_end)
+            slot.auto.observe_step(self.clock() - slot.last_step_end)
         due = self._due(slot, slot.inner_steps)
         flush = last and self.fragments > 1 and not due  # F > 1: a round of every fragment at the end
         if slot.in_flight is not None:
-            slot.in_flight.poll()
+            slot.in_flight.poll(self.clock())
             if slot.inner_steps >= slot.in_flight.land_step:
                 self._land(index, slot, final and not flush)
         if due or (flush and slot.in_flight is None):
@@ -222,12 +207,12 @@ class OuterStepDriver:
                 self._land(index, slot, final)
             slot.phase.restart(self.clock())
         if slot.auto is not None:
-            slot.last_step_end = time.perf_counter()
+            slot.last_step_end = self.clock()
 
     def _overlap_for(self, slot: OuterSlot) -> int:
         if slot.auto is None:
             return int(self.overlap_steps)
-        return choose_overlap(slot.auto, self.agree_overlap, self.label, self.algorithm.name,
+        return choose_overlap(slot.auto, self.agree_overlap, self.label, self.algorithm.overlap_share,
                               self.sync_every // self.fragments)
 
     # ------------------------------------------------------------------ rounds
@@ -239,8 +224,8 @@ class OuterStepDriver:
         part = f", fragment {slot.fragment}" if self.fragments > 1 else ""
         ended = self.clock()
         algorithm.phase_ended(slot.state, slot.phase.end(slot.inner_steps, ended))  # H_i, for merge="steps"
-        self.plugin.before_round(index, t)
-        started = time.perf_counter()
+        schedule = algorithm.schedule(t, self.transport.num_replicas)  # the round's groups, once
+        self.plugin.before_round(index, t, schedule)
         if slot.fragment == 0:  # one entry per H steps and optimizer, as with F = 1
             self.rounds_started.append((index, t))
         weights = slot.flat.gather()  # the snapshot S
@@ -250,15 +235,20 @@ class OuterStepDriver:
             norm = torch.linalg.vector_norm(weights - before).item()
         merge = self.overlap_merge if tau else "none"
         snapshot = weights
-        if tau and algorithm.schedule(t, self.transport.num_replicas).collective:
+        if tau and schedule.collective:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
         if self.wire is not None and self.wire.error_feedback and slot.residual is None:
             slot.residual = torch.zeros(algorithm.payload_numel(slot.state), device=slot.state.anchor.device)
+        residual_before = None
+        if slot.residual is not None and schedule.collective and self.transport.may_go_alone:
+            residual_before = slot.residual.clone()  # a round this transport finishes alone is dropped: see _land
         posted = rounds.post(
             algorithm, slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
             residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
-            measure_error=self.track_norms,
+            measure_error=self.track_norms, schedule=schedule,
+            round_id=RoundId(t, optimizer=index, fragment=slot.fragment),
         )
+        posted_at = self.clock()
         if tau:
             posted.pending.watch()  # so that polls see when the transfer is done
         reference = snapshot
@@ -267,13 +257,12 @@ class OuterStepDriver:
             slot.flat.scatter(reference)
         slot.in_flight = InFlight(
             outer_step=t, start_step=slot.inner_steps, land_step=slot.inner_steps + tau, group=posted.group,
-            pending=posted.pending, reference=reference, merge=merge,
-            pseudo_gradient_norm=norm, anchor_before=before, own_payload=posted.own,
-            compression_error_norm=posted.compression_error,
+            pending=posted.pending, reference=reference, merge=merge, collective=posted.collective,
+            posted_at=posted_at, pseudo_gradient_norm=norm, anchor_before=before, own_payload=posted.own,
+            compression_error_norm=posted.compression_error, residual_before=residual_before,
         )
         slot.outer_steps += 1
-        slot.in_flight.start_seconds = time.perf_counter() - started
-        slot.phase.spent = self.clock() - ended
+        slot.phase.spent = slot.in_flight.start_seconds = self.clock() - ended
 
     def _land(self, index: int, slot: OuterSlot, final: bool = False) -> None:
         """Completes the round in flight: waits for the exchange if it is still running, commits the
@@ -282,13 +271,16 @@ class OuterStepDriver:
         are kept in ``slot.outer_weights``."""
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
-        started, landed = time.perf_counter(), self.clock()
+        landed = self.clock()
         pending, algorithm = flight.pending, slot.algorithm or self.algorithm
         total = pending.wait()
-        collective = algorithm.schedule(flight.outer_step, self.transport.num_replicas).collective
-        if pending.alone and len(flight.group) > 1 and collective:
+        waited = self.clock()
+        if pending.alone and len(flight.group) > 1 and flight.collective:
             # Finished alone, a collective round would move this replica's anchor apart from the others':
-            # it is dropped (outer state unchanged), and the next round's payload covers both stretches.
+            # it is dropped (outer state unchanged, the error-feedback residual as it was before the round:
+            # the dropped payload's loss is not kept), and the next round's payload covers both stretches.
+            if slot.residual is not None and flight.residual_before is not None:
+                slot.residual.copy_(flight.residual_before)
             self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, Outcome.DROPPED, final))
             return
         distance = None
@@ -310,20 +302,20 @@ class OuterStepDriver:
                 merged, change = merge_at_landing(flight.merge, live, final_weights, flight.reference)
             slot.flat.scatter(merged)
             correction = correction_norm(change)
-            exchange = flight.exchange_seconds if flight.exchange_seconds is not None else pending.seconds
+            exchange = flight.exchange_seconds if flight.exchange_seconds is not None else waited - flight.posted_at
         update_norm = None
         if flight.anchor_before is not None:
             update_norm = torch.linalg.vector_norm(slot.state.anchor - flight.anchor_before).item()
         if slot.auto is not None:
-            slot.auto.observe_exchange(exchange if exchange is not None else pending.seconds)
-        seconds = flight.start_seconds + time.perf_counter() - started
+            slot.auto.observe_exchange(exchange if exchange is not None else waited - flight.posted_at)
+        seconds = flight.start_seconds + self.clock() - landed
         phase_steps, compute = slot.phase.ended if slot.phase.ended is not None else (None, None)
         spent = slot.phase.spent + self.clock() - landed  # the round's time, on the phases' clock
         self.reports.append(
             OuterStepReport(
                 optimizer_index=index, outer_step=flight.outer_step, inner_step=slot.inner_steps,
                 peers=tuple(j for j in flight.group if j != self.transport.replica),
-                bytes_sent=pending.nbytes, bytes_received=pending.nbytes, comm_seconds=pending.wait_seconds,
+                bytes_sent=pending.nbytes, bytes_received=pending.nbytes, comm_seconds=waited - landed,
                 seconds=seconds, phase_steps=phase_steps, compute_seconds=compute,
                 compute_share=compute_share(compute, spent),
                 pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,

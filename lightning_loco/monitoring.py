@@ -51,14 +51,14 @@ import logging
 import math
 from typing import Any, Optional
 
-import torch
-from torchmetrics import Metric
-from torchmetrics.aggregation import MeanMetric
-
 import lightning as L
+import torch
 from lightning.fabric.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torchmetrics import Metric
+from torchmetrics.aggregation import MeanMetric
+
 from lightning_loco.strategies.base import OuterStepReport, OuterStepStrategy
 
 log = logging.getLogger("lightning_loco")
@@ -95,6 +95,8 @@ class _Agreed(Metric):
         super().__init__(sync_on_compute=False)
         self.add_state("value", default=torch.tensor(0.0), dist_reduce_fx=None)
         self.update(value)
+
+    value: torch.Tensor  # a metric state (add_state)
 
     def update(self, value: float) -> None:
         self.value = torch.tensor(value, device=self.value.device)
@@ -273,7 +275,7 @@ class OuterStepMonitor(L.Callback):
         loaders = trainer.val_dataloaders
         loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
         limits = trainer.num_val_batches
-        pl_module.log = lambda *args, **kwargs: None  # the step's own self.log calls must not count twice
+        pl_module.__dict__["log"] = lambda *args, **kwargs: None  # the step's own self.log calls must not count twice
         try:
             with torch.no_grad(), trainer.precision_plugin.val_step_context():
                 for loader_idx, loader in enumerate(loaders):

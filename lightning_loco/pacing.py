@@ -27,28 +27,8 @@ never the first to stop it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-
-def check_pacing(sync_seconds: Any, overlap_steps: Any = 0) -> None:
-    """Raises ``ValueError``, saying what to do instead, when ``sync_seconds`` cannot be served."""
-    if sync_seconds is None:
-        return
-    if isinstance(sync_seconds, bool) or not isinstance(sync_seconds, (int, float)) or not (
-        math.isfinite(sync_seconds) and sync_seconds > 0
-    ):
-        raise ValueError(
-            f"sync_seconds must be a number of seconds > 0 or None (every replica takes sync_every inner steps per "
-            f"round), got {sync_seconds!r}. At most sync_every × the fastest replica's step time paces every replica."
-        )
-    if overlap_steps != 0:
-        raise ValueError(
-            f"sync_seconds={sync_seconds} and overlap_steps={overlap_steps!r} cannot be combined yet: a round that "
-            "lands a number of inner steps after its start would land at a different time on every replica. Use "
-            "overlap_steps=0 with sync_seconds, or sync_seconds=None to overlap."
-        )
 
 
 def phase_due(steps: int, seconds: float, sync_every: int, sync_seconds: float) -> bool:
@@ -133,7 +113,6 @@ class Pacing:
     def __init__(self, sync_every: int, sync_seconds: float, clock: Callable[[], float],
                  agree: Optional[Callable[[int], int]] = None,
                  agree_seconds: Optional[Callable[[float], float]] = None) -> None:
-        check_pacing(sync_seconds)
         self.sync_every, self.sync_seconds = sync_every, float(sync_seconds)
         self.clock, self.agree, self.agree_seconds = clock, agree, agree_seconds
         self.max_steps: Optional[int] = None  # the run's nominal length, when it ends on a round

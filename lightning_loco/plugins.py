@@ -14,11 +14,14 @@ The hooks, in the order a run calls them:
   state is loaded, before the first inner step;
 * :meth:`DriverPlugin.between_steps`: by whoever runs the inner loop, before each inner step, where no
   step is half taken (the Lightning strategy: at the start of each training batch);
-* :meth:`DriverPlugin.before_round`: before round t of an optimizer is posted;
+* :meth:`DriverPlugin.before_round`: before round t of an optimizer is posted, with its schedule;
 * :meth:`DriverPlugin.after_landing`: after it landed (or was dropped), with its :class:`Landing`;
 * :meth:`DriverPlugin.close`: once, when training stops, however it stops.
 
-:meth:`DriverPlugin.peer_ids` names the peers of each round's report (``OuterStepReport.peer_ids``).
+:meth:`DriverPlugin.peer_ids` names the peers of each round's report (``OuterStepReport.peer_ids``);
+:meth:`DriverPlugin.check_savable` says, before a checkpoint is written, whether the outer state may be.
+A plug-in reads the driver it is attached to through :class:`Driver`, the part of
+:class:`~lightning_loco.driver.OuterStepDriver` it may use.
 """
 
 from __future__ import annotations
@@ -26,10 +29,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
-if TYPE_CHECKING:
-    from lightning_loco.driver import OuterStepDriver
+from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.codecs import WireFormat
+from lightning_loco.schedules import Round
+from lightning_loco.transport.base import Transport
+
+
+class Driver(Protocol):
+    """What a plug-in may read and call of the driver it is attached to."""
+
+    label: str
+    algorithm: OuterAlgorithm
+    transport: Transport
+    wire: Optional[WireFormat]
+    slots: list[Any]  # OuterSlot: its flat parameters, outer state and counters
+
+    def state_dict(self) -> list[dict[str, Any]]: ...
+
+    def load_state_dict(self, saved: Sequence[dict[str, Any]]) -> None: ...
 
 
 class Outcome(str, Enum):
@@ -58,14 +77,15 @@ class TrainingState:
     the inner loop (the Lightning strategy), so that a plug-in can copy a replica's whole state to another
     without knowing what is inside.
 
-    ``export()`` returns it as a dict of tensors and plain values (it must survive ``torch.save`` and
-    ``torch.load(weights_only=True)``; its tensors may be the live ones, so serialize it at once), as it
-    stands between two inner steps. ``load(state, everything)``
+    ``export(optimizers)`` returns it as a dict of tensors and plain values (it must survive ``torch.save``
+    and ``torch.load(weights_only=True)``; its tensors may be the live ones, so serialize it at once), as
+    it stands between two inner steps; with ``optimizers`` False the inner optimizers' state is left out
+    (``None`` in its place). ``load(state, everything)``
     takes it: everything (``True``) or only what counts steps (``False``: the loop's counters and the
     learning-rate schedulers; the optimizers' and scaler's own state stay). ``check(state)``, if given, raises
     before anything of a donor's state is loaded (the driver's included) when this replica cannot take it."""
 
-    export: Callable[[], dict[str, Any]]
+    export: Callable[[bool], dict[str, Any]]
     load: Callable[[dict[str, Any], bool], None]
     check: Optional[Callable[[dict[str, Any]], None]] = None
 
@@ -78,7 +98,7 @@ class DriverPlugin:
     ends_by_driver_steps: bool = False
     training_state: Optional[TrainingState] = None
 
-    def attach(self, driver: "OuterStepDriver") -> None:
+    def attach(self, driver: Driver) -> None:
         self.driver = driver
 
     def use_training_state(self, state: TrainingState) -> None:
@@ -91,14 +111,18 @@ class DriverPlugin:
     def between_steps(self) -> None:
         """Before an inner step, with no step half taken: the training state is whole here."""
 
-    def before_round(self, optimizer_index: int, outer_step: int) -> None:
-        """Before round ``outer_step`` of optimizer ``optimizer_index`` is posted."""
+    def before_round(self, optimizer_index: int, outer_step: int, schedule: Round) -> None:
+        """Before round ``outer_step`` of optimizer ``optimizer_index`` is posted; ``schedule``: its groups."""
 
     def after_landing(self, landing: Landing) -> None:
         """After a round landed or was dropped."""
 
     def close(self) -> None:
         """Training stopped (the end of ``fit``, an error or a signal)."""
+
+    def check_savable(self) -> None:
+        """Raises ``RuntimeError`` saying why when the driver's outer state must not be written to a
+        checkpoint now (e.g. an elastic heal into it stopped part way)."""
 
     def peer_ids(self, group: Sequence[int]) -> tuple[str, ...]:
         """The names of this replica's peers in ``group`` (replica indices), for the round's report. The

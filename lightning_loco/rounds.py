@@ -3,12 +3,14 @@
 The algorithms (:mod:`lightning_loco.algorithms`) are maths on flat tensors; the transports
 (:mod:`lightning_loco.transport`) move buffers. This module is where the two meet, once per round:
 
-1. ``algorithm.schedule(t, N)`` says who is in this replica's group and whether the round is one
-   collective (DiLoCo's all-reduce) or point-to-point sums inside groups;
+1. the round's schedule (``algorithm.schedule(t, N)``, computed once by the caller) says who is in
+   this replica's group and whether the round is one collective (DiLoCo's all-reduce) or
+   point-to-point sums inside groups;
 2. ``algorithm.payload(state, weights)`` is what this replica contributes;
 3. with a lossy wire format the payload is checked for NaN/inf (always, whatever the format), the
    error-feedback residual is added, and what the codec will lose becomes the new residual;
-4. ``transport.start_group_sum`` or ``start_all_reduce_sum`` posts the exchange and returns a
+4. ``transport.start_group_sum`` or ``start_all_reduce_sum`` posts the exchange with the round's
+   identity (:class:`~lightning_loco.transport.base.RoundId`) and returns a
    :class:`~lightning_loco.transport.base.Pending`, which travels while training goes on.
 
 The driver (:mod:`lightning_loco.driver`) calls :func:`post` when a round is due and, at the landing,
@@ -19,17 +21,15 @@ and benchmarks that time one outer step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.codecs import WireFormat, check_payload, roundtrip_segments, segments
-from lightning_loco.transport.base import codec_arguments
-
-if TYPE_CHECKING:
-    from lightning_loco.transport.base import Pending, Transport
+from lightning_loco.schedules import Round
+from lightning_loco.transport.base import Pending, RoundId, Transport
 
 
 @dataclass
@@ -39,15 +39,15 @@ class Posted:
     group: tuple[int, ...]
     collective: bool  # an all-reduce, which sums in place into ``payload``
     payload: Tensor
-    pending: "Pending"
+    pending: Pending
     own: Optional[Tensor] = None  # the payload as sent, when asked for (``post(keep_own=True)``)
     compression_error: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload x sent (lossy wire formats)
 
 
 def post(
-    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport",
+    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: Transport,
     keep_own: bool = False, wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None, who: str = "",
-    measure_error: bool = False,
+    measure_error: bool = False, schedule: Optional[Round] = None, round_id: Optional[RoundId] = None,
 ) -> Posted:
     """Starts round ``outer_step`` for this replica: computes its payload from ``weights`` and posts
     the group's sum on ``transport`` (it travels while the caller goes on). The state is not
@@ -59,8 +59,10 @@ def post(
     the format. With a lossy codec and ``residual`` (the error-feedback residual e, updated in
     place), the payload sent is Δ + e and e becomes what the codec loses of it.
     ``Posted.compression_error`` is ‖D(Q(x)) − x‖ of the payload x sent, known with a residual and
-    computed with ``measure_error``."""
-    round_ = algorithm.schedule(outer_step, transport.num_replicas)
+    computed with ``measure_error``. ``schedule``: the round's, when the caller computed it already;
+    ``round_id``: the round's identity on the transport (default: outer step ``outer_step``)."""
+    round_ = schedule if schedule is not None else algorithm.schedule(outer_step, transport.num_replicas)
+    round_id = round_id if round_id is not None else RoundId(outer_step)
     group = round_.group_of(transport.replica)
     who = who or f"Replica {transport.replica}, outer step {outer_step}"
     payload = algorithm.payload(state, weights)
@@ -75,7 +77,7 @@ def post(
                 raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
             payload = payload + residual  # a new tensor: never the live weights
         check_payload(payload, codec, who)
-        parts = segments(payload.numel(), getattr(transport, "slices_per_replica", 1),
+        parts = segments(payload.numel(), transport.slices_per_replica,
                          transport.num_replicas if round_.collective else 1)
         lost = payload - roundtrip_segments(payload, codec, parts)
         if residual is not None:
@@ -86,16 +88,15 @@ def post(
     own = None
     if keep_own:
         own = payload.clone() if round_.collective else payload
-    extra = codec_arguments(codec)  # transports without codecs keep working in float32
     if round_.collective:
-        pending = transport.start_all_reduce_sum(payload, **extra)
+        pending = transport.start_all_reduce_sum(payload, codec, round_id)
     else:
-        pending = transport.start_group_sum(payload, group, **extra)
+        pending = transport.start_group_sum(payload, group, codec, round_id)
     return Posted(tuple(group), round_.collective, payload, pending, own, error)
 
 
 def step(
-    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: "Transport",
+    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: Transport,
     wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None,
 ) -> tuple[Tensor, tuple[int, ...]]:
     """One whole, blocking outer step of this replica over ``transport``: returns the new live

@@ -52,7 +52,7 @@ class OuterSlot:
         flight (its received sum is awaited first, not landed: training goes on exactly as it would
         have) and, after a final landing, the outer step's live weights (so that a resumed run
         continues as a longer run would have)."""
-        out = {
+        out: dict[str, Any] = {
             "numel": self.flat.numel, "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
             "in_flight": self.in_flight.state_dict() if self.in_flight is not None else None,
             "state": self.state.state_dict(), "phase": self.phase.state_dict(now),
@@ -77,7 +77,7 @@ class OuterSlot:
         self.residual = residual.to(device).clone() if error_feedback and residual is not None else None
         self.phase.load_state_dict(entry.get("phase"), self.inner_steps, now)  # its compute so far counts
         flight = entry.get("in_flight")
-        self.in_flight = None if flight is None else InFlight.from_state_dict(flight, transport, device)
+        self.in_flight = None if flight is None else InFlight.from_state_dict(flight, transport, device, now)
 
 
 def load_slots(slots: Sequence[OuterSlot], saved: Sequence[dict[str, Any]], transport: Any, error_feedback: bool,

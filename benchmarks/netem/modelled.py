@@ -22,6 +22,7 @@ from torch import Tensor
 from benchmarks.netem.links import ENV, Network, from_env, to_env
 from lightning_loco.codecs import Codec
 from lightning_loco.transport import PendingSum, TorchDistributedTransport
+from lightning_loco.transport.base import FIRST_ROUND, RoundId
 
 __all__ = ["ENV", "HeldPending", "ModelledTransport", "allreduce_s", "from_env", "pair_s", "to_env", "wait_until"]
 
@@ -79,7 +80,7 @@ class ModelledTransport(TorchDistributedTransport):
         if self.network is None:
             raise ValueError(f"no network to model: pass network= or set {ENV}")
 
-    def _pending(self, works: list[Any], finish: Any, nbytes: int, peers: tuple[int, ...]) -> PendingSum:
+    def pending(self, works: list[Any], finish: Any, nbytes: int, peers: tuple[int, ...]) -> PendingSum:
         return HeldPending(self, works, finish, nbytes, peers)
 
     # Nodes are global ranks; with ranks_per_replica > 1 each rank moves its slice only, and the
@@ -88,19 +89,25 @@ class ModelledTransport(TorchDistributedTransport):
     # A lossy ``codec`` is passed on; the modelled time is that of the codec's bytes.
 
     def _nbytes(self, payload: Tensor, codec: Codec | None) -> int:
-        part = self._slice(payload)
-        return codec.nbytes(part.numel()) if codec is not None and codec.lossy else part.numel() * payload.element_size()
+        part = self.slice(payload)
+        if codec is not None and codec.lossy:
+            return codec.nbytes(part.numel())
+        return part.numel() * payload.element_size()
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Codec | None = None) -> PendingSum:
-        pending = super().start_group_sum(payload, group, codec)
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Codec | None = None,
+                        round_id: RoundId = FIRST_ROUND) -> HeldPending:
+        pending = super().start_group_sum(payload, group, codec, round_id)
+        assert isinstance(pending, HeldPending)
         peers = [self.replica_ranks[j] for j in group if j != self.replica]
         if peers:  # completion (and the recorded communication time) waits for the modelled finish
             nbytes = self._nbytes(payload, codec)
             pending.ready_at = pending.started + pair_s(self.network, dist.get_rank(), peers, nbytes)
         return pending
 
-    def start_all_reduce_sum(self, payload: Tensor, codec: Codec | None = None) -> PendingSum:
-        pending = super().start_all_reduce_sum(payload, codec)
+    def start_all_reduce_sum(self, payload: Tensor, codec: Codec | None = None,
+                             round_id: RoundId = FIRST_ROUND) -> HeldPending:
+        pending = super().start_all_reduce_sum(payload, codec, round_id)
+        assert isinstance(pending, HeldPending)
         nbytes = self._nbytes(payload, codec)
         pending.ready_at = pending.started + allreduce_s(self.network, nbytes, self.replica_ranks)
         return pending

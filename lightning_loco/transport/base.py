@@ -8,13 +8,20 @@ Two operations cover every algorithm:
 * ``start_all_reduce_sum(payload)``: one collective over all replicas (DiLoCo), summed in place.
 
 Both post the operation and return a :class:`Pending` at once; ``Pending.wait()`` returns the sum.
-Both take an optional lossy ``codec`` (:mod:`lightning_loco.codecs`): the payload then travels
-encoded and is summed in float32 after decoding; without one (or with float32) it travels as it is.
-The blocking forms are ``group_sum`` and ``all_reduce_sum``. Implementations:
+Both take the round's identity (:class:`RoundId`: which outer step of which optimizer and fragment the
+exchange belongs to; the elastic transport tags its messages with it) and an optional lossy ``codec``
+(:mod:`lightning_loco.codecs`): the payload then travels encoded and is summed in float32 after
+decoding; without one (or with float32) it travels as it is. The blocking forms are ``group_sum`` and
+``all_reduce_sum``. Implementations:
 :mod:`~lightning_loco.transport.torch_dist` (torch.distributed, gloo or NCCL; its lossy wire formats in
 :mod:`~lightning_loco.transport.coded`), :mod:`~lightning_loco.transport.in_process` (N replicas in one
 process, for tests and studies) and :mod:`~lightning_loco.elastic.transport` (the members of an elastic
 run).
+
+A transport that moves buffers point to point between one rank and its counterparts in other replicas
+declares it as :class:`PointToPoint` (slice, exchange, gather, pending): the lossy wire formats of
+:mod:`~lightning_loco.transport.coded` are written against that protocol alone, so the float32
+transport over torch.distributed and the elastic transport share them.
 
 This module holds the interface and what every implementation shares: :class:`Pending` keeps the
 posting time, the time ``wait()`` blocked, the sum once it is there and the traffic it records in the
@@ -30,13 +37,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 from torch import Tensor
 from typing_extensions import Self
 
-if TYPE_CHECKING:
-    from lightning_loco.codecs import Codec
+from lightning_loco.codecs import Codec
 
 
 class PeerError(RuntimeError):
@@ -165,28 +171,46 @@ class Pending(ABC):
         return bool(self.peers) and not self.alone
 
 
-def codec_arguments(codec: Optional["Codec"]) -> dict[str, Any]:
-    """``start_*``'s keyword arguments for ``codec``: none without one, so that transports without
-    codecs keep working in float32."""
-    return {} if codec is None else {"codec": codec}
+@dataclass(frozen=True)
+class RoundId:
+    """The round an exchange belongs to: outer step ``outer_step`` (t) of optimizer ``optimizer``'s
+    fragment ``fragment``. Every member of the round passes the same one."""
+
+    outer_step: int
+    optimizer: int = 0
+    fragment: int = 0
+
+
+FIRST_ROUND = RoundId(0)
 
 
 @runtime_checkable
 class Transport(Protocol):
     """Moves flat float32 buffers between the replicas of one run.
 
-    Implementations subclass it for the blocking forms, ``start_*(...).wait()``."""
+    Implementations subclass it for the blocking forms, ``start_*(...).wait()``. ``may_go_alone``: a
+    transport that finishes rounds without partners who failed (the elastic one) says so; the driver
+    then keeps what it needs to drop a collective round so finished (the error-feedback residual)."""
 
     replica: int  # this replica's index
     num_replicas: int
     stats: TransportStats
+    may_go_alone: bool = False
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional["Codec"] = None) -> Pending:
+    @property
+    def slices_per_replica(self) -> int:
+        """Into how many slices a payload is cut before it is encoded and sent (one per rank of a replica
+        that moves its payload in slices; 1: whole). A lossy codec encodes each slice on its own."""
+        return 1
+
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None,
+                        round_id: RoundId = FIRST_ROUND) -> Pending:
         """Posts the group's exchange; ``payload`` must not change until the sum has been waited for.
         The sum is a new tensor. Callers pass ``codec`` only when it is lossy."""
         ...
 
-    def start_all_reduce_sum(self, payload: Tensor, codec: Optional["Codec"] = None) -> Pending:
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
+                             round_id: RoundId = FIRST_ROUND) -> Pending:
         """Posts an all-reduce over every replica; the sum lands in ``payload``. With a lossy
         ``codec``: decoded chunks summed in float32, the same result on every replica."""
         ...
@@ -195,10 +219,63 @@ class Transport(Protocol):
         """An exchange that already completed (restored from a checkpoint): nothing to wait for."""
         ...
 
-    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional["Codec"] = None) -> Tensor:
+    def group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None,
+                  round_id: RoundId = FIRST_ROUND) -> Tensor:
         """Posts the group's exchange and waits for the sum."""
-        return self.start_group_sum(payload, group, **codec_arguments(codec)).wait()
+        return self.start_group_sum(payload, group, codec, round_id).wait()
 
-    def all_reduce_sum(self, payload: Tensor, codec: Optional["Codec"] = None) -> Tensor:
+    def all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
+                       round_id: RoundId = FIRST_ROUND) -> Tensor:
         """Posts the all-reduce and waits for the sum (in ``payload``)."""
-        return self.start_all_reduce_sum(payload, **codec_arguments(codec)).wait()
+        return self.start_all_reduce_sum(payload, codec, round_id).wait()
+
+
+class Work(Protocol):
+    """A posted point-to-point operation (torch.distributed's ``Work``, or the elastic transport's)."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@runtime_checkable
+class PointToPoint(Protocol):
+    """One rank's point-to-point exchanges with its counterparts in the other replicas: what the lossy
+    wire formats (:mod:`~lightning_loco.transport.coded`) are written against.
+
+    A replica may span several ranks; then each rank moves one slice of a payload (``slice``) with the
+    same rank of its peers, and the replica's ranks put the summed slices together (``gather_slices``).
+    Buffers cross the network on ``device``."""
+
+    @property
+    def device(self) -> Any:
+        """Where buffers cross the network (a ``torch.device``)."""
+        ...
+
+    @property
+    def replica(self) -> int: ...
+
+    @property
+    def num_replicas(self) -> int: ...
+
+    @property
+    def slices_per_replica(self) -> int:
+        """How many slices a payload is cut into, one per rank of the replica (1: it moves whole)."""
+        ...
+
+    def slice(self, buf: Tensor) -> Tensor:
+        """This rank's slice of a flat buffer (the whole buffer when it moves whole)."""
+        ...
+
+    def gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
+        """The whole buffer of ``like``'s shape from every rank's summed slice (``part`` itself when whole)."""
+        ...
+
+    def exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor], round_id: RoundId) -> list[Any]:
+        """Posts the receives, then the sends, with replicas ``j`` of the keys (receives first: gloo runs the
+        two directions of a pair one after the other otherwise); returns the posted operations."""
+        ...
+
+    def pending(self, works: list[Any], finish: Callable[[], Tensor], nbytes: int, peers: tuple[int, ...]) -> Pending:
+        """The :class:`Pending` of posted ``works``: ``finish()`` makes the sum once they completed."""
+        ...

@@ -29,7 +29,16 @@ from typing import Any, Callable, Optional
 from torch import Tensor
 
 from lightning_loco.codecs import Codec, all_reduce_bytes, chunked_all_reduce, ring_all_reduce_bytes
-from lightning_loco.transport.base import Pending, PeerError, Transport, TransportStats, peer_error, sum_in_group_order
+from lightning_loco.transport.base import (
+    FIRST_ROUND,
+    PeerError,
+    Pending,
+    RoundId,
+    Transport,
+    TransportStats,
+    peer_error,
+    sum_in_group_order,
+)
 
 
 class InProcessNetwork:
@@ -166,7 +175,8 @@ class InProcessTransport(Transport):
         self._counts[base] = count + 1
         return (*base, count)
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> InProcessPending:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None,
+                        round_id: RoundId = FIRST_ROUND) -> InProcessPending:
         if self.replica not in group:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         if self.replica in self.network._failed:
@@ -181,7 +191,8 @@ class InProcessTransport(Transport):
             nbytes = payload.numel() * payload.element_size() * (len(members) - 1)
         return InProcessPending(self, key, members, lambda total: total.to(payload.device), nbytes)
 
-    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> InProcessPending:
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
+                             round_id: RoundId = FIRST_ROUND) -> InProcessPending:
         members = tuple(range(self.num_replicas))
         key = self._key("all", members)
         n = self.num_replicas

@@ -41,7 +41,16 @@ from typing_extensions import Self
 from lightning_loco.codecs import Codec, ring_all_reduce_bytes
 from lightning_loco.staging import StagingPool
 from lightning_loco.transport import coded
-from lightning_loco.transport.base import Pending, PeerError, Transport, TransportStats, peer_error, sum_in_group_order
+from lightning_loco.transport.base import (
+    FIRST_ROUND,
+    PeerError,
+    Pending,
+    RoundId,
+    Transport,
+    TransportStats,
+    peer_error,
+    sum_in_group_order,
+)
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "all_gather_slices",
            "sum_in_group_order"]
@@ -230,9 +239,11 @@ class TorchDistributedTransport(Transport):
     def peer_error(self, peers: Sequence[int], err: BaseException) -> PeerError:
         return peer_error(self.replica, peers, [self.replica_ranks[j] for j in peers], err)
 
-    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor]) -> list[Any]:
+    def exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor], round_id: RoundId = FIRST_ROUND
+                 ) -> list[Any]:
         """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j, in one
-        ``batch_isend_irecv``; returns its works."""
+        ``batch_isend_irecv``; returns its works. (Messages are matched in posting order: ``round_id``
+        tags nothing here.)"""
         ops = [dist.P2POp(dist.irecv, buf, self.replica_ranks[j], self.process_group) for j, buf in receives.items()]
         ops += [dist.P2POp(dist.isend, buf, self.replica_ranks[j], self.process_group) for j, buf in sends.items()]
         try:
@@ -243,25 +254,26 @@ class TorchDistributedTransport(Transport):
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> PendingSum:
         return PendingSum(self, [], lambda: total, 0, peers).completed_with(total)
 
-    def _pending(
+    def pending(
         self, works: list[Any], finish: Callable[[], Tensor], nbytes: int, peers: tuple[int, ...]
     ) -> PendingSum:
         """Wraps posted works (a subclass may return its own kind of ``PendingSum``)."""
         return PendingSum(self, works, finish, nbytes, peers)
 
-    def _slice(self, buf: Tensor) -> Tensor:
+    def slice(self, buf: Tensor) -> Tensor:
         """This rank's slice of a flat buffer (k equal slices, the last ones shorter if need be)."""
         if self.slices_per_replica == 1:
             return buf
         return torch.tensor_split(buf, self.ranks_per_replica)[self.local_rank]
 
-    def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
+    def gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
         """The whole buffer from every rank's slice (an all-gather inside the replica)."""
         if self.slices_per_replica == 1:
             return part
         return all_gather_slices(part, like, self.ranks_per_replica, self.replica_group)
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> PendingSum:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None,
+                        round_id: RoundId = FIRST_ROUND) -> Pending:
         """Posts the group's exchange (receives first) and returns at once. ``payload`` must not
         change until the pending sum has been waited for. A lossy ``codec`` sets the wire format."""
         if self.replica not in group:
@@ -269,42 +281,43 @@ class TorchDistributedTransport(Transport):
         others = [j for j in group if j != self.replica]
         if not others:
             # always a new tensor, as for a real group: callers may update it in place
-            return self._pending([], payload.clone, 0, ())
+            return self.pending([], payload.clone, 0, ())
         if codec is not None and codec.lossy:
-            return coded.start_group_sum(self, payload, group, others, codec)
+            return coded.start_group_sum(self, payload, group, others, codec, round_id)
         staged = self._staged(payload)
         if staged:  # pinned host buffers, reused across outer steps; given back in finish()
-            send = self.staging.to_host(self._slice(payload))
+            send = self.staging.to_host(self.slice(payload))
             received = {j: self.staging.take(send.numel(), send.dtype) for j in others}
         else:
-            send = self._slice(payload.to(self.device)).contiguous()
+            send = self.slice(payload.to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
-        works = self._exchange(dict.fromkeys(others, send), received)
+        works = self.exchange(dict.fromkeys(others, send), received, round_id)
 
         def finish() -> Tensor:
             received[self.replica] = send
             if not staged:
-                return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
+                return self.gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
             order = sorted(group)  # the sum of sum_in_group_order, into a staging buffer
             total = self.staging.take(send.numel(), send.dtype)
             total.copy_(received[order[0]])
             for j in order[1:]:
                 total.add_(received[j])
-            result = self.staging.to_device(self._gather_slices(total, payload), payload.device)
+            result = self.staging.to_device(self.gather_slices(total, payload), payload.device)
             self.staging.give_back(total, *received.values())
             return result
 
         nbytes = send.numel() * send.element_size() * len(others)
-        return self._pending(works, finish, nbytes, tuple(others))
+        return self.pending(works, finish, nbytes, tuple(others))
 
-    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> PendingSum:
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
+                             round_id: RoundId = FIRST_ROUND) -> Pending:
         """Posts the all-reduce and returns at once; the sum lands in ``payload``. A lossy ``codec``
         sets the wire format (see the module docstring)."""
         if codec is not None and codec.lossy and self.num_replicas > 1:
-            return coded.start_all_reduce_sum(self, payload, codec)
+            return coded.start_all_reduce_sum(self, payload, codec, round_id)
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
-        part = self._slice(buf)
+        part = self.slice(buf)
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
         n = self.num_replicas
         peers = tuple(j for j in range(n) if j != self.replica)
@@ -314,7 +327,7 @@ class TorchDistributedTransport(Transport):
             raise self.peer_error(peers, err) from err
 
         def finish() -> Tensor:
-            whole = self._gather_slices(part, buf)
+            whole = self.gather_slices(part, buf)
             if whole.data_ptr() != payload.data_ptr():
                 payload.copy_(whole.view_as(payload), non_blocking=staged and self.staging.pinned)
             if staged:
@@ -322,7 +335,7 @@ class TorchDistributedTransport(Transport):
             return payload
 
         nbytes = ring_all_reduce_bytes(part.numel() * part.element_size(), n)
-        return self._pending([work] if work is not None else [], finish, nbytes, peers)
+        return self.pending([work] if work is not None else [], finish, nbytes, peers)
 
 
 def all_gather_slices(part: Tensor, like: Tensor, k: int, group: Any) -> Tensor:
