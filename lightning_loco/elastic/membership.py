@@ -18,7 +18,7 @@ How a membership is agreed, with K = ``membership_every``:
 * a replica that asks with ``current=False`` (it is starting) or with a step below the others' (it fell
   behind) is a *joiner*: at the switch it takes the training state of the *donor* (the first member, by
   id, that is not a joiner): a header through the membership's rendezvous store, the tensors over its
-  process group (:mod:`~lightning_loco.elastic.heal`),
+  process group (:mod:`~lightning_loco.elastic.state_transfer`),
   and takes part from round s + K. With ``heal=False`` it takes only the step counts and keeps its own
   weights (a replica resumed from its own checkpoint).
 
@@ -48,11 +48,11 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_loco.elastic import heal as store_heal
 from lightning_loco.elastic import healing
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
+from lightning_loco.elastic.keys import group_prefix, rank_prefix
 from lightning_loco.elastic.plan import Plan, View, make_plan
-from lightning_loco.elastic.ranks import ReplicaRankError, ReplicaRanks, publish, rank_prefix, read
+from lightning_loco.elastic.ranks import ReplicaRankError, ReplicaRanks, publish, read
 from lightning_loco.elastic.waiting import GRACE_S, in_thread, no_stop, wait_in_slices
 
 log = logging.getLogger("lightning_loco")
@@ -68,7 +68,7 @@ class _Request:
     result: Optional[tuple[Plan, Optional[Any]]] = None
     error: Optional[BaseException] = None
     ended: Optional[float] = None  # when the request answered or failed
-    phase: str = "waiting for the Lighthouse's quorum"  # what the request is doing now (for timeout messages)
+    doing: str = "waiting for the Lighthouse's quorum"  # what the request is doing now (for timeout messages)
 
 
 def local_host_for(url: str) -> str:
@@ -112,7 +112,7 @@ class Membership:
         self.replica_id = config.replica_id
         self.check_stop = check_stop
         self.ranks, self.rank = ranks, ranks.rank if ranks is not None else 0
-        self._info = log.info if self.rank == 0 else log.debug  # the replica's rank 0 says what happens
+        self.info = log.info if self.rank == 0 else log.debug  # the replica's rank 0 says what happens
         self._asked = 0  # quorum requests so far (rank 0 numbers the plans it hands to the other ranks)
         if self.rank == 0:
             host = local_host_for(config.url)
@@ -183,7 +183,7 @@ class Membership:
             plan = None
             try:
                 if self.ranks is not None and self.rank:  # rank 0 asks; this rank takes its plan
-                    request.phase = "waiting for rank 0 of this replica to hand on the Lighthouse's quorum"
+                    request.doing = "waiting for rank 0 of this replica to hand on the Lighthouse's quorum"
                     plan = read(self._store, number, self.ranks)
                 else:
                     quorum = self._client.quorum(
@@ -194,7 +194,7 @@ class Membership:
                     plan = make_plan(quorum, self.config.membership_every, view, self.sync)
                     if self.ranks is not None:
                         publish(self._store, number, plan)
-                request.phase = f"setting up the process group of membership {plan.quorum_id}"
+                request.doing = f"setting up the process group of membership {plan.quorum_id}"
                 pg = view.pg if plan.reuse and view is not None else self._configure(plan)
                 request.result = (plan, pg)
             except BaseException as err:  # handed to the main thread at the switch
@@ -213,7 +213,7 @@ class Membership:
 
         pg = ProcessGroupGloo(timeout=timedelta(seconds=self.config.outer_step_timeout))
         try:
-            pg.configure(f"{rank_prefix(plan.store_address, self.rank)}/pg", self.replica_id,
+            pg.configure(group_prefix(plan.store_address, self.rank), self.replica_id,
                          plan.members.index(self.replica_id), len(plan.members))
             return pg
         except Exception as err:
@@ -234,10 +234,10 @@ class Membership:
 
     def at_switch(self, next_round: int, export: Callable[[], dict[str, Any]],
                   load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None,
-                  land: Optional[Callable[[Any], Any]] = None) -> int:
+                  receive_into: Optional[Callable[[Any], Any]] = None) -> int:
         """Between rounds (before the inner steps of round ``next_round``): takes up the next membership when
         it is due, healing this replica (``load(state, heal)``, which returns the round it now stands at) or
-        healing joiners from it (``export()``), and asks for the one after. Returns the next round. ``land``:
+        healing joiners from it (``export()``), and asks for the one after. Returns the next round. ``receive_into``:
         see :func:`~lightning_loco.elastic.healing.take_state`.
 
         ``committed`` (DiLoCo, whose members must hold the same anchor): the rounds of the current membership
@@ -256,9 +256,9 @@ class Membership:
                 pg.shutdown()
             pg = None
         if self.replica_id in plan.joiners:
-            next_round = healing.take_state(self, plan, pg, load, land)
+            next_round = healing.take_state(self.heal_side(), plan, pg, load, receive_into)
         elif plan.donor == self.replica_id and plan.joiners:
-            healing.hand_state(self, plan, pg, export())
+            healing.hand_state(self.heal_side(), plan, pg, export())
         old, self.view = self.view, View(plan.quorum_id, plan.members, plan.members.index(self.replica_id),
                                          plan.switch, pg)
         if old is not None and pg is old.pg:
@@ -280,7 +280,8 @@ class Membership:
         config = self.config
         waited = time.perf_counter()
         bound = config.join_timeout + config.outer_step_timeout + GRACE_S  # the request's calls time out first
-        done = wait_in_slices(request.thread, bound, self.check_stop, f"a membership from the Lighthouse at {config.url}")
+        done = wait_in_slices(request.thread, bound, self.check_stop,
+                              f"a membership from the Lighthouse at {config.url}")
         self.waits.append(time.perf_counter() - waited)
         took = (request.ended or time.perf_counter()) - request.asked
         if isinstance(request.error, ReplicaRankError):
@@ -289,7 +290,7 @@ class Membership:
             raise RuntimeError(
                 f"Replica {self.replica_id!r} got no membership within {bound:g} s of the switch (join_timeout="
                 f"{config.join_timeout:g} s + outer_step_timeout={config.outer_step_timeout:g} s + {GRACE_S:g} s): it "
-                f"was still {request.phase}. The Lighthouse at {config.url} or a member hangs; restart this replica."
+                f"was still {request.doing}. The Lighthouse at {config.url} or a member hangs; restart this replica."
             )
         if isinstance(request.error, TimeoutError) and took >= 0.9 * config.join_timeout:
             raise RuntimeError(
@@ -305,11 +306,16 @@ class Membership:
             ) from request.error
         return request.result
 
-    def _store_client(self, plan: Plan) -> Any:
+    def store_client(self, plan: Plan) -> Any:
+        """A client of the membership's store under this rank's prefix (its heal keys live there)."""
         from torchft.process_group import create_store_client
 
         return create_store_client(rank_prefix(plan.store_address, self.rank),
                                    timedelta(seconds=self.config.join_timeout))
+
+    def heal_side(self) -> healing.Side:
+        """What this rank lends a heal (:mod:`~lightning_loco.elastic.healing`)."""
+        return healing.Side(self.config.name, self.config, self.store_client, self.check_stop, self.info)
 
     def _say_membership(self, old: Optional[View], plan: Plan) -> None:
         """One log line for a membership whose members changed (DEBUG for an unchanged one)."""
@@ -322,7 +328,7 @@ class Membership:
         changes = ([f"left: {left}"] if left and old is not None else []) + (
             [f"joined: {came}"] if came and old is not None else []) + (
             [f"healing from {plan.donor!r}: {list(plan.joiners)}"] if plan.joiners else [])
-        self._info("Replica %r: membership %d from outer step %d: %s%s", self.replica_id, plan.quorum_id, plan.switch,
+        self.info("Replica %r: membership %d from outer step %d: %s%s", self.replica_id, plan.quorum_id, plan.switch,
                  list(plan.members), f" ({'; '.join(changes)})" if changes else "")
 
     def failed(self) -> None:
@@ -346,7 +352,7 @@ class Membership:
         if self._beats.is_alive():
             self._beats.join(HEARTBEAT_TIMEOUT_S + 1.0)
         if self.view is not None:
-            self._info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
+            self.info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
             if self.view.pg is not None:
                 self.view.pg.shutdown()
         self.view = None

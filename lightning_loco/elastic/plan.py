@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_loco.elastic.heal import membership_prefix
+from lightning_loco.elastic.keys import membership_prefix
 
 
 @dataclass(frozen=True)

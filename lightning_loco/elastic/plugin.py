@@ -7,9 +7,9 @@
 * takes up memberships between rounds: the first before the first inner step, the next ones after the
   rounds that end a membership's stretch (a switch may heal this replica from a live one, or send this
   replica's state to joiners);
-* before each round, checks that the round has a membership and tags the exchange with the outer step;
-* after each round lands, records it (its group as replica ids, whether it was taken alone or dropped);
-  a dropped round leaves the error-feedback residual as it was before the round;
+* before each round, checks that the round has a membership, and records the round's group as replica ids;
+* after each round lands, records whether it was taken alone or dropped (the driver itself drops a
+  collective round finished alone, and puts its error-feedback residual back as it was);
 * at the end, leaves the membership (the heartbeats stop).
 
 **What a joiner takes.** The driver's state (anchor, outer state, counters), the live weights, and the
@@ -34,12 +34,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from lightning_loco.elastic.transport import ElasticTransport
-from lightning_loco.plugins import DriverPlugin, Landing, Outcome
+from lightning_loco.plugins import Driver, DriverPlugin, Landing, Outcome
+from lightning_loco.schedules import Round
 
 log = logging.getLogger("lightning_loco")
 
@@ -60,29 +61,25 @@ class ElasticPlugin(DriverPlugin):
         self.committed = 0  # rounds of the current membership that completed (compared by DiLoCo's members)
         self.collective = False
         self._switch_pending = False  # a switch waits for the loop owner's next between_steps
-        self._residual: Any = None  # the error-feedback residual as the round in flight found it
-        self._healing = False  # a heal is receiving into this replica's own outer state (see landing)
-        self.torn: Any = None  # why the outer state cannot be saved: a heal into it did not complete
+        self._healing = False  # a heal is receiving into this replica's own outer state (see receive_into)
+        self.torn: Optional[str] = None  # why the outer state cannot be saved: a heal into it did not complete
 
     @property
     def membership(self) -> Any:
         return self.transport.membership
 
-    def attach(self, driver: Any) -> None:
+    def attach(self, driver: Driver) -> None:
         super().attach(driver)
         driver.label = f"Replica {self.transport.config.replica_id!r}"
-        self.collective = driver.algorithm.schedule(0, 2).collective
+        self.collective = driver.algorithm.collective
         self.membership.sync = self.collective
 
     def before_training(self) -> None:
         """Takes up the first membership (waits for the Lighthouse's quorum; heals if the others are ahead):
-        here, or with a training state at the first :meth:`between_steps`."""
-        slots = self.driver.slots
-        if len(slots) != 1:
-            raise ValueError(
-                f"Elastic replicas support one optimizer for now; this model has {len(slots)}. Return one "
-                "optimizer from configure_optimizers, or use lighthouse=None."
-            )
+        here, or with a training state at the first :meth:`between_steps`. One optimizer (the rule
+        ``elastic-one-optimizer`` of :mod:`lightning_loco.options` refuses more when fit starts)."""
+        if len(self.driver.slots) != 1:
+            raise RuntimeError(f"elastic replicas run one optimizer, this driver has {len(self.driver.slots)}")
         self._switch_soon()
 
     def between_steps(self) -> None:
@@ -97,7 +94,7 @@ class ElasticPlugin(DriverPlugin):
         else:
             self._switch_pending = True
 
-    def before_round(self, optimizer_index: int, outer_step: int) -> None:
+    def before_round(self, optimizer_index: int, outer_step: int, schedule: Round) -> None:
         if self._switch_pending:
             raise RuntimeError(
                 f"outer step {outer_step} starts before the membership switch that precedes it: the loop that gave "
@@ -108,23 +105,14 @@ class ElasticPlugin(DriverPlugin):
         if view is None or outer_step < view.first_round:
             raise RuntimeError(f"outer step {outer_step} has no membership (the current one starts at "
                                f"{None if view is None else view.first_round})")
-        self.transport.outer_step = outer_step
-        slot = self.driver.slots[0]
-        feedback = self.driver.wire is not None and self.driver.wire.error_feedback
-        self._residual = slot.residual.clone() if feedback and slot.residual is not None else None
-        group = self.driver.algorithm.schedule(outer_step, self.transport.num_replicas).group_of(self.transport.replica)
+        group = schedule.group_of(self.transport.replica)
         self.rounds.append({"outer_step": outer_step, "quorum_id": view.quorum_id, "time": time.time(),
                             "group": list(self.transport.member_ids(group))})
 
     def after_landing(self, landing: Landing) -> None:
-        self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED, dropped=landing.outcome is Outcome.DROPPED)
+        self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED,
+                               dropped=landing.outcome is Outcome.DROPPED)
         self.committed += landing.outcome is Outcome.EXCHANGED
-        residual = self.driver.slots[0].residual
-        if landing.outcome is Outcome.DROPPED and residual is not None:  # the dropped payload's loss is not kept
-            if self._residual is None:
-                residual.zero_()
-            else:
-                residual.copy_(self._residual)
         if landing.outcome is not Outcome.EXCHANGED and len(landing.group) > 1:
             self._say_alone(landing)
         if not landing.final:
@@ -154,6 +142,10 @@ class ElasticPlugin(DriverPlugin):
     def close(self) -> None:
         self.transport.close()  # stops the heartbeats: the Lighthouse counts this replica as gone
 
+    def check_savable(self) -> None:
+        if self.torn is not None:  # a heal into the outer state stopped part way: nothing of it is written
+            raise RuntimeError(self.torn)
+
     def peer_ids(self, group: Sequence[int]) -> tuple[str, ...]:
         """The replica ids of this replica's peers in ``group`` (indices into the current membership)."""
         own = self.transport.replica
@@ -164,7 +156,8 @@ class ElasticPlugin(DriverPlugin):
         if self.membership.due(next_round):
             try:
                 self.membership.at_switch(next_round, self.export_state, self.load_state,
-                                          committed=self.committed if self.collective else None, land=self.landing)
+                                          committed=self.committed if self.collective else None,
+                                          receive_into=self.receive_into)
             except BaseException:
                 if self._healing:
                     self.torn = (f"Replica {self.transport.config.replica_id!r}'s outer state was partly overwritten "
@@ -179,7 +172,8 @@ class ElasticPlugin(DriverPlugin):
         weights and the training state outside the driver (``extra``: None without one), between rounds."""
         slots = self.driver.slots
         weights = [slot.flat.gather() for slot in slots]
-        extra = self.training_state.export() if self.training_state is not None else None
+        heal_optimizer = self.transport.config.heal_optimizer
+        extra = self.training_state.export(heal_optimizer) if self.training_state is not None else None
         # Between rounds the live weights are usually the anchor just set (τ = 0: the landing writes it into the
         # parameters), bitwise: then they travel once, as the anchor, and None stands in their place.
         sent = [None if same(w, slot.state.anchor) else w for w, slot in zip(weights, slots)]
@@ -188,7 +182,7 @@ class ElasticPlugin(DriverPlugin):
                               "weights_sent": [w is not None for w in sent]})
         return {"driver": self.driver.state_dict(), "weights": sent, "extra": extra}
 
-    def landing(self, skeleton: dict[str, Any]) -> dict[str, Any]:
+    def receive_into(self, skeleton: dict[str, Any]) -> dict[str, Any]:
         """Before a whole-state heal's tensors cross: checks the donor's training state (its placeholders'
         skeleton, e.g. a donor sharded otherwise is refused here) and returns this replica's driver state,
         whose outer-state tensors the donor's are received into in place (they are overwritten anyway)."""
@@ -223,6 +217,7 @@ class ElasticPlugin(DriverPlugin):
             for slot, entry in zip(slots, saved):
                 slot.inner_steps, slot.outer_steps = entry["inner_steps"], entry["outer_steps"]
         if self.training_state is not None:
+            assert extra is not None  # _check_donor: both kinds of replica hold a training state
             self.training_state.load(extra, heal)
         self._healing = False
         self.healed_from.append({"donor": state.get("donor"), "outer_step": slots[0].outer_steps,

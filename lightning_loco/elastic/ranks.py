@@ -13,7 +13,8 @@ rank:
   replica and no collective of the run. The store's address reaches the ranks once, at start-up, by a
   broadcast over the replica's process group (:meth:`ReplicaRanks.share`);
 * **rank i of every member forms its own process group with rank i of the others**, configured under a
-  store prefix per (membership, rank i): ``…/q<quorum id>/s<first outer step>/r<i>`` (:func:`rank_prefix`);
+  store prefix per (membership, rank i): ``…/q<quorum id>/s<first outer step>/r<i>``
+  (:func:`~lightning_loco.elastic.keys.rank_prefix`);
   each rank moves its own 1/k slice of the payload on it and the replica's ranks all-gather the result,
   as the static launch does (:meth:`ReplicaRanks.gather`);
 * **a round is the replica's on all its ranks or on none**: after its exchange each rank says whether
@@ -44,18 +45,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-PLAN_KEY = "lightning_loco/elastic/replica/plan/"  # + the request's number, on rank 0's store
+from lightning_loco.elastic.keys import plan_key, read_key
+from lightning_loco.transport.torch_dist import all_gather_slices
 
 
 class ReplicaRankError(RuntimeError):
     """A rank of this replica stopped or cannot be reached (or rank 0 got no membership): the replica
     leaves the membership as a whole."""
-
-
-def rank_prefix(store_address: str, rank: int) -> str:
-    """``HOST:PORT/…/q<id>/s<round>/r<rank>``: the store prefix of one rank's process group and heal keys
-    in one membership."""
-    return f"{store_address}/r{rank}"
 
 
 def restart_advice(replica_id: str, rank: int, size: int) -> str:
@@ -93,8 +89,6 @@ class ReplicaRanks:
         return int(agreed.item())
 
     def _all_gather(self, part: Tensor, like: Tensor) -> Tensor:
-        from lightning_loco.transport.torch_dist import all_gather_slices
-
         return all_gather_slices(part.to(self.device), like, self.size, self.group)
 
     def error(self, doing: str, err: BaseException) -> ReplicaRankError:
@@ -114,7 +108,7 @@ class ReplicaRanks:
     def share_store(self, store: Optional[Any], timeout: float) -> tuple[str, Any]:
         """Rank 0's store (``store`` on rank 0, None elsewhere) as its address and, on the other ranks, a
         client of it whose calls wait at most ``timeout`` seconds."""
-        address = self.share(f"{store.host}:{store.port}" if self.rank == 0 else None, "starting")
+        address = self.share(f"{store.host}:{store.port}" if store is not None else None, "starting")
         if self.rank == 0:
             return address, store
         host, _, port = address.rpartition(":")
@@ -142,21 +136,21 @@ class ReplicaRanks:
 
 def publish(store: Any, number: int, plan: Any = None, error: Optional[str] = None) -> None:
     """Rank 0's side: the plan of its ``number``-th quorum request (or why it has none) for the other ranks."""
-    store.set(f"{PLAN_KEY}{number}", pickle.dumps({"plan": plan, "error": error}))
+    store.set(plan_key(number), pickle.dumps({"plan": plan, "error": error}))
 
 
 def read(store: Any, number: int, ranks: ReplicaRanks) -> Any:
     """Rank i's side: waits for the plan of rank 0's ``number``-th request (the store's timeout bounds the
     wait; a rank 0 that died fails it at once). Raises :class:`ReplicaRankError` without one."""
-    key = f"{PLAN_KEY}{number}"
+    key = plan_key(number)
     try:
         raw = store.get(key)
     except RuntimeError as err:
         raise ranks.error("waiting for rank 0's membership", err) from err
     entry = pickle.loads(raw)  # written by this replica's own rank 0
-    if store.add(f"{key}/read", 1) >= ranks.size - 1:  # the last of the other ranks to read it clears it
+    if store.add(read_key(key), 1) >= ranks.size - 1:  # the last of the other ranks to read it clears it
         store.delete_key(key)
-        store.delete_key(f"{key}/read")
+        store.delete_key(read_key(key))
     if entry["error"] is not None:
         raise ReplicaRankError(f"Rank 0 of replica {ranks.replica_id!r} got no membership: {entry['error']} "
                                + restart_advice(ranks.replica_id, ranks.rank, ranks.size))

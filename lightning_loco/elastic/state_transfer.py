@@ -1,16 +1,13 @@
-"""How a joiner takes a live replica's state: a small header through the rendezvous store of the membership
-that admits it, the tensors point to point over that membership's process group.
+"""The state-transfer protocol: how a joiner takes a live replica's state, a small header through the
+rendezvous store of the membership that admits it, the tensors point to point over that membership's
+process group. (When a heal happens, and with whom, is :mod:`~lightning_loco.elastic.healing`'s.)
 
-**Keys.** Every membership has its own prefix on the store of its first participant,
-``HOST:PORT/lightning_loco/elastic/q<quorum id>/s<first round>`` (:func:`membership_prefix`): the
-process group's rendezvous and the healing header live under it. The quorum id alone does not name a
-membership. torchft's Lighthouse keeps the id while the participants stay the same (DiLoCo's memberships
-at every switch; a replica restarted under its old id before the Lighthouse counted it as dead) and
-counts from 1 again when it restarts, so two memberships could share a prefix and a joiner would read a
-state written for an earlier one. The first round of a replica's memberships only grows, so the pair is
-new for every membership a store's owner takes part in.
+**Keys.** Every membership has its own prefix on the store of its first participant, and every rank of a
+member a part of it (:mod:`~lightning_loco.elastic.keys`): the process group's rendezvous and the healing
+header live under it.
 
-**Protocol.** The donor writes a header once, under ``heal/<joiners>`` of that prefix (:func:`heal_key`):
+**Protocol.** The donor writes a header once, under ``heal/<joiners>`` of that prefix
+(:func:`~lightning_loco.elastic.keys.heal_key`):
 the state with every tensor replaced by a placeholder, each tensor's dtype, shape and device, and a header
 naming the membership (:func:`prepare`). A joiner's ``get`` waits until the key is written; the joiner
 checks the header (:func:`decode`: a state for another membership is an error, never loaded), and the last
@@ -26,7 +23,7 @@ as point-to-point messages from the donor's rank to each joiner's (:class:`Outgo
   bounded by the process group's timeout, so a donor that dies or hangs mid-transfer is an error on the
   joiner naming the message and the timeout, never a silent wait;
 * the state loaded is bitwise the one exported (dtypes, shapes and values; tensors come back contiguous);
-* a joiner may name tensors of its own to receive into (:func:`landing`: where its own state holds a CPU
+* a joiner may name tensors of its own to receive into (:func:`in_place`: where its own state holds a CPU
   tensor of the same path, dtype and shape, such as the outer state it is about to overwrite), which saves
   the first touch of fresh memory, about as costly as the transfer itself on loopback; the others arrive
   in new tensors.
@@ -52,23 +49,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-PREFIX = "lightning_loco/elastic"
+from lightning_loco.elastic.keys import taken_key
+
 CHUNK_BYTES = 64 * 2**20  # the largest message of a heal
 SMALL_BYTES = 2**16  # tensors below this share messages (one message per tensor would cost a latency each)
 IN_FLIGHT = 4  # messages posted at once, per joiner
 TAG_BASE = 1 << 30  # heal messages' tags: above every exchange tag of the elastic transport
 STORE_VALUE_MAX = 8 * 2**20 - 2**16  # the largest store value torch's TCPStore (libuv backend) takes: 8 MiB
 _TENSOR = "__lightning_loco_tensor__"  # a tensor's placeholder in the header's skeleton
-
-
-def membership_prefix(store_address: str, quorum_id: int, first_round: int) -> str:
-    """``HOST:PORT/lightning_loco/elastic/q<quorum id>/s<first round>``: the store address of one membership."""
-    return f"{store_address}/{PREFIX}/q{quorum_id}/s{first_round}"
-
-
-def heal_key(joiners: Sequence[str]) -> str:
-    """The key of the header the joiners of a membership take (under the membership's prefix)."""
-    return "heal/" + ",".join(joiners)
 
 
 def header(quorum_id: int, first_round: int, joiners: Sequence[str], donor: str) -> dict[str, Any]:
@@ -104,9 +92,9 @@ def take(store: Any, key: str, joiners: int) -> bytes:
     """A joiner's side: waits for the header (the store's timeout bounds the wait), and the last of the
     ``joiners`` to take it deletes it."""
     raw = store.get(key)
-    if store.add(f"{key}/taken", 1) >= joiners:
+    if store.add(taken_key(key), 1) >= joiners:
         store.delete_key(key)
-        store.delete_key(f"{key}/taken")
+        store.delete_key(taken_key(key))
     return raw
 
 
@@ -142,7 +130,7 @@ def join(value: Any, tensors: Sequence[Tensor]) -> Any:
     return value
 
 
-def landing(skeleton: Any, own: Any, metas: Sequence[tuple[torch.dtype, tuple[int, ...], str]]) -> dict[int, Tensor]:
+def in_place(skeleton: Any, own: Any, metas: Sequence[tuple[torch.dtype, tuple[int, ...], str]]) -> dict[int, Tensor]:
     """Where a joiner can receive tensors in place: for each placeholder of ``skeleton`` (the donor's state,
     see :func:`split`) at whose path ``own`` holds a contiguous CPU tensor of the donor's dtype and shape,
     that tensor (detached), by placeholder index. Empty tensors, and tensors that share memory with an earlier
@@ -299,7 +287,7 @@ class Incoming:
                 into: Optional[dict[int, Tensor]] = None) -> dict[str, Any]:
         """Receives the tensors from rank ``src`` of ``pg`` (``IN_FLIGHT`` messages at once, each wait bounded
         by ``timeout``) and returns the state; ``RuntimeError`` naming the message if one fails. ``into``
-        (from :func:`landing`): tensors to receive in place, by placeholder index; a failed transfer may
+        (from :func:`in_place`): tensors to receive in place, by placeholder index; a failed transfer may
         leave them partly written."""
         if self.state is not None:
             return self.state

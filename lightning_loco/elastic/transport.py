@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
+from enum import IntEnum
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,13 +46,19 @@ from lightning_loco.codecs import Codec, ring_all_reduce_bytes
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import Membership, show_info_lines
 from lightning_loco.elastic.ranks import ReplicaRanks
-from lightning_loco.elastic.straggler import PeerFailed, PeerWork, settle, wait_all
+from lightning_loco.elastic.straggler import settle
 from lightning_loco.elastic.waiting import no_stop
+from lightning_loco.elastic.works import CollectivePeer, PeerFailed, PeerWork, wait_all
 from lightning_loco.transport import coded
-from lightning_loco.transport.base import Pending, Transport, TransportStats, sum_in_group_order
+from lightning_loco.transport.base import FIRST_ROUND, Pending, RoundId, Transport, TransportStats, sum_in_group_order
 
 
-TOGETHER, LATE, FAILED = 2, 1, 0  # a round's outcome on one rank (its replica takes the least of its ranks')
+class RankOutcome(IntEnum):
+    """A round's outcome on one rank; a replica of several ranks takes the least of its ranks'."""
+
+    FAILED = 0  # an exchange failed: the round is taken alone
+    LATE = 1  # a partner was late (straggler_timeout): the round is taken alone, the group stays
+    TOGETHER = 2  # the group's sum came
 
 
 class ElasticPending(Pending):
@@ -61,10 +68,11 @@ class ElasticPending(Pending):
 
     def __init__(self, transport: "ElasticTransport", works: list[PeerWork], payload: Optional[Tensor],
                  finish: Callable[[], Tensor], group_size: int, nbytes: int, peers: tuple[int, ...],
-                 alone: bool = False, codec: Optional[Codec] = None) -> None:
+                 alone: bool = False, codec: Optional[Codec] = None, round_id: RoundId = FIRST_ROUND) -> None:
         super().__init__(transport, nbytes, peers)
+        self.transport: ElasticTransport = transport
         self.works, self.payload, self.finish, self.group_size = works, payload, finish, group_size
-        self.alone, self.codec = alone, codec
+        self.alone, self.codec, self.round_id = alone, codec, round_id
         self.error: Optional[BaseException] = None
         self.agreed = False  # a replica of several ranks: its ranks agree on this round's outcome (it was posted)
 
@@ -79,41 +87,46 @@ class ElasticPending(Pending):
     def _receive(self) -> Tensor:
         result: Optional[Tensor] = None
         if not self.alone or self.agreed:
-            ranks, straggler_timeout = self.transport.ranks, self.transport.config.straggler_timeout
-            status, told = (FAILED if self.alone else TOGETHER), ranks is None or not self.agreed
+            transport, t = self.transport, self.round_id.outer_step
+            ranks, straggler_timeout = transport.ranks, transport.config.straggler_timeout
+            status = RankOutcome.FAILED if self.alone else RankOutcome.TOGETHER
+            told = ranks is None or not self.agreed
             try:
                 if self.alone:
                     pass  # posting failed on this rank: its replica's other ranks hear of it below
                 elif straggler_timeout is not None and self.peers:
-                    together, without, gave_up = settle(self, straggler_timeout)
-                    status = TOGETHER if together else LATE
+                    together, without, gave_up = settle(transport, self.works, self.peers, self.started, self.round_id,
+                                                        straggler_timeout)
+                    status = RankOutcome.TOGETHER if together else RankOutcome.LATE
                     if not together:
-                        self.transport.partner_late(without, gave_up)
+                        transport.partner_late(without, gave_up, t)
                 else:
                     wait_all(self.works)
-                if not told:  # the replica's outcome: the worst of its ranks'
-                    agreed, told = ranks.agree(status), True
+                if ranks is not None and not told:  # the replica's outcome: the worst of its ranks'
+                    agreed, told = RankOutcome(ranks.agree(status)), True
                     if agreed < status:
                         self._heard(agreed)
                     status = agreed
-                result = self.finish() if status == TOGETHER else None
+                result = self.finish() if status == RankOutcome.TOGETHER else None
             except PeerFailed as failure:  # this partner failed; the others' transfers still complete
                 result, self.error, self.works = None, failure.error, []  # no work left to hold the group open
                 failure.__traceback__ = None  # nor frames that hold some (the abort below closes the group)
-                self.transport.partner_failed(self.peers if -1 in failure.peers else failure.peers, failure.error)
-                if not told:  # the replica's other ranks take the round alone too
-                    ranks.agree(FAILED)
+                peers = self.peers if CollectivePeer.ALL in failure.peers else tuple(failure.peers)
+                transport.partner_failed(peers, failure.error, t)
+                if ranks is not None and not told:  # the replica's other ranks take the round alone too
+                    ranks.agree(RankOutcome.FAILED)
         self.alone = result is None  # taken alone from the start, or now
         self.works = []
         return self._alone() if result is None else result
 
-    def _heard(self, agreed: int) -> None:
+    def _heard(self, agreed: RankOutcome) -> None:
         """Another rank of this replica took the round alone: this rank does the same, as that rank did."""
-        if agreed == LATE:
-            self.transport.partner_late(self.peers, False)
+        t = self.round_id.outer_step
+        if agreed == RankOutcome.LATE:
+            self.transport.partner_late(self.peers, False, t)
         else:
             why = RuntimeError("an exchange of another rank of this replica failed")
-            self.transport.partner_failed(self.peers, why)
+            self.transport.partner_failed(self.peers, why, t)
 
     def abandon(self, timeout: float) -> bool:
         finished = self.done()
@@ -131,8 +144,11 @@ class ElasticTransport(Transport):
     ``close`` serves: tests pass an in-process one, whose views carry an in-process process group.
     ``check_stop`` goes to the default membership (see :class:`Membership`).
 
-    Lossy wire formats travel as on the static launch (:mod:`~lightning_loco.transport.coded`, through
-    :meth:`_exchange`, :meth:`_pending`, :meth:`_slice` and :meth:`_gather_slices`)."""
+    Lossy wire formats travel as on the static launch (:mod:`~lightning_loco.transport.coded`): this
+    transport is a :class:`~lightning_loco.transport.base.PointToPoint` one. Each round's exchanges are
+    tagged with the round's outer step, which the caller passes to ``start_*``."""
+
+    may_go_alone = True  # a partner that fails leaves this replica to finish the round alone
 
     def __init__(self, config: ElasticConfig, device: Optional[torch.device] = None,
                  membership: Optional[Any] = None, check_stop: Callable[[str], None] = no_stop,
@@ -143,10 +159,9 @@ class ElasticTransport(Transport):
         self.ranks = ranks
         self.membership = Membership(config, check_stop, ranks) if membership is None else membership
         self.stats = TransportStats()
-        self.outer_step = 0  # the round being posted: the exchanges' tag
         self.failures: list[dict[str, Any]] = []  # rounds finished alone because a partner failed
         self.late: list[dict[str, Any]] = []  # rounds taken alone because a partner was late (straggler_timeout)
-        self._phase = 0  # exchanges posted so far in this round (a codec's all-reduce posts two)
+        self._posted_in_round = 0  # exchanges posted so far in the round being posted (a codec's all-reduce: two)
         self._lingering: list[tuple[Any, PeerWork]] = []  # left to a late partner, with their process group
 
     @property
@@ -155,36 +170,37 @@ class ElasticTransport(Transport):
         return 1 if self.ranks is None or self.sharded else self.ranks.size
 
     @property
-    def replica(self) -> int:
+    def replica(self) -> int:  # type: ignore[override]  # the Transport protocol's attribute, computed here
         view = self.membership.view
         return view.rank if view is not None else 0
 
     @property
-    def num_replicas(self) -> int:
+    def num_replicas(self) -> int:  # type: ignore[override]  # (as replica)
         view = self.membership.view
         return len(view.members) if view is not None else 1
 
     def member_ids(self, ranks: Sequence[int]) -> tuple[str, ...]:
         view = self.membership.view
-        return tuple(view.members[j] for j in ranks) if view is not None else (self.config.replica_id,)
+        return tuple(view.members[j] for j in ranks) if view is not None else (self.config.name,)
 
-    def partner_failed(self, peers: Sequence[int], err: Optional[BaseException]) -> None:
+    def partner_failed(self, peers: Sequence[int], err: Optional[BaseException], outer_step: int) -> None:
+        """Records outer step ``outer_step`` finished alone because ``peers`` failed, and aborts the group."""
         ids = self.member_ids(peers)
-        self.failures.append({"outer_step": self.outer_step, "peers": list(ids), "error": str(err)[:200],
+        self.failures.append({"outer_step": outer_step, "peers": list(ids), "error": str(err)[:200],
                               "time": time.time()})
         self._lingering = []  # their works would hold the group's connections open after the abort
         self.membership.failed()
         warnings.warn(
-            f"Replica {self.config.replica_id!r}: outer step {self.outer_step} could not complete with {list(ids)} "
+            f"Replica {self.config.replica_id!r}: outer step {outer_step} could not complete with {list(ids)} "
             f"({str(err).splitlines()[0][:160]}); this replica finished the round alone, and the next membership "
             "leaves out a replica that died.",
             stacklevel=3,
         )
 
-    def partner_late(self, peers: Sequence[int], gave_up: bool) -> None:
-        """Records a round taken alone under ``straggler_timeout``: this replica gave up on ``peers`` (late),
-        or they gave up on it. The membership's group stays: they meet again next round."""
-        self.late.append({"outer_step": self.outer_step, "peers": list(self.member_ids(peers)), "gave_up": gave_up,
+    def partner_late(self, peers: Sequence[int], gave_up: bool, outer_step: int) -> None:
+        """Records outer step ``outer_step`` taken alone under ``straggler_timeout``: this replica gave up on
+        ``peers`` (late), or they gave up on it. The membership's group stays: they meet again next round."""
+        self.late.append({"outer_step": outer_step, "peers": list(self.member_ids(peers)), "gave_up": gave_up,
                           "time": time.time()})
 
     def linger(self, works: Sequence[PeerWork]) -> None:
@@ -197,17 +213,18 @@ class ElasticTransport(Transport):
         """The current membership's process group; :class:`PeerFailed` if it has none or a failure broke it."""
         view = self.membership.view
         if view is None or view.pg is None or not view.ok:
-            raise PeerFailed([-1], RuntimeError("the membership's process group is closed"))
+            raise PeerFailed([CollectivePeer.ALL], RuntimeError("the membership's process group is closed"))
         return view.pg
 
-    def _exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor],
-                  decision: bool = False) -> list[PeerWork]:
+    def exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor], round_id: RoundId = FIRST_ROUND,
+                 decision: bool = False) -> list[PeerWork]:
         """Posts point-to-point receives, then sends, with members j of the current membership; each exchange
-        of a round has its own tag (the outer step, and the exchange's place in the round)."""
+        of a round has its own tag: the round's outer step, and the exchange's place in the round (the
+        straggler decision, ``decision``, the last place of all)."""
         pg = self._group()
-        phase = 15 if decision else self._phase
-        self._phase += not decision
-        tag = (self.outer_step % (1 << 26)) * 16 + phase
+        place = 15 if decision else self._posted_in_round
+        self._posted_in_round += not decision
+        tag = (round_id.outer_step % (1 << 26)) * 16 + place
         try:
             works = [PeerWork(j, pg.recv([buf], j, tag)) for j, buf in receives.items()]
             return works + [PeerWork(j, pg.send([buf], j, tag)) for j, buf in sends.items()]
@@ -215,90 +232,98 @@ class ElasticTransport(Transport):
             # without its frames, which hold the works posted so far (and so the group's connections open)
             raise PeerFailed(sorted(set(sends) | set(receives)), err.with_traceback(None)) from None
 
-    def _pending(self, works: list[PeerWork], finish: Callable[[], Tensor], nbytes: int,
-                 peers: tuple[int, ...]) -> ElasticPending:
+    def pending(self, works: list[Any], finish: Callable[[], Tensor], nbytes: int,
+                peers: tuple[int, ...]) -> ElasticPending:
         return ElasticPending(self, works, None, finish, len(peers) + 1, nbytes, peers)
 
-    def _slice(self, buf: Tensor) -> Tensor:
+    def slice(self, buf: Tensor) -> Tensor:
         return buf if self.ranks is None or self.sharded else self.ranks.slice(buf)
 
-    def _gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
+    def gather_slices(self, part: Tensor, like: Tensor) -> Tensor:
         return part if self.ranks is None or self.sharded else self.ranks.gather(part, like)
 
     def _start(self, payload: Tensor, others: tuple[int, ...], size: int, codec: Optional[Codec],
-               post: Callable[[], ElasticPending]) -> ElasticPending:
+               post: Callable[[], ElasticPending], round_id: RoundId) -> ElasticPending:
         """Posts a round's exchange with ``post`` on the membership's group, or makes it a round alone: the
         group is closed (until the next membership) or posting failed (gloo may fail at once when a peer is
         already gone)."""
         view = self.membership.view
-        alone = ElasticPending(self, [], payload, payload.clone, size, 0, others, alone=True, codec=codec)
+        alone = ElasticPending(self, [], payload, payload.clone, size, 0, others, alone=True, codec=codec,
+                               round_id=round_id)
         if view is None or view.pg is None or not view.ok:
             return alone
         self._lingering = [(pg, w) for pg, w in self._lingering if pg is view.pg and not w.is_completed()]
-        self._phase = 0
+        self._posted_in_round = 0
         try:
             pending = post()
         except PeerFailed as failure:
             alone.error, alone.agreed = failure.error, True  # the replica's other ranks may have posted
-            self.partner_failed(others, failure.error)
+            self.partner_failed(others, failure.error, round_id.outer_step)
             return alone
         pending.payload, pending.group_size, pending.codec, pending.agreed = payload, size, codec, True
+        pending.round_id = round_id
         return pending
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
         return ElasticPending(self, [], total, lambda: total, 1, 0, peers).completed_with(total)
 
-    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None) -> ElasticPending:
+    def start_group_sum(self, payload: Tensor, group: Sequence[int], codec: Optional[Codec] = None,
+                        round_id: RoundId = FIRST_ROUND) -> ElasticPending:
         if self.replica not in group:
             raise ValueError(f"replica {self.replica} is not in the group {tuple(group)}")
         others = tuple(j for j in group if j != self.replica)
         if not others:
-            return ElasticPending(self, [], payload, payload.clone, 1, 0, ())
-        codec = codec if codec is not None and codec.lossy else None
+            return ElasticPending(self, [], payload, payload.clone, 1, 0, (), round_id=round_id)
+        lossy = codec if codec is not None and codec.lossy else None
 
         def post() -> ElasticPending:
-            if codec is not None:
-                return coded.start_group_sum(self, payload, group, list(others), codec)  # type: ignore[arg-type]
-            send = self._slice(payload.detach().to(self.device)).contiguous()
+            if lossy is not None:
+                pending = coded.start_group_sum(self, payload, group, list(others), lossy, round_id)
+                assert isinstance(pending, ElasticPending)
+                return pending
+            send = self.slice(payload.detach().to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
-            works = self._exchange(dict.fromkeys(others, send), received)
+            works = self.exchange(dict.fromkeys(others, send), received, round_id)
 
             def finish() -> Tensor:
                 received[self.replica] = send
-                return self._gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
+                return self.gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
 
-            return self._pending(works, finish, send.numel() * send.element_size() * len(others), others)
+            return self.pending(works, finish, send.numel() * send.element_size() * len(others), others)
 
-        return self._start(payload, others, len(group), codec, post)
+        return self._start(payload, others, len(group), lossy, post, round_id)
 
-    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None) -> ElasticPending:
+    def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
+                             round_id: RoundId = FIRST_ROUND) -> ElasticPending:
         """One all-reduce over the current membership (DiLoCo); the sum lands in ``payload``. If it fails the
         pending is ``alone`` and the driver drops the round (see :class:`~lightning_loco.plugins.Outcome`).
         A lossy ``codec``: the static launch's all-to-all of encoded chunks and all-gather."""
         n = self.num_replicas
         others = tuple(j for j in range(n) if j != self.replica)
         if not others:
-            return ElasticPending(self, [], payload, lambda: payload, 1, 0, ())
-        codec = codec if codec is not None and codec.lossy else None
+            return ElasticPending(self, [], payload, lambda: payload, 1, 0, (), round_id=round_id)
+        lossy = codec if codec is not None and codec.lossy else None
 
         def post() -> ElasticPending:
-            if codec is not None:
-                return coded.start_all_reduce_sum(self, payload, codec)  # type: ignore[arg-type]
+            if lossy is not None:
+                pending = coded.start_all_reduce_sum(self, payload, lossy, round_id)
+                assert isinstance(pending, ElasticPending)
+                return pending
             buf = payload.detach().to(self.device)
-            part = self._slice(buf)  # a view: summed in place
+            part = self.slice(buf)  # a view: summed in place
             options = dist.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.SUM
-            work = PeerWork(-1, self._group().allreduce([part], options))
+            options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stubs: RedOpType
+            work = PeerWork(CollectivePeer.ALL, self._group().allreduce([part], options))
 
             def finish() -> Tensor:
-                whole = self._gather_slices(part, buf)
+                whole = self.gather_slices(part, buf)
                 if whole.data_ptr() != payload.data_ptr():
                     payload.copy_(whole.view_as(payload))
                 return payload
 
-            return self._pending([work], finish, ring_all_reduce_bytes(part.numel() * part.element_size(), n), others)
+            return self.pending([work], finish, ring_all_reduce_bytes(part.numel() * part.element_size(), n), others)
 
-        return self._start(payload, others, n, codec, post)
+        return self._start(payload, others, n, lossy, post, round_id)
 
     def close(self) -> None:
         self._lingering = []
@@ -319,6 +344,6 @@ class ElasticTransportFactory:
                  ranks_per_replica: int = 1, replica_group: Optional[Any] = None, sharded: bool = False,
                  **_: Any) -> ElasticTransport:
         show_info_lines()  # what happens to the replica (joins, heals, memberships) is said at INFO level
-        ranks = ReplicaRanks(self.config.replica_id, replica_group, device) if ranks_per_replica > 1 else None
+        ranks = ReplicaRanks(self.config.name, replica_group, device) if ranks_per_replica > 1 else None
         membership = self.membership() if self.membership is not None else None
         return ElasticTransport(self.config, device, membership, check_stop, ranks, sharded=sharded)
