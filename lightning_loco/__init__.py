@@ -7,6 +7,8 @@ Importing the package registers the strategy names ``"noloco"``, ``"diloco"`` an
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.elastic.config import ElasticConfig
+from lightning_loco.options import FSDPConfig, PacingConfig, WireConfig
 from lightning_loco.outer_checkpoint import OuterStepCheckpoint
 from lightning_loco.strategies import (
     DiLoCoStrategy,
@@ -25,6 +27,8 @@ for _strategy in (NoLoCoStrategy, DiLoCoStrategy, GASLoCStrategy):
 __all__ = [
     "DiLoCo",
     "DiLoCoStrategy",
+    "ElasticConfig",
+    "FSDPConfig",
     "GASLoC",
     "GASLoCStrategy",
     "NoLoCo",
@@ -32,5 +36,7 @@ __all__ = [
     "OuterStepCheckpoint",
     "OuterStepReport",
     "OuterStepStrategy",
+    "PacingConfig",
     "PeerError",
+    "WireConfig",
 ]

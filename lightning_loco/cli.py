@@ -27,10 +27,11 @@ import os
 import sys
 from typing import Any, NoReturn, Optional
 
-import lightning_loco  # noqa: F401  (registers the strategy names)
 from lightning.pytorch import Callback
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy
+
+import lightning_loco  # noqa: F401  (registers the strategy names)
 from lightning_loco import cli_errors
 from lightning_loco.checkpoints import CheckpointError, export_consensus
 
@@ -185,9 +186,33 @@ def _messages(failure: BaseException) -> str:
     return "\n".join(texts)
 
 
+def group_help(args: list[str]) -> bool:
+    """``--trainer.strategy.wire.help`` (or ``.pacing``, ``.replica_sharding``, ``.elastic``; with or without
+    ``init_args``): prints the fields of that option group with their docs and returns True. jsonargparse lists
+    these flags in a strategy's help but cannot answer them from inside a ``class_path``."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_loco.options import GROUPS
+
+    for arg in args:
+        key, _, _ = arg.partition("=")
+        parts = key.removeprefix("--").split(".")
+        if len(parts) >= 4 and parts[:2] == ["trainer", "strategy"] and parts[-1] == "help":
+            name = ".".join(p for p in parts[2:-1] if p != "init_args")
+            if name in GROUPS:
+                group = GROUPS[name]
+                parser = ArgumentParser(prog=f"{PROG} fit", description=(group.__doc__ or "").split("\n\n")[0])
+                parser.add_class_arguments(group, nested_key=f"trainer.strategy.init_args.{name}")
+                parser.print_help()
+                return True
+    return False
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Runs the command on ``argv`` (default: the command line)."""
     args = sys.argv[1:] if argv is None else argv
+    if group_help(args):
+        sys.exit(0)  # as argparse's own help does
     # Like `python -m`: class paths in configs may name modules of the current folder (mine.mymod.MyMLP).
     # The console script's own sys.path starts with its bin folder instead.
     if os.getcwd() not in sys.path:

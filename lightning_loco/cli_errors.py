@@ -6,7 +6,8 @@ module turns the common cases into two or three lines that say which argument, w
 is allowed, and, for a near miss, what was probably meant:
 
 - a value outside a ``Literal`` (``--trainer.strategy.topology=torus``) or of the wrong type;
-- an argument the class does not take (``--trainer.strategy.sync_evry=20``);
+- an argument the class does not take (``--trainer.strategy.sync_evry=20``), or a field an option group
+  does not have (``--trainer.strategy.elastic.lighthous=HOST:PORT``);
 - a class path that does not import (``--model.class_path=mine.mymod.MyMLPP``);
 - a registered name given arguments (``--trainer.strategy=noloco --trainer.strategy.sync_every=20``);
 - an unknown option or subcommand;
@@ -41,6 +42,7 @@ _DOT_PATH = re.compile(r"Expected a dot import path string: (\S+)")
 _GOT_VALUE = re.compile(r"Got value: (.*)$", re.M)
 _GIVEN_VALUE = re.compile(r"^\s*Given value: (.*)$", re.M)
 _NESTED_ARG = re.compile(r"NestedArg\(key='([^']+)', val=(.*)\)$")
+_NESTED_ARGS = re.compile(r"NestedArg\(key='([^']+)', val=(.*)\)$", re.M)
 _LITERAL = re.compile(r"typing\.Literal\[(.*?)\]")
 _EXPECTED_CLASS = re.compile(r"Expected an? <class '([\w.]+)'>")
 _INVALID_CHOICE = re.compile(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)")
@@ -117,19 +119,35 @@ def _typed(message: str, prog: str) -> Optional[list[str]]:
         listing = "" if suggestion or not names else f" Its arguments: {', '.join(names)}."
         return [f"--{key}.{name}{given}: {class_path} takes no argument '{name}'.{suggestion}{listing}", hint]
     if first.re is _INNER_KEY:
-        return _bad_value(f"{key}.{first.group(1)}", body[first.end():], about=class_path, hint=hint)
+        inner = f"{key}.{first.group(1)}"
+        return (_bad_value(inner, body[first.end():], about=class_path, hint=hint)
+                or _unknown_group_field(inner, body[first.end():], hint))
     if first.re is _NO_MODULE:
         module = first.group(1)
         return [f"--{key}: class_path '{class_path}': no module named '{module}'. The command imports from the "
                 f"current folder and PYTHONPATH: run it from the folder that holds '{module.split('.')[0]}', or add "
                 "that folder to PYTHONPATH.", f"'{prog} --help' lists the arguments"]
     module, attribute = first.groups()
-    names = getattr(sys.modules.get(module), "__dict__", {})
-    candidates = [f"{module}.{name}" for name, value in names.items()
+    defined: dict[str, Any] = getattr(sys.modules.get(module), "__dict__", {})
+    candidates = [f"{module}.{name}" for name, value in defined.items()
                   if isinstance(value, type) and not name.startswith("_")]
     suggestion = _did_you_mean(class_path, candidates)
     return [f"--{key}: class_path '{class_path}': module '{module}' has no attribute '{attribute}'.{suggestion}",
             f"'{prog} --help' lists the arguments"]
+
+
+def _unknown_group_field(key: str, block: str, hint: str) -> Optional[list[str]]:
+    """A field an option group does not have (``--trainer.strategy.elastic.lighthous=...``: ElasticConfig)."""
+    group, unknown = _CLASS_PATH.search(block), _NOT_ACCEPTED.search(block)
+    if group is None or unknown is None or unknown.start() < group.start():
+        return None
+    class_path, name = group.group(1), unknown.group(1)
+    nested = [m for m in _NESTED_ARGS.finditer(block) if m.group(1) == name]
+    given = f"={_unquote(nested[0].group(2))}" if nested else ""
+    names = _init_arguments(class_path)
+    suggestion = _did_you_mean(name, names)
+    listing = "" if suggestion or not names else f" Its fields: {', '.join(names)}."
+    return [f"--{key}.{name}{given}: {class_path} has no field '{name}'.{suggestion}{listing}", hint]
 
 
 def _bad_value(key: str, block: str, about: Optional[str], hint: str) -> Optional[list[str]]:
@@ -238,6 +256,6 @@ def _our_strategy_class_paths() -> list[str]:
 def public_name(class_type: type) -> str:
     """``lightning_loco.NoLoCoStrategy`` rather than its defining module, where the package exports it."""
     package = sys.modules.get(class_type.__module__.split(".")[0])
-    if getattr(package, class_type.__qualname__, None) is class_type:
+    if package is not None and getattr(package, class_type.__qualname__, None) is class_type:
         return f"{package.__name__}.{class_type.__qualname__}"
     return f"{class_type.__module__}.{class_type.__qualname__}"

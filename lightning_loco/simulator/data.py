@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -34,7 +34,8 @@ class Shard:
     (a source without ``len`` only shows its end when the next batch starts a new epoch)."""
 
     def __init__(self, source: Iterable[Batch]) -> None:
-        self.source, self.epoch, self.batch_idx, self._it = source, 0, -1, None
+        self.source, self.epoch, self.batch_idx = source, 0, -1
+        self._it: Optional[Iterator[Batch]] = None
         try:
             self.length: int | None = len(source)  # type: ignore[arg-type]
         except TypeError:
@@ -44,7 +45,7 @@ class Shard:
         while True:
             if self._it is None:
                 sampler = getattr(self.source, "sampler", None)
-                if hasattr(sampler, "set_epoch"):
+                if sampler is not None and hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(self.epoch)
                 self._it = iter(self.source)
                 self.batch_idx = -1
@@ -67,7 +68,7 @@ class Shard:
         """Up to ``count`` batches for one optimizer step, as ``(batch, batch_idx, epoch)``: fewer where
         the epoch ends first (Lightning steps the optimizer at the end of an epoch whatever the
         accumulation, and the next window starts with the next epoch)."""
-        drawn = []
+        drawn: list[tuple[Batch, int, int]] = []
         while len(drawn) < count:
             batch = self.next()
             drawn.append((batch, self.batch_idx, self.epoch))

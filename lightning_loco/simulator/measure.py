@@ -63,7 +63,7 @@ class Measurements:
         kept = [[slot.outer_weights for slot in d.slots] for d in self.drivers]
         if not kept or any(w is None for per_slot in kept for w in per_slot):
             return None
-        return [torch.cat(per_slot) if len(per_slot) > 1 else per_slot[0].clone() for per_slot in kept]  # type: ignore
+        return [torch.cat(per_slot) if len(per_slot) > 1 else per_slot[0].clone() for per_slot in kept]
 
     def spread(self) -> float:
         """RMS distance of the replicas' weights from their mean (the strategies' ``replica_spread``)."""

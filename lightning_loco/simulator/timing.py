@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from lightning_loco.algorithms.base import OuterAlgorithm
-from lightning_loco.pacing import check_pacing
 from lightning_loco.plugins import DriverPlugin
+from lightning_loco.schedules import Round
 
 
 def check_step_seconds(step_seconds: Any, num_replicas: int) -> list[float]:
@@ -47,8 +47,8 @@ def check_step_seconds(step_seconds: Any, num_replicas: int) -> list[float]:
 
 def check_modelled_time(algorithm: OuterAlgorithm | None, num_replicas: int, overlap_steps: Any, max_steps: Any,
                         batched: Any, step_seconds: Any, sync_seconds: Any) -> None:
-    """Raises ``ValueError`` where the simulator cannot serve ``step_seconds`` or ``sync_seconds``."""
-    check_pacing(sync_seconds, overlap_steps)
+    """Raises ``ValueError`` where the simulator cannot serve ``step_seconds`` or ``sync_seconds`` (how pacing
+    meets the other options is checked by :class:`~lightning_loco.options.Options`)."""
     if step_seconds is not None:
         if algorithm is None:
             raise ValueError("step_seconds models the waits at the outer step's exchanges: give an algorithm with it")
@@ -129,8 +129,8 @@ class WaitForLast(DriverPlugin):
     def __init__(self, time: ModelledTime, replica: int) -> None:
         self.time, self.replica = time, replica
 
-    def before_round(self, optimizer_index: int, outer_step: int) -> None:
-        group = self.time.algorithm.schedule(outer_step, self.time.num_replicas).group_of(self.replica)
+    def before_round(self, optimizer_index: int, outer_step: int, schedule: Round) -> None:
+        group = schedule.group_of(self.replica)
         clock = self.time.clocks[self.replica]
         clock.now = max(clock.now, *(self.time.posted[j] for j in group))
 

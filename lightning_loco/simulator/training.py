@@ -12,11 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_loco.codecs import DEFAULT_BLOCK_SIZE, wire_format
+from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
-from lightning_loco.fragments import check_fragments
-from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.options import Options, PacingConfig, WireConfig, pacing_config, wire_config
 from lightning_loco.short_runs import warn_if_short
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
@@ -85,17 +84,16 @@ class TrainingSimulator(Measurements, PacedRounds):
             "different"``); the loop keeps one RNG stream per replica, as separate processes do.
         track_norms: keep the outer-step norms and peer distances in the drivers' reports (and the
             compression error norm with a lossy wire format).
-        wire_dtype, compression, compression_block_size, error_feedback: the wire format of the
-            outer steps, as on the strategies (:mod:`lightning_loco.codecs`); ``bytes_sent`` counts the
-            encoded bytes.
+        wire: the wire format of the outer steps, as on the strategies (a format name or a
+            :class:`~lightning_loco.options.WireConfig`); ``bytes_sent`` counts the encoded bytes.
         step_seconds: each replica's modelled time per optimizer step (virtual seconds): its clock,
             the drivers' reports and ``sync_seconds`` follow it; :attr:`time` holds the clocks.
-        sync_seconds: T, as on the strategies: each replica posts its next round once its inner phase
-            is as near T modelled seconds as its steps allow (at least one step, at most H). Needs
-            ``step_seconds``, ``max_steps`` (the run is ⌈max_steps / H⌉ rounds on every replica) and
-            takes the loop over replicas (the batched path steps every replica together).
-        merge: with ``sync_seconds``, as on the strategies: "mean" (default) or "steps", each replica's
-            payload weighted by its H_i (:mod:`lightning_loco.algorithms.step_weighted`).
+        pacing: as on the strategies (T = ``sync_seconds``, or a
+            :class:`~lightning_loco.options.PacingConfig` with its merge): each replica posts its next
+            round once its inner phase is as near T modelled seconds as its steps allow (at least one
+            step, at most H). Needs ``step_seconds``, ``max_steps`` (the run is ⌈max_steps / H⌉ rounds on
+            every replica) and takes the loop over replicas (the batched path steps every replica
+            together).
         fragments: F, streaming fragments, as on the strategies (``docs/fragments.md``): one of F
             fragments of the model (whole parameters) has a round every H/F steps. Needs an algorithm,
             and fixed H without ``step_seconds``.
@@ -119,13 +117,9 @@ class TrainingSimulator(Measurements, PacedRounds):
         max_steps: int | None = None,
         batched: bool | str = "auto",
         track_norms: bool = True,
-        wire_dtype: str = "float32",
-        compression: str | None = None,
-        compression_block_size: int = DEFAULT_BLOCK_SIZE,
-        error_feedback: bool | None = None,
+        wire: str | WireConfig = "float32",
         step_seconds: Sequence[float] | None = None,
-        sync_seconds: float | None = None,
-        merge: str = "mean",
+        pacing: float | PacingConfig | None = None,
         fragments: int = 1,
     ) -> None:
         if not shards:
@@ -142,16 +136,28 @@ class TrainingSimulator(Measurements, PacedRounds):
                 or accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be an integer >= 1, got {accumulate_grad_batches!r}")
         check_precision(precision)
-        check_fragments(fragments, sync_every, overlap_steps, sync_seconds=sync_seconds)
-        if fragments != 1 and (algorithm is None or step_seconds is not None):
+        paced = pacing_config(pacing)
+        options = None
+        if algorithm is not None:  # the strategies' options and their rules
+            options = Options.build(algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge,
+                                    fragments=fragments, pacing=paced, final_outer_step=final_outer_step, wire=wire)
+        else:
+            given = [name for name, value, default in (
+                ("overlap_steps", overlap_steps, 0), ("overlap_merge", overlap_merge, "predict_correct"),
+                ("fragments", fragments, 1), ("pacing", paced, None), ("wire", wire_config(wire), WireConfig()),
+            ) if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} configure the outer step: give an algorithm with them "
+                                 "(algorithm=None trains the replicas independently, or as DDP)")
+        sync_seconds = None if paced is None else paced.sync_seconds
+        if fragments != 1 and step_seconds is not None:
             raise ValueError(
-                f"fragments={fragments} splits the outer step's exchanges: it needs an algorithm and works without "
-                "step_seconds (the modelled waits follow whole-model rounds). Use fragments=1 here."
+                f"fragments={fragments} splits the outer step's exchanges, and step_seconds models waits that follow "
+                "whole-model rounds. Use fragments=1 with step_seconds."
             )
         check_modelled_time(algorithm, len(shards), overlap_steps, max_steps, batched, step_seconds, sync_seconds)
-        pseudo_gradient = algorithm.payload_is_pseudo_gradient if algorithm is not None else False
-        wire = wire_format(wire_dtype, compression, compression_block_size, error_feedback, pseudo_gradient)
-        self.wire = wire
+        self.options = options
+        self.wire = options.wire_format if options is not None else WireConfig().resolve(False)
         n = len(shards)
         self.num_replicas, self.algorithm, self.sync_every = n, algorithm, sync_every
         self.gradient_clip_val, self.gradient_averaging = gradient_clip_val, gradient_averaging
@@ -185,13 +191,12 @@ class TrainingSimulator(Measurements, PacedRounds):
         self.drivers: list[OuterStepDriver] = []
         if algorithm is not None:
             self.network = InProcessNetwork(n, timeout=600.0)
-            for i, replica in enumerate(self.replicas):
+            assert options is not None
+            for i in range(n):
                 driver = OuterStepDriver(
-                    algorithm, self.network.transport(i), sync_every, overlap_steps, overlap_merge,
-                    label=f"Simulated replica {i}", final_outer_step=final_outer_step,
-                    wire=wire if wire.lossy else None, sync_seconds=sync_seconds, merge=merge,
+                    options, self.network.transport(i), label=f"Simulated replica {i}",
                     clock=time.perf_counter if self.time is None else self.time.clocks[i],
-                    plugin=None if self.time is None else self.time.plugin(i), fragments=fragments,
+                    plugin=None if self.time is None else self.time.plugin(i),
                 )
                 driver.track_norms = track_norms
                 driver.add(self.flats[i])
@@ -217,7 +222,7 @@ class TrainingSimulator(Measurements, PacedRounds):
             raise err
         self._batched = None
         warnings.warn(f"TrainingSimulator: the batched path is not available ({type(err).__name__}: {err}); "
-                      f"looping over replicas")
+                      f"looping over replicas", stacklevel=3)
 
     def _loss(self, module: nn.Module, batch: Batch, batch_idx: int) -> Tensor:
         if self._custom_loss:
@@ -303,7 +308,7 @@ class TrainingSimulator(Measurements, PacedRounds):
             grads = [p.grad for p in per_param]
             if any(g is None for g in grads):
                 continue
-            mean = torch.stack(grads).mean(0)  # type: ignore[arg-type]
+            mean = torch.stack(grads).mean(0)
             for p in per_param:
                 p.grad = mean.clone()
 

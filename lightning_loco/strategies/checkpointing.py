@@ -1,7 +1,8 @@
 """Checkpoint hooks of the strategies: every replica's own file, and the consensus in the main file.
 
-The file layout, its checks and errors are :mod:`lightning_loco.checkpoints`; this mixin only
-connects them to Lightning's ``Strategy`` hooks (Lightning calls each of them on every rank).
+The file layout, its checks and errors are :mod:`lightning_loco.checkpoints`; this class only
+connects them to Lightning's ``Strategy`` hooks (Lightning calls each of them on every rank), asking
+the replica's layout (:mod:`.layout`) what differs when a replica is sharded.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_loco import checkpoints, consensus, sharding
+from lightning_loco import checkpoints, consensus
+from lightning_loco.strategies.views import ReplicaViews
 
 
-class ReplicaCheckpoints:
-    """Mixed into ``OuterStepStrategy`` before ``DDPStrategy``; uses the strategy's ``driver``,
-    ``algorithm``, replica counts, ``sync_seconds`` and ``_resumed_outer``.
+class ReplicaCheckpoints(ReplicaViews):
+    """The checkpoint hooks of :class:`~lightning_loco.strategies.base.OuterStepStrategy` (its base).
 
-    Under ``sync_seconds`` each replica's file also keeps its own loops' progress (its global step,
-    epoch and batch counts differ from rank 0's, which the main file holds), so that each replica
-    resumes from its own place in its own data."""
+    Under ``pacing`` each replica's file also keeps its own loops' progress (its global step, epoch and
+    batch counts differ from rank 0's, which the main file holds), so that each replica resumes from its
+    own place in its own data."""
+
+    # OuterStepStrategy's, which these hooks read
+    layout: Any  # lightning_loco.strategies.layout.ReplicaLayout
+    _resumed_outer: Optional[list[dict[str, Any]]]
+    _trained_module: Any
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -36,40 +42,27 @@ class ReplicaCheckpoints:
         """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
         Collective: Lightning calls it on every rank. Sharded replicas: every rank writes its own
         shards, and the main file holds the full consensus model and no inner optimizer state."""
-        torn = getattr(getattr(self.driver, "plugin", None), "torn", None)
-        if torn:  # an elastic heal into the outer state stopped part way: nothing of it is written
-            raise RuntimeError(torn)
+        if self.driver is not None:
+            self.driver.plugin.check_savable()  # e.g. an elastic heal into the outer state stopped part way
         save_id = self.broadcast(uuid.uuid4().hex[:12])
-        averaged = self._checkpoint_consensus(checkpoint["state_dict"])
+        averaged = self.layout.checkpoint_consensus(checkpoint["state_dict"])
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
         replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
                                               self.algorithm.name, outer)
-        if self.sync_seconds is not None:  # replicas at different step counts: each keeps its own loops' progress
+        if self.options.pacing is not None:  # replicas at different step counts: each keeps its own loops' progress
             replica["loops"] = checkpoint.get("loops")
         sidecar_dir = checkpoints.sidecar_dir(filepath, save_id)
-        sharded = self.sharding is not None
-        shard = self.global_rank % self.ranks_per_replica if sharded else None
-        if sharded:  # each rank its own shards, as plain tensors
-            replica = {**sharding.local_tree(replica), "shard": shard}
-            checkpoints.write_replica(sidecar_dir, self.replica_index, replica, shard)
-        elif self.global_rank % self.ranks_per_replica == 0:  # one file per replica: its ranks hold the same state
-            checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
+        mine, shard = self.layout.replica_file(replica)
+        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
+            checkpoints.write_replica(sidecar_dir, self.replica_index, mine, shard)
         self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
         if self.is_global_zero:
             meta = checkpoints.main_meta(filepath, save_id, self.algorithm.name, self.num_replicas,
-                                         shards=self.ranks_per_replica if sharded else None)
+                                         shards=self.layout.shards())
             checkpoints.write_manifest(sidecar_dir, filepath, checkpoint, meta)  # the save is complete
-            main = {**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta}
-            if sharded:
-                main["optimizer_states"] = []  # sharded: in the replica files only
+            main = self.layout.main_file({**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta})
             self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
             checkpoints.remove_sidecars(filepath, keep=sidecar_dir)
-
-    def _replica_shard(self) -> dict[str, int]:
-        """``read_own_replica``'s arguments for this rank's file in a sharded replica (none otherwise)."""
-        if self.sharding is None:
-            return {}
-        return {"shard": self.global_rank % self.ranks_per_replica, "shards": self.ranks_per_replica}
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -89,16 +82,16 @@ class ReplicaCheckpoints:
             checkpoint_path, checkpoint = self._newest_instead_of_last(checkpoint_path, checkpoint, weights_only)
         payload = checkpoints.read_own_replica(
             checkpoint, checkpoint_path, self.replica_index, self.num_replicas, self.algorithm.name,
-            agree=consensus.first_error, **self._replica_shard(),
+            agree=consensus.first_error, **self.layout.replica_shard(),
         )
         self._resumed_outer = None
         if payload is None:
             return checkpoint  # a plain checkpoint, or another number of replicas: every replica starts from it
         checkpoint["state_dict"] = payload["state_dict"]
-        for key in ("optimizer_states", "lr_schedulers", "loops"):  # "loops": saved under sync_seconds only
+        for key in ("optimizer_states", "lr_schedulers", "loops"):  # "loops": saved under pacing only
             if payload.get(key) is not None:
                 checkpoint[key] = payload[key]
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+        if self.module.trainer.state.fn == TrainerFn.FITTING:
             self._resumed_outer = payload["outer"]
         else:
             self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's

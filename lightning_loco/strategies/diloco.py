@@ -20,13 +20,9 @@ class DiLoCoStrategy(OuterStepStrategy):
         outer_lr: learning rate of the default outer SGD (paper: 0.7).
         outer_momentum: momentum of the default outer SGD (paper: 0.9).
         nesterov: Nesterov momentum for the default outer SGD (paper: True).
-        outer_optimizer: builds any torch optimizer over the outer parameters (the anchor), e.g.
-            ``functools.partial(torch.optim.Adam, lr=1e-3)``; replaces the SGD above when given.
-            In a LightningCLI config: ``outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.001}}``
-            (the parameters are left out). With ``start_method`` "spawn" or "forkserver" it must pickle:
-            a module-level function or a ``functools.partial``, not a lambda or a local function.
-        **kwargs: the arguments every strategy shares (overlap, replicas of several ranks, the end of
-            ``fit``, DDP's launching arguments): see ``OuterStepStrategy``.
+        outer_optimizer: any torch optimizer over the anchor in place of that SGD, e.g.
+            ``functools.partial(torch.optim.Adam, lr=1e-3)`` (YAML: ``{class_path: torch.optim.Adam}``).
+        **kwargs: the options every strategy shares: see ``OuterStepStrategy`` and docs/options.md.
     """
 
     strategy_name = "diloco"

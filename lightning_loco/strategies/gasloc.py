@@ -23,30 +23,13 @@ class GASLoCStrategy(OuterStepStrategy):
     Args:
         sync_every: H, inner optimizer steps between outer steps.
         outer_lr: η, the step along the pseudo-gradient before mixing.
-        outer_momentum: γ, the outer momentum, which also accelerates the gossip (the momentum of the
-            default outer SGD; unused with ``outer_optimizer``).
-        gossip_step: α in (0, 1]: how far a replica moves towards its peer (½ = exact pair average).
-        topology: "random_pairs" (a fresh random perfect matching each outer step), "ring"
-            (alternating even/odd ring edges), "exponential" (hypercube rounds; N a power of two) or
-            "complete" (one all-reduce: exactly DiLoCo with outer SGD(lr=η, momentum=γ, Nesterov)).
-            With odd N in a matching, one replica sits the round out.
-        seed: seeds the random matchings (with the outer-step index); independent of the global RNG.
-        outer_optimizer: builds any torch optimizer over the anchor (e.g. Adam for an adaptive outer
-            step), stepped with d = θ − x; replaces the default SGD(lr=1, momentum=γ, nesterov=True), so
-            ``outer_momentum`` is then neither used nor checked. In a LightningCLI config:
-            ``outer_optimizer: {class_path: torch.optim.Adam, init_args: {lr: 0.001}}``
-            (the parameters are left out). With ``start_method`` "spawn" or "forkserver" it must pickle:
-            a module-level function or a ``functools.partial``, not a lambda or a local function.
-            Only with ``momentum_on="mixed"``.
-        momentum_on: where the outer momentum γ acts. ``"mixed"`` (the default): on the mixed iterates,
-            θ ← x + γ·(x − x_prev), our reconstruction above (exactly DiLoCo on the complete topology).
-            ``"sent"``: heavy-ball momentum on the sent iterates, θ ← x + γ·(z − z_prev), the update as a
-            public summary of the paper writes it (the "GASLoC" page of the ``zij`` canon); it keeps each
-            replica's previous z as one more model copy of local state, sends the same z, and refuses
-            ``outer_optimizer``. The mean over replicas follows Nesterov DiLoCo in both forms; with
-            γ = 0 they are bitwise the same. See ``docs/algorithms.md`` (GASLoC, two forms).
-        **kwargs: the arguments every strategy shares (overlap, replicas of several ranks, the end of
-            ``fit``, DDP's launching arguments): see ``OuterStepStrategy``.
+        outer_momentum: γ, the outer momentum, which also accelerates the gossip (of the default SGD).
+        gossip_step: α in (0, 1]: how far a replica moves towards its peer (½: exact pair average).
+        topology: "random_pairs", "ring", "exponential" (N a power of two) or "complete" (DiLoCo exactly).
+        seed: seeds the random matchings (with the outer-step index), not the global RNG.
+        outer_optimizer: a torch optimizer over the anchor in place of SGD(lr=1, momentum=γ, nesterov=True).
+        momentum_on: where γ acts: "mixed" (our reconstruction) or "sent" (the public summary's form).
+        **kwargs: the options every strategy shares: see ``OuterStepStrategy`` and docs/options.md.
     """
 
     strategy_name = "gasloc"

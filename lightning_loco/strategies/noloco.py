@@ -26,13 +26,10 @@ class NoLoCoStrategy(OuterStepStrategy):
         sync_every: H, inner optimizer steps between outer steps (paper: 50).
         outer_lr: β, the outer learning rate (paper: 0.7).
         outer_momentum: α, the outer momentum (paper: 0.5).
-        averaging_rate: γ, the pull towards the group's mean anchor. None means γ = β, as in the
-            reference code (the paper does not state γ). Stable for pairs when α < γ < √(2 + α²).
-        group_size: n, replicas per group (paper: 2). If N is not a multiple of n the last group takes
-            the remainder.
-        seed: seeds the random groups (with the outer-step index); independent of the global RNG.
-        **kwargs: the arguments every strategy shares (overlap, replicas of several ranks, the end of
-            ``fit``, DDP's launching arguments): see ``OuterStepStrategy``.
+        averaging_rate: γ, the pull towards the group's mean anchor (None: γ = β, as the reference code).
+        group_size: n, replicas per group (paper: 2; the last group takes a remainder).
+        seed: seeds the random groups (with the outer-step index), not the global RNG.
+        **kwargs: the options every strategy shares: see ``OuterStepStrategy`` and docs/options.md.
     """
 
     strategy_name = "noloco"
@@ -62,6 +59,7 @@ class NoLoCoStrategy(OuterStepStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        assert isinstance(self.algorithm, NoLoCo)
         n, size = self.algorithm.group_size, self.num_replicas
         if 1 < size < n:
             rank_zero_warn(

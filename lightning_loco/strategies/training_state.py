@@ -9,8 +9,9 @@ rest, as a :class:`~lightning_loco.plugins.TrainingState`:
 * the module's state that no optimizer trains: buffers (a BatchNorm's running statistics) and frozen
   parameters (the trained ones travel as the driver's flat weights);
 * the inner optimizers' state (AdamW's moments and step counts, the learning rates of its groups), unless
-  the donor's ``heal_optimizer`` is False: then ``None`` stands in its place, and the joiner's optimizers
-  keep their own state (a restarted process's: none, so they start afresh) and take the schedule's rates;
+  the donor's plug-in leaves it out (its ``heal_optimizer`` is False): then ``None`` stands in its place, and the
+  joiner's optimizers keep their own state (a restarted process's: none, so they start afresh) and take the
+  schedule's rates;
 * the learning-rate schedulers' state (where each is in its schedule);
 * the precision plugin's state (a loss scaler's scale and growth tracker; nothing for most plugins);
 * the fit loop's counters (``_compat.LOOP_COUNTERS``): ``global_step`` and what the loop derives from it,
@@ -38,7 +39,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.tensor import DTensor
 
-from lightning_loco import sharding
 from lightning_loco.plugins import TrainingState
 from lightning_loco.strategies import _compat
 
@@ -46,16 +46,14 @@ log = logging.getLogger("lightning_loco")
 
 
 class LightningTrainingState:
-    """The training state of ``trainer``'s fit outside the driver (see the module docstring)."""
+    """The training state of ``trainer``'s fit outside the driver (see the module docstring); ``layout``:
+    the replica's (:mod:`.layout`), which says how a sharded replica's part of it is exported and loaded."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: Any, layout: Any) -> None:
+        self.trainer, self.layout = trainer, layout
 
     def _schedulers(self) -> list[Any]:
         return [config.scheduler for config in self.trainer.lr_scheduler_configs]
-
-    def _sharded(self) -> bool:
-        return getattr(self.trainer.strategy, "sharding", None) is not None
 
     def _untrained(self) -> dict[str, Any]:
         """The module's state_dict entries that no optimizer trains (buffers, frozen parameters); sharded
@@ -64,23 +62,17 @@ class LightningTrainingState:
         state = self.trainer.lightning_module.state_dict()
         return {name: value for name, value in state.items() if _data_ptr(value) not in trained}
 
-    def _send_optimizers(self) -> bool:
-        elastic = getattr(self.trainer.strategy, "elastic", None)
-        return elastic is None or elastic.heal_optimizer
-
-    def export(self) -> dict[str, Any]:
+    def export(self, optimizers: bool = True) -> dict[str, Any]:
+        """This replica's state; without the inner optimizers' (``None`` in its place) unless ``optimizers``."""
         trainer = self.trainer
-        optimizers = trainer.strategy.optimizers
         state = {
             "module": self._untrained(),
-            "optimizers": [o.state_dict() for o in optimizers] if self._send_optimizers() else None,
+            "optimizers": [o.state_dict() for o in trainer.strategy.optimizers] if optimizers else None,
             "lr_schedulers": [scheduler.state_dict() for scheduler in self._schedulers()],
             "precision": trainer.precision_plugin.state_dict(),
             "loops": _compat.loop_counters(trainer),
         }
-        if self._sharded():  # this rank's local shards, as plain tensors, and how the model is sharded
-            state = {**sharding.local_tree(state), "layout": sharding.layout(trainer.lightning_module)}
-        return state
+        return self.layout.export_tree(state)  # sharded: this rank's local shards, and how the model is sharded
 
     def load(self, state: dict[str, Any], everything: bool) -> None:
         """Takes ``state`` (from a donor's :meth:`export`): everything, or (``everything=False``) only the loop's
@@ -103,13 +95,9 @@ class LightningTrainingState:
                     f"The donor's module holds {sorted(set(state['module']) ^ set(own))} where this replica's does "
                     "not, or the other way round: every replica must run the same model."
                 )
-            if self._sharded():  # shard by shard, into this rank's DTensors
-                sharding.load_state_dict(trainer.lightning_module, state["module"], strict=False)
-            else:
-                trainer.lightning_module.load_state_dict(state["module"], strict=False)
+            self.layout.load_module_state(trainer.lightning_module, state["module"])
             for optimizer, saved in zip(optimizers, sent or ()):
-                optimizer.load_state_dict(sharding.optimizer_state_to_shards(optimizer, saved)
-                                          if self._sharded() else saved)
+                optimizer.load_state_dict(self.layout.optimizer_state(optimizer, saved))
             trainer.precision_plugin.load_state_dict(state["precision"])
         for scheduler, saved in zip(schedulers, state["lr_schedulers"]):
             scheduler.load_state_dict(saved)
@@ -123,7 +111,7 @@ class LightningTrainingState:
         """Rank i of a sharded replica heals only from a donor's rank i that holds the same shards (and a
         replica that is not sharded only from one that is not): ``RuntimeError`` otherwise, before anything
         is loaded."""
-        mine = sharding.layout(self.trainer.lightning_module) if self._sharded() else None
+        mine = self.layout.module_state()
         theirs = state.get("layout")
         if theirs == mine:
             return

@@ -1,31 +1,89 @@
-"""What a strategy tells about its replica: read by users, the monitor, checkpoints and tests.
+"""What a strategy tells about its options and its replica: read by users, the monitor, checkpoints and tests.
 
-``ReplicaViews`` is mixed into :class:`~lightning_loco.strategies.base.OuterStepStrategy`: the replica's
-index and count, its outer state (one slot per optimizer) and counters, and the run's nominal progress.
+``ReplicaViews`` is the first layer of :class:`~lightning_loco.strategies.base.OuterStepStrategy` over
+Lightning's ``DDPStrategy``: the options as attributes, the replica's index and count, its outer state
+(one slot per optimizer) and counters, and the run's nominal progress. Plain reads: no message.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.elastic.config import ElasticConfig
+from lightning_loco.modes import RunMode
+from lightning_loco.options import Options
+from lightning_loco.replica import ReplicaRun
 from lightning_loco.reports import OuterStepReport
 from lightning_loco.slots import OuterSlot
 
 
-class ReplicaViews:
-    """Properties over the strategy's driver and launch (plain reads: no message)."""
+class ReplicaViews(DDPStrategy):
+    """Properties over the strategy's options, run and launch."""
 
-    driver: Any
-    ranks_per_replica: int
+    options: Options
+    mode: RunMode
+    run: Optional[ReplicaRun]  # during fit
     outer_step_reports: list[OuterStepReport]
-    _outer_state_device: Optional[torch.device]
     _final_outer_steps: int
+
+    # ------------------------------------------------------------------ the options
+
+    @property
+    def algorithm(self) -> OuterAlgorithm:
+        return self.options.algorithm
+
+    @property
+    def sync_every(self) -> int:
+        return self.options.sync_every
+
+    @property
+    def fragments(self) -> int:
+        return self.options.fragments
+
+    @property
+    def overlap_steps(self) -> Union[int, str]:
+        return self.options.overlap_steps
+
+    @property
+    def overlap_merge(self) -> str:
+        return self.options.overlap_merge
+
+    @property
+    def sync_seconds(self) -> Optional[float]:
+        """T, with ``pacing`` (None without)."""
+        return self.options.sync_seconds
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.options.ranks_per_replica
+
+    @property
+    def elastic(self) -> Optional[ElasticConfig]:
+        return self.options.elastic
+
+    # ------------------------------------------------------------------ the replica
+
+    @property
+    def driver(self) -> Any:
+        """The replica's :class:`~lightning_loco.driver.OuterStepDriver` during ``fit`` (None otherwise)."""
+        return self.run.driver if self.run is not None else None
+
+    @property
+    def module(self) -> "pl.LightningModule":
+        """The LightningModule (once the Trainer connected it)."""
+        module = self.lightning_module
+        assert module is not None, "the strategy has no LightningModule yet"
+        return module
 
     @property
     def outer_state_device(self) -> torch.device:
-        return self._outer_state_device if self._outer_state_device is not None else self.root_device
+        device = self.options.outer_state_device
+        return device if device is not None else self.root_device
 
     @property
     def num_replicas(self) -> int:
@@ -34,6 +92,15 @@ class ReplicaViews:
     @property
     def replica_index(self) -> int:
         return self.global_rank // self.ranks_per_replica
+
+    @property
+    def replica_name(self) -> Union[int, str]:
+        """How logs name this replica: its index, or an elastic replica's id (indices change with the membership)."""
+        return self.mode.replica_name(self.replica_index)
+
+    def comm_device(self) -> torch.device:
+        """Where buffers cross the network: the accelerator with NCCL, else the CPU."""
+        return self.root_device if self._get_process_group_backend() == "nccl" else torch.device("cpu")
 
     @property
     def outer_slots(self) -> list[OuterSlot]:
@@ -49,9 +116,9 @@ class ReplicaViews:
 
     @property
     def nominal_step(self) -> Optional[float]:
-        """With ``sync_seconds``, the run's progress in nominal inner steps (t·H plus the share of the
-        current phase done): what a step-based learning-rate schedule should follow, the same on
-        every replica at the same wall time. None otherwise: the step count is the progress."""
+        """With ``pacing``, the run's progress in nominal inner steps (t·H plus the share of the current
+        phase done): what a step-based learning-rate schedule should follow, the same on every replica at
+        the same wall time. None otherwise: the step count is the progress."""
         if self.driver is None or self.driver.pacing is None:
             return None
         return self.driver.nominal_step()
@@ -59,6 +126,3 @@ class ReplicaViews:
     @property
     def last_outer_step(self) -> Optional[OuterStepReport]:
         return self.outer_step_reports[-1] if self.outer_step_reports else None
-
-    def _comm_device(self) -> torch.device:
-        return self.root_device if self._get_process_group_backend() == "nccl" else torch.device("cpu")
