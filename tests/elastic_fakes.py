@@ -3,7 +3,7 @@
 :class:`FakeMembership` follows a fixed script of memberships (who, from which round, who joins and who
 donates) instead of asking a Lighthouse; its views carry a :class:`FakeGroup`, a process group with the
 ``send`` / ``recv`` / ``allreduce`` / ``abort`` calls the elastic transport makes, over a shared
-:class:`Hub` in this process. Joiners heal as real ones do (:mod:`~lightning_loco.elastic.heal`): a
+:class:`Hub` in this process. Joiners heal as real ones do (:mod:`~lightning_loco.elastic.state_transfer`): a
 header through a :class:`FakeStore`, the tensors over a fake group. ``Hub.kill(replica_id)`` stands
 for a replica that died: exchanges with it fail, as gloo's do when a peer's connection breaks.
 Replicas run in threads of their own.
@@ -31,7 +31,8 @@ from torch import Tensor
 
 from lightning_loco.algorithms import NoLoCo
 from lightning_loco.driver import OuterStepDriver
-from lightning_loco.elastic import heal
+from lightning_loco.elastic import keys
+from lightning_loco.elastic import state_transfer as heal
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import View
 from lightning_loco.elastic.plugin import ElasticPlugin
@@ -210,12 +211,12 @@ class FakeMembership:
 
     def at_switch(self, next_round: int, export: Callable[[], dict[str, Any]],
                   load: Callable[[dict[str, Any], bool], int], committed: Optional[int] = None,
-                  land: Optional[Callable[[Any], Any]] = None) -> int:
+                  receive_into: Optional[Callable[[Any], Any]] = None) -> int:
         plan = self._next()
         if plan is None:
             return next_round
         head = heal.header(plan.quorum_id, plan.switch, plan.joiners, plan.donor or "")
-        store, key = FakeStore(self.hub, f"q{plan.quorum_id}/s{plan.switch}/"), heal.heal_key(plan.joiners)
+        store, key = FakeStore(self.hub, f"q{plan.quorum_id}/s{plan.switch}/"), keys.heal_key(plan.joiners)
         # the heal travels on a group of its own, donor first: a script may let a donor train on alone (or
         # finish) before its joiner starts; the fake wire keeps what was sent until it is received
         roster = (plan.donor or "", *plan.joiners)
@@ -223,8 +224,8 @@ class FakeMembership:
             via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
             incoming = heal.Incoming(heal.take(store, key, len(plan.joiners)), head)
             into = None  # as a membership does: a whole-state heal lands in the joiner's own outer state
-            if self.heal and land is not None and incoming.skeleton is not None:
-                into = heal.landing(incoming.skeleton, land(incoming.skeleton), incoming.metas)
+            if self.heal and receive_into is not None and incoming.skeleton is not None:
+                into = heal.in_place(incoming.skeleton, receive_into(incoming.skeleton), incoming.metas)
             self.landed = len(into or ())
             next_round = load(incoming.receive(via, 0, self.hub.timeout, into), self.heal)
         elif plan.donor == self.replica_id:
@@ -270,7 +271,8 @@ class Runner:
             self.param = torch.nn.Parameter(torch.randn(size, generator=g))
             self.target = torch.randn(size, generator=g)
         algorithm = algorithm if algorithm is not None else NoLoCo()
-        self.driver = OuterStepDriver(algorithm, transport, H, plugin=plugin, final_outer_step="outer", wire=wire)
+        self.driver = OuterStepDriver.of(algorithm, transport, H, plugin=plugin, final_outer_step="outer",
+                                         wire=wire)
         self.driver.add(FlatParameters([self.param], CPU))
         self.driver.before_training()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
+
 from oracle import ReplicaSimulator
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tiny import run_module_forked
+from lightning_loco.testing.launch import run_module_forked
 
 ROOT = Path(__file__).parent.parent
 
 
 def bench(tmp_path, module, *args, timeout=400):
     """``python -m benchmarks.<module> --quick *args``, forked from this process (see
-    ``tiny.run_module_forked``), its results written under ``tmp_path``."""
+    ``lightning_loco.testing.launch.run_module_forked``), its results written under ``tmp_path``."""
     proc = run_module_forked(f"benchmarks.{module}", ["--quick", *args], tmp_path / "bench-output",
                              {"LOCO_BENCH_RESULTS": str(tmp_path)}, timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

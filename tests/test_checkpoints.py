@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 
-import tiny
 from lightning_loco.checkpoints import (
     CheckpointError,
     check_replica_files,
@@ -28,6 +27,8 @@ from lightning_loco.checkpoints import (
     write_manifest,
     write_replica,
 )
+
+import tiny
 
 H, K = 4, 6
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import tiny
 import torch
 import torch.distributed as dist
-from test_driver import ALGORITHMS, assert_same, lockstep, replicas_for, roundtrip, threaded, trace
 
-from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
-from lightning_loco.rounds import post as post_round
+from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.codecs import (
     PayloadError,
@@ -27,24 +24,34 @@ from lightning_loco.codecs import (
     make_codec,
     roundtrip_segments,
     segments,
-    wire_format,
 )
 from lightning_loco.driver import OuterStepReport
 from lightning_loco.monitoring import OuterStepMonitor
-from oracle import ReplicaSimulator
+from lightning_loco.options import WireConfig
+from lightning_loco.rounds import post as post_round
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
+from lightning_loco.transport.base import FIRST_ROUND, RoundId
+
+import tiny
+from oracle import ReplicaSimulator
+from test_driver import ALGORITHMS, assert_same, lockstep, replicas_for, roundtrip, threaded, trace
 
 WIRES = {
-    "bfloat16": {"wire_dtype": "bfloat16"},
-    "float16": {"wire_dtype": "float16"},
-    "int8": {"compression": "int8", "block_size": 4},  # small blocks: several per tiny model
+    "bfloat16": WireConfig("bfloat16"),
+    "float16": WireConfig("float16"),
+    "int8": WireConfig("int8", block_size=4),  # small blocks: several per tiny model
 }
 
 
+def config_for(name: str, error_feedback=None) -> WireConfig:
+    return WireConfig(WIRES[name].format, block_size=WIRES[name].block_size, error_feedback=error_feedback)
+
+
 def wire_for(name: str, algorithm_name: str, error_feedback=None):
+    """The wire format as a run of ``algorithm_name`` resolves it (the codec, and error feedback)."""
     algorithm = ALGORITHMS[algorithm_name]()
-    return wire_format(**WIRES[name], error_feedback=error_feedback, pseudo_gradient=algorithm.payload_is_pseudo_gradient)
+    return config_for(name, error_feedback).resolve(algorithm.payload_is_pseudo_gradient)
 
 
 # ---------------------------------------------------------------------------- float32 is today's path
@@ -57,13 +64,15 @@ class Recording:
         self.inner, self.calls = inner, []
         self.replica, self.num_replicas, self.stats = inner.replica, inner.num_replicas, inner.stats
 
-    def start_group_sum(self, payload, group, **kwargs):
-        self.calls.append((payload, kwargs))
-        return self.inner.start_group_sum(payload, group, **kwargs)
+    slices_per_replica = 1
 
-    def start_all_reduce_sum(self, payload, **kwargs):
-        self.calls.append((payload, kwargs))
-        return self.inner.start_all_reduce_sum(payload, **kwargs)
+    def start_group_sum(self, payload, group, codec=None, round_id=FIRST_ROUND):
+        self.calls.append((payload, codec, round_id))
+        return self.inner.start_group_sum(payload, group, codec, round_id)
+
+    def start_all_reduce_sum(self, payload, codec=None, round_id=FIRST_ROUND):
+        self.calls.append((payload, codec, round_id))
+        return self.inner.start_all_reduce_sum(payload, codec, round_id)
 
     def resolved(self, total, peers=()):
         return self.inner.resolved(total, peers)
@@ -71,7 +80,7 @@ class Recording:
 
 @pytest.mark.parametrize("cls", [NoLoCoStrategy, DiLoCoStrategy, GASLoCStrategy])
 def test_float32_hands_the_payload_itself_to_the_transport(cls):
-    assert not cls().wire.lossy  # the default: the driver gets no wire format at all
+    assert not cls().options.wire.lossy  # the default: the driver gets no wire format at all
     network = InProcessNetwork(2)
     weights = [torch.arange(6.0) + i for i in range(2)]
     posted = []
@@ -79,10 +88,11 @@ def test_float32_hands_the_payload_itself_to_the_transport(cls):
         algorithm = NoLoCo()
         transport = Recording(network.transport(i))
         state = algorithm.init_state(weights[i], [torch.Size([6])])
-        posted.append((post_round(algorithm, state, weights[i], 0, transport, wire=wire_format("float32")), transport))
+        posted.append((post_round(algorithm, state, weights[i], 0, transport, wire=WireConfig().resolve(False)),
+                       transport))
     for (p, transport), w in zip(posted, weights):
-        payload, kwargs = transport.calls[0]
-        assert payload is w and kwargs == {}  # the same tensor, no codec, no copy: today's call
+        payload, codec, round_id = transport.calls[0]
+        assert payload is w and codec is None and round_id == RoundId(0)  # the same tensor, no codec, no copy
         assert torch.equal(p.pending.wait(), weights[0] + weights[1])
 
 
@@ -96,7 +106,7 @@ def test_rounds_equal_the_codec_reference_bitwise(name, wire):
     all-reduce; residuals) against ReplicaSimulator's separate use of the codec functions."""
     n, H, rounds = 4, 3, 4
     fmt = wire_for(wire, name)
-    _, replicas = replicas_for(ALGORITHMS[name], n, H, wire=fmt)
+    _, replicas = replicas_for(ALGORITHMS[name], n, H, wire=config_for(wire))
     for r in replicas:
         r.driver.track_norms = True
     threaded(replicas, rounds * H)
@@ -188,7 +198,7 @@ def test_diloco_anchor_follows_float32_within_both_quantisations(wire):
 def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step_of_the_truth():
     """Q(Δ + e), e ← Δ + e − D(Q(Δ + e)): what travelled over T rounds adds up to ΣΔ − e_T, whatever
     T. Without it a constant payload loses the same rounding every round, T times over."""
-    codec = make_codec(compression="int8", block_size=8)
+    codec = make_codec("int8", 8)
     g = torch.Generator().manual_seed(3)
     delta = torch.randn(64, generator=g) * torch.logspace(-3, 0, 64)
     rounds = 20
@@ -200,7 +210,7 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step_of_the_tr
         sent = torch.zeros(64)
         for t in range(rounds):
             posted = [post_round(algorithm, states[i], delta.clone(), t, network.transport(i), keep_own=True,
-                                     wire=wire_format(compression="int8", block_size=8), residual=residuals[i])
+                                     wire=WireConfig("int8", block_size=8).resolve(False), residual=residuals[i])
                       for i in range(2)]
             sent += codec.roundtrip(posted[0].own)  # what replica 0's peer decoded from it
             for p in posted:
@@ -223,7 +233,7 @@ def test_bytes_counted_are_the_codecs_sizes(name):
     sizes = {}
     for wire in ("float32", "bfloat16", "int8"):
         fmt = None if wire == "float32" else wire_for(wire, name)
-        _, replicas = replicas_for(ALGORITHMS[name], n, H, wire=fmt)
+        _, replicas = replicas_for(ALGORITHMS[name], n, H, wire="float32" if fmt is None else config_for(wire))
         threaded(replicas, rounds * H)
         numel = replicas[0].flats[0].numel
         codec = make_codec() if fmt is None else fmt.codec
@@ -250,8 +260,8 @@ def test_bytes_counted_are_the_codecs_sizes(name):
 @pytest.mark.parametrize("wire", [None, "int8"])
 def test_a_nan_payload_raises_naming_the_replica_and_nothing_is_sent(wire):
     n, H = 4, 2
-    fmt = None if wire is None else wire_for(wire, "noloco")
-    network, replicas = replicas_for(ALGORITHMS["noloco"], n, H, wire=fmt, overlap_steps=1)
+    network, replicas = replicas_for(ALGORITHMS["noloco"], n, H, wire=config_for(wire) if wire else "float32",
+                                     overlap_steps=1)
     lockstep(replicas, H - 1)
     with torch.no_grad():
         replicas[2].flats[0].params[0][1] = float("nan")
@@ -276,7 +286,7 @@ def residual_of(replica) -> torch.Tensor:
 def test_resuming_with_a_residual_and_a_round_in_flight_continues_bitwise(name, wire):
     n, H, tau = 4, 4, 2
     total, cut = 4 * H + tau, 2 * H + 1  # between round 1's start and its landing
-    kwargs = {"overlap_steps": tau, "wire": wire_for(wire, name, error_feedback=True)}
+    kwargs = {"overlap_steps": tau, "wire": config_for(wire, error_feedback=True)}
     _, whole = replicas_for(ALGORITHMS[name], n, H, **kwargs)
     expected = []
     for _ in range(total):
@@ -304,33 +314,34 @@ def test_resuming_with_a_residual_and_a_round_in_flight_continues_bitwise(name, 
 
 @pytest.mark.parametrize("cls", [NoLoCoStrategy, DiLoCoStrategy, GASLoCStrategy])
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "wire,match",
     [
-        ({"wire_dtype": "bf16"}, "wire_dtype must be one of 'float32', 'bfloat16', 'float16', got 'bf16'"),
-        ({"compression": "int4"}, "compression must be None"),
-        ({"compression": "int8", "compression_block_size": 0}, "compression_block_size must be an integer >= 1, got 0"),
-        ({"compression": "int8", "compression_block_size": 64.0}, "compression_block_size .* got 64.0"),
-        ({"error_feedback": 1}, "error_feedback must be None"),
+        ("bf16", "wire format must be one of 'float32', 'bfloat16', 'float16', 'int8', got 'bf16'"),
+        ("int4", "wire format must be one of"),
+        (3, "wire must be a format name"),
+        (lambda: WireConfig("int8", block_size=0), "wire block_size must be an integer >= 1, got 0"),
+        (lambda: WireConfig("int8", block_size=64.0), "wire block_size .* got 64.0"),
+        (lambda: WireConfig("int8", error_feedback=1), "wire error_feedback must be True or False"),
     ],
 )
-def test_strategies_refuse_bad_wire_arguments_when_built(cls, kwargs, match):
+def test_strategies_refuse_bad_wire_arguments_when_built(cls, wire, match):
     with pytest.raises(ValueError, match=match):
-        cls(**kwargs)
+        cls(wire=wire() if callable(wire) else wire)
 
 
 def test_elastic_replicas_take_lossy_wire_formats():
     """Elastic replicas encode as the static launch does (tests/test_elastic_codecs.py checks the maths)."""
-    strategy = NoLoCoStrategy(lighthouse="127.0.0.1:29510", wire_dtype="bfloat16")
-    assert strategy.elastic is not None and strategy.wire.codec.name == "bfloat16"
-    assert DiLoCoStrategy(lighthouse="127.0.0.1:29510", compression="int8").wire.error_feedback
+    strategy = NoLoCoStrategy(elastic=ElasticConfig("127.0.0.1:29510"), wire="bfloat16")
+    assert strategy.elastic is not None and strategy.options.wire_format.codec.name == "bfloat16"
+    assert DiLoCoStrategy(elastic=ElasticConfig("127.0.0.1:29510"), wire="int8").options.wire_format.error_feedback
 
 
 def test_strategies_build_the_wire_format():
-    assert DiLoCoStrategy(compression="int8").wire.error_feedback  # a pseudo-gradient: on by default
-    noloco = NoLoCoStrategy(wire_dtype="float16")
-    assert noloco.wire.codec.name == "float16" and not noloco.wire.error_feedback  # weights: off
-    gasloc = GASLoCStrategy(compression="int8", compression_block_size=64, error_feedback=True)
-    assert gasloc.wire.codec.block_size == 64 and gasloc.wire.error_feedback
+    assert DiLoCoStrategy(wire="int8").options.wire_format.error_feedback  # a pseudo-gradient: on by default
+    noloco = NoLoCoStrategy(wire="float16").options.wire_format
+    assert noloco.codec.name == "float16" and not noloco.error_feedback  # weights: off
+    gasloc = GASLoCStrategy(wire=WireConfig("int8", block_size=64, error_feedback=True)).options.wire_format
+    assert gasloc.codec.block_size == 64 and gasloc.error_feedback
 
 
 def test_the_cli_lists_the_wire_arguments_and_reports_bad_ones(monkeypatch, capsys):
@@ -343,16 +354,21 @@ def test_the_cli_lists_the_wire_arguments_and_reports_bad_ones(monkeypatch, caps
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # as tests/test_cli.py's in_process fixture
     monkeypatch.setattr(sys, "argv", ["lightning-loco"])
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", config, "--trainer.strategy.init_args.wire_dtype=bfloat16", "--print_config"])
+        main(["fit", "--config", config, "--trainer.strategy.init_args.wire=bfloat16", "--print_config"])
+    assert exit_.value.code == 0
+    assert "wire: bfloat16" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", config, "--trainer.strategy.init_args.wire.format=int8",
+              "--trainer.strategy.init_args.wire.error_feedback=true", "--print_config"])
     assert exit_.value.code == 0
     printed = capsys.readouterr().out
-    for line in ("wire_dtype: bfloat16", "compression: null", "compression_block_size: 256", "error_feedback: null"):
+    for line in ("format: int8", "block_size: null", "error_feedback: true"):
         assert line in printed
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", config, "--trainer.strategy.init_args.compression=int8",
-              "--trainer.strategy.init_args.compression_block_size=0"])
+        main(["fit", "--config", config, "--trainer.strategy.init_args.wire.format=int8",
+              "--trainer.strategy.init_args.wire.block_size=0"])
     assert exit_.value.code == 2
-    assert "ValueError: compression_block_size must be an integer >= 1, got 0." in capsys.readouterr().err
+    assert "ValueError: wire block_size must be an integer >= 1, got 0." in capsys.readouterr().err
 
 
 def test_the_monitor_logs_the_compression_error():
@@ -380,7 +396,7 @@ def _gloo_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None
         t = TorchDistributedTransport(torch.device("cpu"), ranks_per_replica=k, **groups)
         results = {}
         for name in ("bfloat16", "int8"):
-            codec = make_codec(name) if name != "int8" else make_codec(compression="int8", block_size=5)
+            codec = make_codec(name, 5)
             x = _payload(t.replica, 103)
             group = (0, 1) if t.replica in (0, 1) else tuple(range(2, t.num_replicas))
             results[name] = {
@@ -402,7 +418,7 @@ def test_gloo_sums_with_codecs_equal_the_reference_bitwise(tmp_path, k):
     replicas = world // k
     xs = [_payload(i, 103) for i in range(replicas)]
     for name in ("bfloat16", "int8"):
-        codec = make_codec(name) if name != "int8" else make_codec(compression="int8", block_size=5)
+        codec = make_codec(name, 5)
         # group sums: every member decodes every payload (its own too), sums in order, per slice
         pair_sum = torch.cat([decode_sum({j: codec.encode(xs[j][a:b]) for j in (0, 1)}, b - a, codec, (0, 1))
                               for a, b in segments(103, k, 1)])
@@ -422,9 +438,9 @@ def test_diloco_strategy_with_int8_over_two_processes(tmp_path):
     the replicas are bitwise identical after every outer step, and the bytes are the codec's."""
     h, steps = 4, 8
     recs = tiny.launch(tmp_path, strategy="diloco", devices=2, max_steps=steps,
-                       strategy_kwargs={"sync_every": h, "compression": "int8", "compression_block_size": 16})
+                       strategy_kwargs={"sync_every": h, "wire": {"format": "int8", "block_size": 16}})
     numel = recs[0]["weights"][0].numel()
-    codec = make_codec(compression="int8", block_size=16)
+    codec = make_codec("int8", 16)
     for step in range(steps):
         same = all(torch.equal(recs[0]["weights"][step], rec["weights"][step]) for rec in recs[1:])
         assert same == ((step + 1) % h == 0), step

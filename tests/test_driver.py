@@ -23,13 +23,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_loco.rounds import step as blocking_outer_step
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver import OuterStepDriver, OuterStepReport
 from lightning_loco.flat import FlatParameters
+from lightning_loco.options import Options
 from lightning_loco.overlap import MERGES, auto_cap
-from oracle import ReplicaSimulator
+from lightning_loco.rounds import step as blocking_outer_step
 from lightning_loco.transport import InProcessNetwork, PeerError
+
+from oracle import ReplicaSimulator
 
 CPU = torch.device("cpu")
 SLOT_SHAPES = (((3,), (2, 2)), ((5,),))  # optimizer 0 has two parameters, optimizer 1 one
@@ -84,9 +86,10 @@ class Replica:
     """One replica: its parameters (one FlatParameters per optimizer), targets, driver and logs."""
 
     def __init__(self, i: int, network: InProcessNetwork, algorithm, sync_every: int, slots: int = 1,
-                 weights: list[Tensor] | None = None, **driver_kwargs) -> None:
+                 weights: list[Tensor] | None = None, transport=None, **driver_kwargs) -> None:
         self.i = i
-        self.driver = OuterStepDriver(algorithm, network.transport(i), sync_every, **driver_kwargs)
+        transport = network.transport(i) if transport is None else transport
+        self.driver = OuterStepDriver.of(algorithm, transport, sync_every, **driver_kwargs)
         self.flats: list[FlatParameters] = []
         self.targets: list[list[Tensor]] = []
         self.initial: list[Tensor] = []
@@ -431,7 +434,8 @@ def test_two_optimizers_keep_their_own_rounds(name):
         assert_same(r.driver.slots[0].state.anchor, a.driver.slots[0].state.anchor)
         for mine, theirs in zip(r.logs[0].landings, a.logs[0].landings):
             assert_same(mine.after, theirs.after)
-            assert (mine.report.outer_step, mine.report.inner_step) == (theirs.report.outer_step, theirs.report.inner_step)
+            assert (mine.report.outer_step, mine.report.inner_step) == (theirs.report.outer_step,
+                                                                        theirs.report.inner_step)
     for index in (0, 1):
         assert check_rounds(ALGORITHMS[name], replicas, tau, index=index) == rounds
 
@@ -480,7 +484,8 @@ def test_resuming_with_a_round_in_flight_continues_bitwise(name, merge):
                 assert_same(w, w0, f"weights of replica {i} after step {step + 1}")
                 assert_same(a, a0, f"anchor of replica {i} after step {step + 1}")
     for r, w in zip(resumed, whole):
-        after_cut = [(x.outer_step, x.inner_step, x.overlap_steps, x.peers) for x in w.driver.reports if x.inner_step > cut]
+        after_cut = [(x.outer_step, x.inner_step, x.overlap_steps, x.peers) for x in w.driver.reports
+                     if x.inner_step > cut]
         assert [(x.outer_step, x.inner_step, x.overlap_steps, x.peers) for x in r.driver.reports] == after_cut
         assert len(after_cut) == 3
 
@@ -488,7 +493,7 @@ def test_resuming_with_a_round_in_flight_continues_bitwise(name, merge):
 def test_loading_outer_state_for_other_parameters_fails_clearly():
     network = InProcessNetwork(2)
     saved = Replica(0, network, NoLoCo(), 2).driver.state_dict()
-    other = OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), 2)
+    other = OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 2)
     other.add(FlatParameters([torch.nn.Parameter(torch.zeros(5))], CPU))
     with pytest.raises(ValueError, match=r"covers \[7\] parameters per optimizer, this model's optimizers \[5\]"):
         other.load_state_dict(saved)
@@ -505,7 +510,7 @@ def test_loading_outer_state_for_other_parameters_fails_clearly():
 @pytest.mark.parametrize("name", ["noloco", "diloco"])
 def test_auto_overlap_starts_synchronous_then_overlaps_within_the_cap(name, agreed):
     n, H, rounds = 2, 8, 4
-    cap = auto_cap(H, name)
+    cap = auto_cap(H, ALGORITHMS[name]().overlap_share)
     assert cap >= 2
     calls: dict[int, list[int]] = {i: [] for i in range(n)}
     returned: dict[int, list[int]] = {i: [] for i in range(n)}
@@ -632,21 +637,85 @@ def test_abandon_all_drops_an_unfinished_round_with_a_warning():
     assert [(x.outer_step, x.overlap_steps) for x in r1.driver.reports] == [(0, tau)]
 
 
+class StepClock:
+    """A replica's clock that the test moves: by one unit at every inner step, and by an exchange's modelled
+    time (``SlowLink``); the driver reads only it, so what "auto" measures does not depend on the machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowLink:
+    """A replica's end of the in-process network whose every exchange takes ``seconds`` on its clock: it is
+    seen done only once that long after posting, and a wait for it moves the clock there."""
+
+    def __init__(self, inner, clock: StepClock, seconds: float) -> None:
+        self.inner, self.clock, self.seconds = inner, clock, seconds
+        self.replica, self.num_replicas, self.stats = inner.replica, inner.num_replicas, inner.stats
+        self.slices_per_replica, self.may_go_alone = 1, False
+
+    def _slow(self, pending):
+        link, posted = self, self.clock.now
+
+        class Slow:
+            def __getattr__(self, name):
+                return getattr(pending, name)
+
+            def watch(self):
+                pending.watch()
+                return self
+
+            def done(self) -> bool:
+                return link.clock.now >= posted + link.seconds and pending.done()
+
+            def wait(self):
+                link.clock.now = max(link.clock.now, posted + link.seconds)
+                return pending.wait()
+
+        return Slow()
+
+    def start_group_sum(self, *args, **kwargs):
+        return self._slow(self.inner.start_group_sum(*args, **kwargs))
+
+    def start_all_reduce_sum(self, *args, **kwargs):
+        return self._slow(self.inner.start_all_reduce_sum(*args, **kwargs))
+
+    def resolved(self, total, peers=()):
+        return self.inner.resolved(total, peers)
+
+
+class ClockedReplica(Replica):
+    """A replica whose clock moves one unit at every inner step."""
+
+    def __init__(self, *args, clock: StepClock, **kwargs) -> None:
+        super().__init__(*args, clock=clock, **kwargs)
+        self.clock = clock
+
+    def step(self, index: int = 0) -> None:
+        self.clock.now += 1.0
+        super().step(index)
+
+
 def test_auto_overlap_caps_tau_and_warns_when_the_link_is_slower_than_the_cap_can_hide():
-    # Every exchange takes 50 ms after its last post, while an inner step takes microseconds: "auto"
-    # measures round 0 (synchronous), then needs far more than the cap and overlaps as much as the cap
-    # allows, warning once per replica that the rest is waited for at the landing.
+    # Every exchange takes 100 units of the replicas' clocks, an inner step 1: "auto" measures round 0
+    # (synchronous), then needs 100 steps, far more than the cap, and overlaps as much as the cap allows,
+    # warning once per replica that the rest is waited for at the landing.
     n, H = 2, 8
-    cap = auto_cap(H, "noloco")
-    network = InProcessNetwork(n, timeout=10.0, delay=0.05)
-    replicas = [Replica(i, network, NoLoCo(), H, overlap_steps="auto") for i in range(n)]
+    cap = auto_cap(H, NoLoCo().overlap_share)
+    network = InProcessNetwork(n, timeout=10.0)
+    clocks = [StepClock() for _ in range(n)]
+    replicas = [ClockedReplica(i, network, NoLoCo(), H, overlap_steps="auto", clock=clocks[i],
+                               transport=SlowLink(network.transport(i), clocks[i], 100.0)) for i in range(n)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         threaded(replicas, 3 * H + cap)
     for r in replicas:
         assert [x.overlap_steps for x in r.driver.reports] == [0, cap, cap]
-        assert r.driver.slots[0].auto.needed > cap
-        assert all(x.comm_seconds > 0 for x in r.driver.reports[1:])  # the landing waited for the rest
+        assert r.driver.slots[0].auto.needed == 100  # ⌈100 units / 1 unit a step⌉, exactly
+        assert [x.comm_seconds for x in r.driver.reports] == [100.0, 100.0 - cap, 100.0 - cap]  # waited at landing
     messages = [str(w.message) for w in caught if "overlap_steps='auto' needs about" in str(w.message)]
     assert sorted(m.split(":")[0] for m in messages) == ["Replica 0", "Replica 1"]
 
@@ -659,5 +728,5 @@ def test_final_outer_step_has_one_default_everywhere():
     from lightning_loco.strategies.base import OuterStepStrategy
 
     defaults = {cls.__name__: inspect.signature(cls).parameters["final_outer_step"].default
-                for cls in (OuterStepDriver, OuterStepStrategy, TrainingSimulator)}
+                for cls in (Options, OuterStepStrategy, TrainingSimulator)}
     assert set(defaults.values()) == {"average"}, defaults

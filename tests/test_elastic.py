@@ -22,7 +22,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.testing.elastic import Lighthouse, Replicas
 
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
@@ -34,19 +34,24 @@ REPLICA = ROOT / "examples" / "elastic" / "replica.py"
 # ---------------------------------------------------------------- arguments, checked when the strategy is built
 
 
+def elastic(lighthouse: str = "h:1", **fields: Any) -> ElasticConfig:
+    return ElasticConfig(lighthouse, **fields)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        (dict(lighthouse="nohost"), ["lighthouse='nohost'", "HOST:PORT"]),
-        (dict(lighthouse="h:99999"), ["lighthouse='h:99999'"]),
-        (dict(lighthouse="h:1", outer_step_timeout=0), ["outer_step_timeout", "default 120"]),
-        (dict(lighthouse="h:1", join_timeout=-1), ["join_timeout", "default 600"]),
-        (dict(lighthouse="h:1", membership_every=0), ["membership_every", "default 1"]),
-        (dict(lighthouse="h:1", replica_id=""), ["replica_id=''"]),
-        (dict(lighthouse="h:1", overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
-        (dict(lighthouse="h:1", transport_factory=print), ["transport_factory and lighthouse"]),
-        (dict(lighthouse="h:1", heal_optimizer="no"), ["heal_optimizer must be True or False", "'no'"]),
-        (dict(lighthouse="h:1", heal=1), ["heal must be True or False"]),
+        (dict(elastic=elastic("nohost")), ["lighthouse='nohost'", "HOST:PORT"]),
+        (dict(elastic=elastic("h:99999")), ["lighthouse='h:99999'"]),
+        (dict(elastic=elastic(outer_step_timeout=0)), ["outer_step_timeout", "default 120"]),
+        (dict(elastic=elastic(join_timeout=-1)), ["join_timeout", "default 600"]),
+        (dict(elastic=elastic(membership_every=0)), ["membership_every", "default 1"]),
+        (dict(elastic=elastic(replica_id="")), ["replica_id=''"]),
+        (dict(elastic=elastic(), overlap_steps=1), ["overlap_steps=1", "overlap_steps=0"]),
+        (dict(elastic=elastic(), transport_factory=print), ["transport_factory and elastic replicas"]),
+        (dict(elastic=elastic(heal_optimizer="no")), ["heal_optimizer must be True or False", "'no'"]),
+        (dict(elastic=elastic(heal=1)), ["heal must be True or False"]),
+        (dict(elastic=elastic(), average_at_end=True), ["average_at_end=True with elastic replicas"]),
     ],
 )
 def test_bad_elastic_arguments_fail_when_built(kwargs: dict[str, Any], words: list[str]) -> None:
@@ -57,50 +62,52 @@ def test_bad_elastic_arguments_fail_when_built(kwargs: dict[str, Any], words: li
 
 
 def test_elastic_refuses_exponential_gossip() -> None:
-    assert DiLoCoStrategy(lighthouse="h:1").elastic is not None
+    assert DiLoCoStrategy(elastic=elastic()).elastic is not None
     with pytest.raises(ValueError, match="topology='exponential'"):
-        GASLoCStrategy(lighthouse="h:1", topology="exponential")
+        GASLoCStrategy(elastic=elastic(), topology="exponential")
 
 
 def test_an_elastic_replica_is_one_process() -> None:
     import lightning as L
 
     with pytest.raises(ValueError, match="devices=1 and num_nodes=1"):
-        L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1"), accelerator="cpu", devices=2, logger=False)
+        L.Trainer(strategy=NoLoCoStrategy(elastic=elastic("127.0.0.1:1")), accelerator="cpu", devices=2, logger=False)
 
 
 def test_an_elastic_replica_of_several_ranks_is_one_trainer_of_that_many_processes() -> None:
     import lightning as L
 
-    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
-    assert DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2).elastic is not None
-    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, replica_sharding="fsdp").sharding is not None
+    assert NoLoCoStrategy(elastic=elastic(), ranks_per_replica=2).elastic is not None
+    assert DiLoCoStrategy(elastic=elastic(), ranks_per_replica=2).elastic is not None
+    sharded = NoLoCoStrategy(elastic=elastic(), ranks_per_replica=2, replica_sharding="fsdp")
+    assert sharded.options.replica_sharding is not None
     with pytest.raises(ValueError, match="ranks_per_replica=2 process.*but it has 4 processes"):
-        L.Trainer(strategy=NoLoCoStrategy(lighthouse="127.0.0.1:1", ranks_per_replica=2), accelerator="cpu",
+        L.Trainer(strategy=NoLoCoStrategy(elastic=elastic("127.0.0.1:1"), ranks_per_replica=2), accelerator="cpu",
                   devices=4, logger=False)
-    with pytest.raises(ValueError, match="ranks_per_replica=2 with lighthouse=... and a lossy wire format"):
-        DiLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, compression="int8")
-    assert NoLoCoStrategy(lighthouse="h:1", ranks_per_replica=2, wire_dtype="bfloat16").elastic is not None
+    with pytest.raises(ValueError, match="ranks_per_replica=2 with elastic replicas and a lossy wire format"):
+        DiLoCoStrategy(elastic=elastic(), ranks_per_replica=2, wire="int8")
+    assert NoLoCoStrategy(elastic=elastic(), ranks_per_replica=2, wire="bfloat16").elastic is not None
 
 
 def test_an_error_on_a_replica_of_several_ranks_says_the_replica_leaves_as_a_whole() -> None:
     """A rank whose sibling died fails in DDP's all-reduce with gloo's words; the strategy adds what it means."""
     err = RuntimeError("Connection closed by peer [127.0.0.1]:6047")
-    NoLoCoStrategy(lighthouse="h:1", replica_id="B", ranks_per_replica=2).on_exception(err)
+    NoLoCoStrategy(elastic=elastic(replica_id="B"), ranks_per_replica=2).on_exception(err)
     assert str(err).startswith("Connection closed by peer [127.0.0.1]:6047 Replica 'B' (rank 0 of 2) stops: the "
                                "replica leaves the membership as a whole"), str(err)
     assert "Restart all 2 of its processes" in str(err)
     one = RuntimeError("Connection closed by peer")
-    NoLoCoStrategy(lighthouse="h:1", replica_id="B").on_exception(one)  # a replica of one process: unchanged
+    NoLoCoStrategy(elastic=elastic(replica_id="B")).on_exception(one)  # a replica of one process: unchanged
     assert str(one) == "Connection closed by peer"
 
 
 def test_static_launch_stays_the_default() -> None:
     strategy = NoLoCoStrategy(sync_every=4)
-    assert strategy.elastic is None
-    built = NoLoCoStrategy(sync_every=4, lighthouse="127.0.0.1:1", replica_id="a", membership_every=3)
+    assert strategy.elastic is None and strategy.options.averages_at_end
+    built = NoLoCoStrategy(sync_every=4, elastic=elastic("127.0.0.1:1", replica_id="a", membership_every=3))
     config = built.elastic
     assert (config.url, config.replica_id, config.membership_every) == ("http://127.0.0.1:1", "a", 3)
+    assert not built.options.averages_at_end  # elastic replicas keep their own weights at the end
 
 
 @pytest.mark.slow
@@ -112,7 +119,7 @@ def test_without_torchft_the_error_names_the_extra() -> None:
         "from lightning_loco import NoLoCoStrategy\n"
         "NoLoCoStrategy(sync_every=4)\n"
         "try:\n"
-        "    NoLoCoStrategy(sync_every=4, lighthouse='127.0.0.1:1')\n"
+        "    NoLoCoStrategy(sync_every=4, elastic=lightning_loco.ElasticConfig('127.0.0.1:1'))\n"
         "except ImportError as err:\n"
         "    print('ERR', err)\n"
     )
@@ -139,7 +146,7 @@ def test_a_round_finished_alone_is_the_outer_step_of_a_group_of_one(algorithm: s
         alone, solo = make(), make()
         state_alone, state_solo = alone.init_state(start, shapes), solo.init_state(start, shapes)
         payload = alone.payload(state_alone, trained)
-        pending = ElasticPending(None, [], payload, lambda: payload, group_size, 0, (1,), alone=True)
+        pending = ElasticPending(None, [], payload, payload.clone, group_size, 0, (1,), alone=True)
         got = alone.apply(state_alone, pending.wait(), group_size)
         want = solo.apply(state_solo, solo.payload(state_solo, trained).clone(), 1)
         torch.testing.assert_close(got, want)
@@ -274,13 +281,27 @@ def first_losses(losses: list[list[float]]) -> float:
     return sum(loss for _, _, loss in losses[:3]) / 3
 
 
-def fresh_loss(replica_id: str) -> float:
-    """The loss of the replicas' shared initial model on ``replica_id``'s data (as replica.py builds both)."""
+def replica_module() -> Any:
+    """``examples/elastic/replica.py`` as a module."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("elastic_replica", REPLICA)
     replica = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replica)
+    return replica
+
+
+def initial_checksum() -> list[float]:
+    """The plug-in's checksum of the replicas' shared initial weights (as replica.py builds the model)."""
+    from lightning_loco.elastic.plugin import checksum
+
+    model = replica_module().Regressor("any", 0.0, Path(os.devnull))
+    return checksum([torch.cat([p.detach().reshape(-1) for p in model.parameters()])])
+
+
+def fresh_loss(replica_id: str) -> float:
+    """The loss of the replicas' shared initial model on ``replica_id``'s data (as replica.py builds both)."""
+    replica = replica_module()
     model = replica.Regressor(replica_id, 0.0, Path(os.devnull))
     x, y = replica.shard(replica_id).tensors
     with torch.no_grad():
@@ -341,8 +362,9 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
         first = steps[0]
         assert rec["outer_steps"] == 45 and steps == sorted(set(steps)) and steps[-1] == 44
         # a survivor still busy with a broken group when the next quorum forms is left out of that membership
-        # and sits its rounds out; it keeps nearly every round
-        assert len(steps) >= 0.9 * (45 - first), steps
+        # and sits its rounds out: it misses rounds only where it rejoined, healed to a later round
+        healed_at = {h["outer_step"] for h in rec["healed_from"]}
+        assert all(b in healed_at for a, b in zip(steps, steps[1:]) if b != a + 1), (steps, healed_at)
         assert first == rec["memberships"][0]["first_round"]
         assert falls(rec["losses"], fresh_loss(rid)), rec["losses"]
         assert max(rec["comm_seconds"]) < OUTER_STEP_TIMEOUT
@@ -421,7 +443,7 @@ def test_resume_from_own_checkpoint_instead_of_healing(tmp_path: Path, lighthous
     heal = after["r1"]["healed_from"][0]
     assert heal == {**heal, "donor": "r0", "outer_step": 8, "weights": False}
     assert heal["checksum"] != pytest.approx(after["r0"]["exported"][0]["checksum"])
-    assert after["r1"]["losses"][0][2] == pytest.approx(before["r1"]["losses"][0][2], rel=0.5)
+    assert heal["checksum"] == initial_checksum()  # exactly the initial weights: nothing of r0's was taken
     assert [r["outer_step"] for r in after["r1"]["rounds"]] == list(range(8, 16))
     assert check_agreement(after) >= 8
 
@@ -451,8 +473,8 @@ def test_a_late_replica_is_left_out_of_a_round_and_nobody_stops(tmp_path: Path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm, wire", [("noloco", {"wire_dtype": "bfloat16"}),
-                                             ("diloco", {"compression": "int8"})], ids=["noloco-bf16", "diloco-int8"])
+@pytest.mark.parametrize("algorithm, wire", [("noloco", {"wire": "bfloat16"}),
+                                             ("diloco", {"wire": "int8"})], ids=["noloco-bf16", "diloco-int8"])
 def test_lossy_wire_formats_over_real_elastic_groups(tmp_path: Path, lighthouse: str, algorithm: str,
                                                       wire: dict[str, str]) -> None:
     """bf16 and int8 (DiLoCo: with error feedback) over gloo between two replica processes: every round is
@@ -521,7 +543,7 @@ def test_a_lighthouse_that_died_fails_the_next_switch_naming_what_happened() -> 
         with pytest.raises(RuntimeError) as failed:
             # the next membership may have been answered before the kill; the one after cannot be
             for next_round in (1, 2):
-                membership.at_switch(next_round, lambda: nothing, lambda state, heal: next_round)
+                membership.at_switch(next_round, lambda: nothing, lambda state, heal, t=next_round: t)
         message = str(failed.value)
         assert "request failed after" in message and "join_timeout" not in message, message
     finally:
@@ -600,6 +622,9 @@ def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by
             assert launcher.kill(b[killed_rank]) == -signal.SIGKILL
             other = b[1 - killed_rank]
             code = launcher.wait(other, timeout_s=3 * timeout + 30)  # bounded: never the 30-minute default
+            # B is restarted once A has taken a membership without it (the Lighthouse counts B as dead only
+            # after its heartbeat timeout: a restart before that would find B still a member)
+            launcher.wait_for_log("A.0.r0", r"left: \['B'\]", a[0])
             restarted = launcher.start_ranks("B", 2)
             codes = [launcher.wait(p) for p in [*a, *restarted]]
         finally:

@@ -1,4 +1,4 @@
-"""Healing's transfer (:mod:`lightning_loco.elastic.heal`): a header through the store, the tensors point to
+"""Healing's transfer (:mod:`lightning_loco.elastic.state_transfer`): a header through the store, the tensors point to
 point in bounded messages. In process over the fake wire of ``elastic_fakes`` (several joiners, a donor
 that dies mid-transfer), and over torchft's real gloo process group between forked processes."""
 
@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_loco.elastic import state_transfer as heal
+
 from elastic_fakes import FakeGroup, FakeStore, Hub
-from lightning_loco.elastic import heal
 
 CHUNK = 4096  # bytes: small enough that the states below take several messages of each kind
 
@@ -110,7 +111,7 @@ def test_a_joiner_receives_in_place_where_its_own_state_matches() -> None:
     own["weights"][0] = anchor.view(-1)  # the donor's dtype and shape, but the anchor's memory: not landed too
     own["extra"]["ids"] = torch.zeros(33, dtype=torch.int64)
     incoming = heal.Incoming(outgoing.header, head)
-    into = heal.landing(incoming.skeleton, own, incoming.metas)
+    into = heal.in_place(incoming.skeleton, own, incoming.metas)
     optimizer = own["extra"]["optimizer"]["state"][0]
     assert {t.data_ptr() for t in into.values()} == {t.data_ptr() for t in (
         anchor, own["extra"]["mask"], own["extra"]["ids"], optimizer["step"], optimizer["exp_avg_sq"])}

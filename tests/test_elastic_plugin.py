@@ -14,12 +14,14 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from elastic_fakes import H, FakeMembership, Hub, Runner, Script, elastic_runner, in_threads
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.elastic.plugin import ElasticPlugin, checksum, same
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.transport import InProcessNetwork
+
+from elastic_fakes import FakeMembership, H, Hub, Runner, Script, elastic_runner, in_threads
+
 
 @pytest.mark.parametrize("make", [NoLoCo, DiLoCo], ids=["noloco", "diloco"])
 def test_elastic_rounds_equal_the_static_drivers_bitwise(make):
@@ -116,7 +118,7 @@ def test_a_heal_that_stops_after_landing_in_place_leaves_a_state_that_is_not_sav
     assert transport.membership.landed >= 1  # its anchor was written before the refusal
     assert "not saved" in plugin.torn
     strategy = GASLoCStrategy()
-    strategy.driver = SimpleNamespace(plugin=plugin)
+    strategy.run = SimpleNamespace(driver=SimpleNamespace(plugin=plugin))
     with pytest.raises(RuntimeError, match="partly overwritten by a heal"):
         strategy.save_checkpoint({}, tmp_path / "x.ckpt")
     assert not list(tmp_path.iterdir())  # nothing written
@@ -164,7 +166,7 @@ def test_plugin_hooks_run_in_order_around_rounds():
         def before_training(self) -> None:
             self.calls.append(("before_training",))
 
-        def before_round(self, optimizer_index: int, outer_step: int) -> None:
+        def before_round(self, optimizer_index: int, outer_step: int, schedule) -> None:
             self.calls.append(("before_round", outer_step))
 
         def after_landing(self, landing: Landing) -> None:
@@ -246,7 +248,7 @@ def fit_gpt_replica(hub: Hub, replica_id: str, script, out, heal: bool = True,
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_loco import NoLoCoStrategy
+    from lightning_loco import ElasticConfig, NoLoCoStrategy
     from lightning_loco.elastic.transport import ElasticTransportFactory
     from lightning_loco.examples.gpt import GPT
 
@@ -256,8 +258,8 @@ def fit_gpt_replica(hub: Hub, replica_id: str, script, out, heal: bool = True,
     g = torch.Generator().manual_seed(7 if replica_id == "a" else 8)
     tokens = torch.randint(0, 256, (64, 9), generator=g)
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)  # 8 batches: epochs end too
-    strategy = NoLoCoStrategy(sync_every=LIGHTNING_H, lighthouse="127.0.0.1:1", replica_id=replica_id,
-                              average_at_end=False, heal=heal, heal_optimizer=heal_optimizer)
+    elastic = ElasticConfig("127.0.0.1:1", replica_id=replica_id, heal=heal, heal_optimizer=heal_optimizer)
+    strategy = NoLoCoStrategy(sync_every=LIGHTNING_H, elastic=elastic)
     strategy.transport_factory = ElasticTransportFactory(
         strategy.elastic, membership=lambda: FakeMembership(hub, replica_id, script, heal=heal))
     snapshots = Snapshots()
@@ -385,7 +387,8 @@ def test_heal_keys_are_new_for_every_membership_and_read_only_once_written():
     import torch.distributed as dist
     from torchft.process_group import create_store_client
 
-    from lightning_loco.elastic import heal
+    from lightning_loco.elastic import keys
+    from lightning_loco.elastic import state_transfer as heal
     from lightning_loco.elastic.membership import make_plan
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -398,8 +401,8 @@ def test_heal_keys_are_new_for_every_membership_and_read_only_once_written():
     first, second = make_plan(quorum(0, 1), 1, None), make_plan(quorum(0, 16), 1, None)
     assert (first.quorum_id, first.joiners, first.donor) == (second.quorum_id, second.joiners, second.donor)
     assert (first.switch, second.switch) == (2, 17) and first.store_address != second.store_address
-    key = heal.heal_key(first.joiners)
-    assert key == heal.heal_key(second.joiners)  # the same joiners: only the prefix tells them apart
+    key = keys.heal_key(first.joiners)
+    assert key == keys.heal_key(second.joiners)  # the same joiners: only the prefix tells them apart
 
     def client(plan, timeout: float = 30.0):
         return create_store_client(plan.store_address, timedelta(seconds=timeout))

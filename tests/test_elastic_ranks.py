@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from elastic_fakes import H, FakeMembership, Hub, Room, Runner, Script, ThreadRanks, in_threads
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.elastic.config import ElasticConfig
@@ -30,6 +29,8 @@ from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.ranks import ReplicaRankError, publish, read
 from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.transport import InProcessNetwork
+
+from elastic_fakes import FakeMembership, H, Hub, Room, Runner, Script, ThreadRanks, in_threads
 
 SIZE = 11  # values of the tiny problem's parameter: rank 0's slice has 6, rank 1's 5
 SHARDS = (7, 4)  # sharded replicas: the values of rank 0's and rank 1's own parts (uneven, as FSDP2's may be)
@@ -224,7 +225,8 @@ def test_the_plan_is_read_once_by_each_rank_and_rank_zeros_failures_are_named():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
     def client() -> Any:
-        return dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+        port = master.port  # noqa: F821  (master is deleted once the clients are gone)
+        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                              timeout=timedelta(seconds=30))
 
     ranks = [ThreadRanks("A", rank, Room(3)) for rank in range(3)]

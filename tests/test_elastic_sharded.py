@@ -44,14 +44,12 @@ class Fit:
     def __init__(self, module: Model, lr: float) -> None:
         import lightning as L
 
-        from lightning_loco.sharding import ShardingConfig
-
         real = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
         self.fit_loop, self.precision_plugin, self.lightning_module = real.fit_loop, real.precision_plugin, module
         self.optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0 / (1 + step))
-        self.strategy = SimpleNamespace(optimizers=[self.optimizer], sharding=ShardingConfig())
+        self.strategy = SimpleNamespace(optimizers=[self.optimizer])
         self.lr_scheduler_configs = [SimpleNamespace(scheduler=self.scheduler)]
 
     def step(self, x: torch.Tensor) -> None:
@@ -60,6 +58,14 @@ class Fit:
         self.optimizer.step()
         self.scheduler.step()
         self.fit_loop.epoch_loop._batches_that_stepped += 1
+
+
+def sharded(fit: Fit) -> Any:
+    """The FSDP2 layout of ``fit``'s module (what a strategy with replica_sharding gives the training state)."""
+    from lightning_loco.options import FSDPConfig
+    from lightning_loco.strategies.layout import ShardedReplicas
+
+    return ShardedReplicas(SimpleNamespace(lightning_module=fit.lightning_module), FSDPConfig())
 
 
 def _local(obj: Any) -> Any:
@@ -83,7 +89,7 @@ def _round_trip_worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from lightning_loco import sharding
-    from lightning_loco.elastic import heal
+    from lightning_loco.elastic import state_transfer as heal
     from lightning_loco.flat import ShardedParameters
     from lightning_loco.strategies.training_state import LightningTrainingState
 
@@ -92,7 +98,9 @@ def _round_trip_worker(rank: int, port: int, out_dir: str) -> None:
         mesh = sharding.replica_mesh("cpu", 2, "gloo", None).mesh["data_parallel"]
         donor_module, joiner_module = Model(0), Model(1)
         for module in (donor_module, joiner_module):
-            sharding.auto_shard(module, mesh, sharding.ShardingConfig())
+            from lightning_loco.options import FSDPConfig
+
+            sharding.auto_shard(module, mesh, FSDPConfig())
         donor, joiner = Fit(donor_module, 0.05), Fit(joiner_module, 0.01)
         g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches, as in a replica
         for _ in range(3):
@@ -100,7 +108,7 @@ def _round_trip_worker(rank: int, port: int, out_dir: str) -> None:
         out: dict[str, Any] = {}
 
         # the donor's export: local tensors only, and the layout of its shards
-        state = LightningTrainingState(donor).for_plugin().export()
+        state = LightningTrainingState(donor, sharded(donor)).for_plugin().export(True)
         tensors: list[torch.Tensor] = []
         heal.split(state, tensors)
         out["no_dtensor"] = bool(tensors) and not any(isinstance(t, DTensor) for t in tensors)
@@ -109,7 +117,7 @@ def _round_trip_worker(rank: int, port: int, out_dir: str) -> None:
         state = heal.decode(heal.encode(state, head), head)  # as it crosses (weights_only)
 
         # the joiner takes it, and the weights as the plug-in sends them: flat local shards
-        taker = LightningTrainingState(joiner).for_plugin()
+        taker = LightningTrainingState(joiner, sharded(joiner)).for_plugin()
         assert taker.check is not None
         taker.check(state)
         taker.load(state, True)

@@ -13,10 +13,11 @@ import threading
 
 import pytest
 import torch
-from elastic_fakes import H, Hub, Script, elastic_runner, in_threads
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.elastic.config import elastic_config
+from lightning_loco.elastic.config import ElasticConfig
+
+from elastic_fakes import H, Hub, Script, elastic_runner, in_threads
 
 STRAGGLER_TIMEOUT = 1.0  # long enough that the healthy rounds of two threads on a loaded machine make it
 
@@ -129,8 +130,7 @@ def test_a_dead_partner_is_still_a_failure_under_a_straggler_timeout():
                      (120, ["below outer_step_timeout=120"])])
 def test_bad_straggler_timeouts_fail_when_built(value, words):
     with pytest.raises(ValueError) as err:
-        elastic_config("127.0.0.1:1", "a", 120.0, 600.0, 1, True, value, algorithm_name="noloco", overlap_steps=0,
-                       ranks_per_replica=1)
+        ElasticConfig("127.0.0.1:1", "a", straggler_timeout=value).check()
     for word in words:
         assert word in str(err.value)
 
@@ -138,5 +138,5 @@ def test_bad_straggler_timeouts_fail_when_built(value, words):
 def test_the_strategies_take_a_straggler_timeout():
     from lightning_loco import DiLoCoStrategy, NoLoCoStrategy
 
-    assert NoLoCoStrategy(lighthouse="127.0.0.1:1", straggler_timeout=5).elastic.straggler_timeout == 5.0
-    assert DiLoCoStrategy(lighthouse="127.0.0.1:1").elastic.straggler_timeout is None
+    assert NoLoCoStrategy(elastic=ElasticConfig("127.0.0.1:1", straggler_timeout=5)).elastic.straggler_timeout == 5
+    assert DiLoCoStrategy(elastic=ElasticConfig("127.0.0.1:1")).elastic.straggler_timeout is None

@@ -24,12 +24,13 @@ import pytest
 import torch
 from torch import Tensor
 
-import tiny
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.overlap import MERGES
 from lightning_loco.strategies.setup import fit_ends_after_this_step
 from lightning_loco.transport import InProcessNetwork
+
+import tiny
 from test_checkpoints import assert_same_tree
 from test_driver import ALGORITHMS, Replica, lockstep, replicas_for, roundtrip, threaded, trace
 
@@ -201,13 +202,13 @@ def test_an_inner_step_after_a_final_landing_drops_the_kept_weights():
 
 @pytest.mark.parametrize("cls", [NoLoCoStrategy, GASLoCStrategy, DiLoCoStrategy])
 def test_final_outer_step_is_checked_when_the_strategy_is_built(cls):
-    assert cls().final_outer_step == "average"
-    assert cls(final_outer_step="outer").final_outer_step == "outer"
+    assert cls().options.final_outer_step == "average"
+    assert cls(final_outer_step="outer").options.final_outer_step == "outer"
     for bad in ("mean", None, True):
         with pytest.raises(ValueError, match=r"final_outer_step must be 'average' .* or 'outer' .*got"):
             cls(final_outer_step=bad)
     with pytest.raises(ValueError, match="final_outer_step"):
-        OuterStepDriver(ALGORITHMS["noloco"](), InProcessNetwork(2).transport(0), 2, final_outer_step="last")
+        OuterStepDriver.of(ALGORITHMS["noloco"](), InProcessNetwork(2).transport(0), 2, final_outer_step="last")
 
 
 def fake_trainer(max_steps=-1, global_step=0, max_epochs=None, current_epoch=0, is_last_batch=False, ready=1,
@@ -323,7 +324,8 @@ def test_an_overlapped_round_in_flight_at_the_end_lands_on_the_gossip_mix(runs):
     gossip = GASLoCStrategy().algorithm
     z = [torch.lerp(rec["anchors"][-1], rec["snapshots"][-1], gossip.outer_lr) for rec in recs]
     for r, rec in enumerate(after):
-        assert [(x["outer_step"], x["overlap_steps"], x["final"]) for x in rec["reports"]] == [(0, 2, False), (1, 0, True)]
+        rounds = [(x["outer_step"], x["overlap_steps"], x["final"]) for x in rec["reports"]]
+        assert rounds == [(0, 2, False), (1, 0, True)]
         x = z[r] - gossip.gossip_step * (z[r] - z[1 - r])  # no extrapolation
         assert_close(rec["weights"], x, f"replica {r}")
 

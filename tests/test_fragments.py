@@ -22,12 +22,14 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.codecs import wire_format
 from lightning_loco.driver import OuterStepDriver
+from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.flat import FlatParameters
-from lightning_loco.fragments import check_fragments, fragment_algorithm, fragment_seed, layout
+from lightning_loco.fragments import fragment_algorithm, fragment_seed, layout
+from lightning_loco.options import Options, WireConfig
 from lightning_loco.rounds import step as blocking_outer_step
 from lightning_loco.transport import InProcessNetwork
+
 from oracle import ReplicaSimulator
 
 CPU = torch.device("cpu")
@@ -57,7 +59,7 @@ class Replica:
         self.i = i
         self.params = [torch.nn.Parameter(w.clone()) for w in (params if params is not None else initial())]
         self.targets = aims if aims is not None else targets(i)
-        self.driver = OuterStepDriver(algorithm, network.transport(i), sync_every, **driver_kwargs)
+        self.driver = OuterStepDriver.of(algorithm, network.transport(i), sync_every, **driver_kwargs)
         self.flat = FlatParameters(self.params, CPU)
         self.driver.add(self.flat)
         self.steps = 0
@@ -155,23 +157,22 @@ def test_the_layout_of_equal_parameters_is_equal_fragments_and_too_few_parameter
         ({"fragments": True}, "fragments must be an integer >= 1"),
         ({"fragments": 3}, r"fragments=3 must divide sync_every=8.*Use one of \[1, 2, 4, 8\]"),
         ({"fragments": 4, "overlap_steps": 2}, "overlap_steps=2 must be smaller than sync_every / fragments = 2"),
-        ({"fragments": 2, "sync_seconds": 1.0}, "fragments=2 does not work with sync_seconds"),
-        ({"fragments": 2, "elastic": True}, "fragments=2 does not work with elastic replicas"),
-        ({"fragments": 2, "replica_sharding": "fsdp"}, "fragments=2 does not work with replica_sharding='fsdp'"),
+        ({"fragments": 2, "pacing": 1.0}, "fragments=2 does not work with pacing"),
+        ({"fragments": 2, "elastic": ElasticConfig("localhost:1")}, "fragments=2 does not work with elastic replicas"),
+        ({"fragments": 2, "replica_sharding": "fsdp"}, "fragments=2 does not work with replica_sharding"),
     ],
 )
 def test_fragments_that_cannot_work_are_refused_saying_what_to_do(kwargs, message):
-    fragments = kwargs.pop("fragments")
     with pytest.raises(ValueError, match=message):
-        check_fragments(fragments, 8, **kwargs)
+        Options.build(NoLoCo(), 8, **kwargs)
 
 
 def test_the_driver_checks_fragments_before_anything_runs():
     with pytest.raises(ValueError, match="must divide sync_every=6"):
-        OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), 6, fragments=4)
+        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 6, fragments=4)
     with pytest.raises(ValueError, match="overlap_steps=3 must be smaller than sync_every / fragments = 3"):
-        OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), 6, overlap_steps=3, fragments=2)
-    driver = OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), 4, fragments=4)
+        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 6, overlap_steps=3, fragments=2)
+    driver = OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 4, fragments=4)
     with pytest.raises(ValueError, match="needs at least 4 parameters"):
         driver.add(FlatParameters([torch.nn.Parameter(torch.zeros(9))], CPU))
 
@@ -279,7 +280,7 @@ ALONE_CASES: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     "noloco_gamma0.9": (lambda: NoLoCo(averaging_rate=0.9, seed=3), {}),
     "gasloc_adam": (lambda: GASLoC(seed=3, outer_optimizer=functools.partial(torch.optim.Adam, lr=0.01)), {}),
     # error feedback per fragment: each fragment keeps its own residual
-    "diloco_int8_feedback": (DiLoCo, {"wire": wire_format("float32", "int8", 4, True, pseudo_gradient=True)}),
+    "diloco_int8_feedback": (DiLoCo, {"wire": WireConfig("int8", block_size=4, error_feedback=True)}),
 }
 
 
@@ -428,7 +429,7 @@ def test_each_optimizer_has_its_own_fragments():
     network = InProcessNetwork(n, timeout=10.0)
     both = []
     for i in range(n):
-        driver = OuterStepDriver(NoLoCo(seed=1), network.transport(i), H, overlap_steps=1, fragments=F)
+        driver = OuterStepDriver.of(NoLoCo(seed=1), network.transport(i), H, overlap_steps=1, fragments=F)
         optimizers = [Replica(i, InProcessNetwork(n), NoLoCo(), H, params=initial()[a:b], aims=targets(i)[a:b])
                       for a, b in ((0, 4), (4, 8))]
         for r in optimizers:  # one driver for both optimizers, in place of each one's own
@@ -459,7 +460,7 @@ def test_each_optimizer_has_its_own_fragments():
 
 @pytest.mark.parametrize("name,cap", [("noloco", 2), ("diloco", 1)])
 def test_auto_overlap_is_capped_by_the_steps_between_fragments(name, cap):
-    driver = OuterStepDriver(NoLoCo() if name == "noloco" else DiLoCo(), InProcessNetwork(2).transport(0), 16,
+    driver = OuterStepDriver.of(NoLoCo() if name == "noloco" else DiLoCo(), InProcessNetwork(2).transport(0), 16,
                              overlap_steps="auto", fragments=4)
     driver.add(FlatParameters([torch.nn.Parameter(torch.zeros(3)) for _ in range(4)], CPU))
     assert [slot.auto.cap for slot in driver.slots] == [cap] * 4  # H/2 or H/4 of H/F = 4 steps

@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 
-import tiny
-from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.cli import main
+
+import tiny
 from test_checkpoints import assert_same_tree
 from test_cli import CONFIGS
 
@@ -37,9 +38,10 @@ def test_every_strategy_takes_fragments(cls):
     [
         ({"fragments": 3}, r"fragments=3 must divide sync_every=8.*Use one of \[1, 2, 4, 8\]"),
         ({"fragments": 4, "overlap_steps": 2}, "overlap_steps=2 must be smaller than sync_every / fragments = 2"),
-        ({"fragments": 2, "sync_seconds": 1.0}, "fragments=2 does not work with sync_seconds"),
-        ({"fragments": 2, "replica_sharding": "fsdp"}, "fragments=2 does not work with replica_sharding='fsdp'"),
-        ({"fragments": 2, "lighthouse": "http://localhost:1"}, "fragments=2 does not work with elastic replicas"),
+        ({"fragments": 2, "pacing": 1.0}, "fragments=2 does not work with pacing"),
+        ({"fragments": 2, "replica_sharding": "fsdp"}, "fragments=2 does not work with replica_sharding"),
+        ({"fragments": 2, "elastic": ElasticConfig("http://localhost:1")},
+         "fragments=2 does not work with elastic replicas"),
         ({"fragments": 0}, "fragments must be an integer >= 1, got 0"),
     ],
 )
@@ -69,7 +71,7 @@ def test_the_command_line_takes_fragments(in_process, capsys):
 @pytest.mark.parametrize("algorithm,kwargs", [
     ("noloco", {}),
     ("gasloc", {}),
-    ("diloco", {"compression": "int8", "compression_block_size": 4}),  # error feedback per fragment
+    ("diloco", {"wire": {"format": "int8", "block_size": 4}}),  # error feedback per fragment
 ])
 def test_exact_resume_with_a_fragments_round_in_flight_and_every_fragment_lands_at_the_end(tmp_path, algorithm,
                                                                                           kwargs):

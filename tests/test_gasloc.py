@@ -2,13 +2,14 @@
 
 import functools
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
 from lightning_loco import GASLoCStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC
 from lightning_loco.schedules import exponential_matching, random_matching, ring_matching
+
 from oracle import ReplicaSimulator
 
 

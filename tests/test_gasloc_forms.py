@@ -18,8 +18,6 @@ import io
 
 import pytest
 import torch
-from elastic_fakes import FakeMembership, Hub, Script
-from test_driver import Replica, check_rounds, lockstep, replicas_for, run_in_threads, threaded
 from test_elastic_plugin import H as ELASTIC_H
 from test_elastic_plugin import Runner, elastic_runner, in_threads
 
@@ -30,8 +28,11 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.transport import ElasticTransport
 from lightning_loco.flat import FlatParameters
-from oracle import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork
+
+from elastic_fakes import FakeMembership, Hub, Script
+from oracle import ReplicaSimulator
+from test_driver import Replica, check_rounds, lockstep, replicas_for, run_in_threads, threaded
 
 ETA, GAMMA, ALPHA = 0.8, 0.6, 0.3
 ATOL = 2e-6  # float32 against float64 over a few rounds of values of order one (seen: 2e-7)
@@ -121,7 +122,7 @@ def test_sent_form_equals_the_closed_form(topology, n):
                              list(start))
     g = torch.Generator().manual_seed(2)
     out = list(start)
-    for t in range(8):
+    for _ in range(8):
         out = mixed.step(inner_phases(out, g))
     assert not torch.allclose(torch.stack(out).double(), ref.theta, atol=1e-3)
 
@@ -328,7 +329,6 @@ def test_final_weights_are_the_mix_without_the_momentum():
 def closed_form_of_rounds(algorithm: GASLoC, replicas: list[Replica], tau: int, merge: str) -> int:
     """Each round's anchors against the closed form fed with the snapshots the drivers started from;
     the prediction (φ̂) and the live weights after the landing (τ = 0: the new anchor)."""
-    n = len(replicas)
     ref = SentForm(algorithm, torch.stack([r.initial[0] for r in replicas]))
     rounds = len(replicas[0].logs[0].landings)
     for t in range(rounds):
@@ -352,9 +352,14 @@ def closed_form_of_rounds(algorithm: GASLoC, replicas: list[Replica], tau: int, 
     return rounds
 
 
+def alpha_for(topology: str) -> dict[str, float]:
+    """α where the topology mixes with it (the complete topology averages exactly: no α to set)."""
+    return {} if topology == "complete" else {"gossip_step": ALPHA}
+
+
 @pytest.mark.parametrize("topology,n", [("random_pairs", 4), ("ring", 5), ("complete", 4)])
 def test_replicas_on_the_in_process_network_follow_the_closed_form(topology, n):
-    make = functools.partial(sent, outer_lr=ETA, outer_momentum=GAMMA, gossip_step=ALPHA, topology=topology)
+    make = functools.partial(sent, outer_lr=ETA, outer_momentum=GAMMA, topology=topology, **alpha_for(topology))
     H, rounds = 3, 4
     _, replicas = replicas_for(make, n, H)
     threaded(replicas, rounds * H)  # synchronous rounds block until the group's peers post
@@ -365,7 +370,7 @@ def test_replicas_on_the_in_process_network_follow_the_closed_form(topology, n):
 @pytest.mark.parametrize("merge", ["predict_correct", "delayed"])
 @pytest.mark.parametrize("topology,n", [("random_pairs", 4), ("ring", 5), ("complete", 4)])
 def test_overlapped_rounds_follow_the_closed_form_on_the_snapshots(topology, n, merge):
-    make = functools.partial(sent, outer_lr=ETA, outer_momentum=GAMMA, gossip_step=ALPHA, topology=topology)
+    make = functools.partial(sent, outer_lr=ETA, outer_momentum=GAMMA, topology=topology, **alpha_for(topology))
     H, tau, rounds = 4, 2, 3
     _, replicas = replicas_for(make, n, H, overlap_steps=tau, overlap_merge=merge)
     lockstep(replicas, rounds * H + tau)  # an overlapped round never blocks before its landing
@@ -380,7 +385,7 @@ class Drifting:
     def __init__(self, i: int, network: InProcessNetwork, algorithm: GASLoC, sync_every: int, **kwargs) -> None:
         self.param = torch.nn.Parameter(random_start(1, 5, seed=14)[0].clone())
         self.drift = torch.randn(5, generator=torch.Generator().manual_seed(100 + i))
-        self.driver = OuterStepDriver(algorithm, network.transport(i), sync_every, **kwargs)
+        self.driver = OuterStepDriver.of(algorithm, network.transport(i), sync_every, **kwargs)
         self.driver.add(FlatParameters([self.param], CPU))
 
     def run(self, steps: int) -> None:
@@ -522,8 +527,10 @@ def test_an_unknown_form_is_refused_naming_the_allowed_values(value):
 
 
 def test_the_sent_form_refuses_a_custom_outer_optimizer_and_still_checks_gamma():
+    from lightning_loco.options import Options
+
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    for build in (GASLoC, GASLoCStrategy):
+    for build in (lambda **kwargs: Options.build(GASLoC(**kwargs), 10), GASLoCStrategy):
         with pytest.raises(ValueError, match="outer_optimizer with momentum_on='sent'.*momentum_on='mixed'"):
             build(momentum_on="sent", outer_optimizer=adam)
         with pytest.raises(ValueError, match="outer_momentum"):

@@ -1,4 +1,3 @@
-import pytest
 """The shipped NoLoCo job runs no global collective per outer step.
 
 The example config is run through the ``lightning-loco`` command (2 CPU replicas, a few steps) with
@@ -13,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 from lightning_loco.testing.launch import free_port
 

@@ -17,10 +17,10 @@ from lightning_loco.algorithms import DiLoCo, NoLoCo
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.staging import StagingPool
 from lightning_loco.testing.host_reads import HostReadCounter, rounds_seen
 from lightning_loco.testing.launch import init_gloo
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
-from lightning_loco.staging import StagingPool
 
 ROOT = Path(__file__).parent.parent
 
@@ -31,7 +31,8 @@ def run_forked(worker: str, world: int, out_dir: Path) -> None:
     code = ("import sys, test_gpu_check as t; from lightning_loco.testing.launch import free_port, start_ranks; "
             "start_ranks(getattr(t, sys.argv[1]), int(sys.argv[2]), args=(int(sys.argv[2]), free_port(), sys.argv[3]), "
             "start_method='fork', timeout_s=100)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-c", code, worker, str(world), str(out_dir)], cwd=ROOT / "tests", env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -108,14 +109,16 @@ def test_staged_gather_and_scatter_equal_the_direct_copies(monkeypatch):
 # ---------------------------------------------------------------- no host reads between outer steps
 
 
-@pytest.mark.parametrize("n,algorithm,overlap", [(1, NoLoCo(), 0), (2, NoLoCo(), 2), (1, DiLoCo(), 0), (2, DiLoCo(), 2)])
+@pytest.mark.parametrize("n,algorithm,overlap",
+                         [(1, NoLoCo(), 0), (2, NoLoCo(), 2), (1, DiLoCo(), 0), (2, DiLoCo(), 2)])
 def test_inner_steps_read_nothing_back_to_the_host(n, algorithm, overlap):
     """The driver's per-step hook reads no tensor value to the host (on CUDA each read would
     synchronise) except at steps where a round starts or lands. (Lock-step replicas: two of them
     only with overlap, where posting does not wait.)"""
     network = InProcessNetwork(n)
     params = [torch.nn.Parameter(torch.randn(6) + i) for i in range(n)]
-    drivers = [OuterStepDriver(algorithm, network.transport(i), sync_every=4, overlap_steps=overlap) for i in range(n)]
+    drivers = [OuterStepDriver.of(algorithm, network.transport(i), sync_every=4, overlap_steps=overlap)
+               for i in range(n)]
     for driver, p in zip(drivers, params):
         driver.add(FlatParameters([p], "cpu"))
     counter = HostReadCounter()
@@ -138,7 +141,7 @@ def test_host_read_counter_sees_reads_inside_the_driver():
     norms with ``item()``, and the counter sees them."""
     network = InProcessNetwork(1)
     p = torch.nn.Parameter(torch.randn(6))
-    driver = OuterStepDriver(NoLoCo(), network.transport(0), sync_every=2)
+    driver = OuterStepDriver.of(NoLoCo(), network.transport(0), sync_every=2)
     driver.track_norms = True
     driver.add(FlatParameters([p], "cpu"))
     counter = HostReadCounter()
@@ -403,7 +406,8 @@ def test_cuda_staging_is_pinned_and_exact():
     flat = FlatParameters(params, "cpu")
     assert flat._staged()
     gathered = flat.gather()
-    assert gathered.device.type == "cpu" and torch.equal(gathered, torch.cat([p.detach().cpu().reshape(-1) for p in params]))
+    whole = torch.cat([p.detach().cpu().reshape(-1) for p in params])
+    assert gathered.device.type == "cpu" and torch.equal(gathered, whole)
     flat.scatter(gathered * 2)
     torch.cuda.synchronize()
     assert torch.equal(torch.cat([p.detach().cpu().reshape(-1) for p in params]), gathered * 2)

@@ -10,10 +10,11 @@ import pytest
 import torch
 import yaml
 
-import tiny
 from lightning_loco.monitoring import OuterStepMonitor
-from lightning_loco.strategies.base import OuterStepReport
 from lightning_loco.schedules import random_groups
+from lightning_loco.strategies.base import OuterStepReport
+
+import tiny
 
 
 def tensorboard(logdir):
@@ -72,7 +73,7 @@ def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
     assert [s for s, _ in scalars["outer/step"]] == [2, 4, 6, 8]  # the quantities stay scalars
     assert "hp_metric" not in scalars  # no placeholder -1 card where the logger is configured as ours are
     # the spread is the RMS distance of the replicas from their mean, right after the outer step
-    for t, (step, value) in enumerate(metrics["outer/replica_spread"]):
+    for step, value in metrics["outer/replica_spread"]:
         weights = torch.stack([rec["weights"][step - 1] for rec in recs]).double()
         expected = (weights - weights.mean(0)).pow(2).sum(1).mean().sqrt().item()
         assert value == pytest.approx(expected, rel=1e-5)

@@ -7,9 +7,10 @@ for every rank). The results are checked against a reference written here from t
 import pytest
 import torch
 
-import tiny
 from lightning_loco.algorithms import GASLoC
 from lightning_loco.schedules import random_groups
+
+import tiny
 
 run = tiny.launch
 # The references below run the papers' outer step at every round, the last included: runs compared

@@ -12,7 +12,9 @@ import torch
 
 import lightning_loco
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.overlap import AutoOverlap, auto_cap, check_overlap, merge_at_landing
+from lightning_loco.options import Options
+from lightning_loco.overlap import AutoOverlap, auto_cap, merge_at_landing
+
 from oracle import ReplicaSimulator
 
 
@@ -148,7 +150,8 @@ def test_merges_follow_the_spec():
         ({"overlap_merge": "torchft"}, "predict_correct"),
     ],
 )
-@pytest.mark.parametrize("cls", [lightning_loco.NoLoCoStrategy, lightning_loco.DiLoCoStrategy, lightning_loco.GASLoCStrategy])
+@pytest.mark.parametrize("cls",
+                         [lightning_loco.NoLoCoStrategy, lightning_loco.DiLoCoStrategy, lightning_loco.GASLoCStrategy])
 def test_bad_overlap_arguments_fail_when_the_strategy_is_built(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(sync_every=10, **kwargs)
@@ -156,14 +159,15 @@ def test_bad_overlap_arguments_fail_when_the_strategy_is_built(cls, kwargs, matc
 
 def test_good_overlap_arguments():
     for steps in (0, 1, 9, "auto"):
-        check_overlap(steps, "predict_correct", 10)
-    check_overlap(3, "delayed", 10)
+        assert Options.build(NoLoCo(), 10, overlap_steps=steps).overlap_steps == steps
+    assert Options.build(NoLoCo(), 10, overlap_steps=3, overlap_merge="delayed").overlap_merge == "delayed"
     s = lightning_loco.GASLoCStrategy(sync_every=8, overlap_steps="auto", overlap_merge="delayed")
     assert (s.overlap_steps, s.overlap_merge) == ("auto", "delayed")
 
 
 def test_auto_overlap_picks_the_smallest_hiding_tau_within_the_cap():
-    assert auto_cap(50, "noloco") == 25 and auto_cap(50, "diloco") == 12 and auto_cap(50, "gasloc") == 12
+    assert auto_cap(50, NoLoCo().overlap_share) == 25 and auto_cap(50, DiLoCo().overlap_share) == 12
+    assert auto_cap(50, GASLoC().overlap_share) == 12
     auto = AutoOverlap(cap=12)
     assert auto.choose() == 0  # nothing measured yet: the first round is synchronous
     for _ in range(5):

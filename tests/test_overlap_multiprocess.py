@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tiny
 from lightning_loco.schedules import random_groups
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import PeerError, TorchDistributedTransport
+
+import tiny
 
 run = tiny.launch
 

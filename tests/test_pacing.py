@@ -21,9 +21,11 @@ from torch import Tensor
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
+from lightning_loco.options import PacingConfig
 from lightning_loco.pacing import Pacing, Phase, phase_due, phase_steps
-from oracle import ReplicaSimulator
 from lightning_loco.transport import InProcessNetwork
+
+from oracle import ReplicaSimulator
 from test_driver import CPU, SLOT_SHAPES, assert_same, initial_weights, inner_lr, roundtrip, run_in_threads, targets
 
 MAKERS = {
@@ -53,8 +55,10 @@ class PacedReplica:
                  **driver_kwargs) -> None:
         self.i, self.speed, self.max_steps = i, speed, max_steps
         self.clock = Clock()
-        self.driver = OuterStepDriver(algorithm, network.transport(i), sync_every, sync_seconds=sync_seconds,
-                                      clock=self.clock, **driver_kwargs)
+        merge = driver_kwargs.pop("merge", "mean")
+        pacing = None if sync_seconds is None else PacingConfig(sync_seconds, merge=merge)
+        self.driver = OuterStepDriver.of(algorithm, network.transport(i), sync_every, pacing=pacing,
+                                         clock=self.clock, **driver_kwargs)
         self.flat = FlatParameters([torch.nn.Parameter(w) for w in initial_weights(SLOT_SHAPES[0], seed=0)], CPU)
         if weights is not None:
             self.flat.scatter(weights)
@@ -268,7 +272,7 @@ def test_nominal_progress_follows_the_phase_not_the_step_count():
     assert pacing.nominal_step(phase, outer_steps=3, inner_steps=6) == pytest.approx(36.0)
     clock.now = 50.0
     assert pacing.nominal_step(phase, outer_steps=3, inner_steps=1) == 40.0  # never past the round's end
-    fixed = OuterStepDriver(NoLoCo(), InProcessNetwork(1).transport(0), 4)
+    fixed = OuterStepDriver.of(NoLoCo(), InProcessNetwork(1).transport(0), 4)
     fixed.add(FlatParameters([torch.nn.Parameter(torch.zeros(2))], CPU))
     fixed.after_inner_step(0)
     assert fixed.nominal_step() == 1.0  # fixed H: the step count itself
@@ -288,10 +292,10 @@ def test_a_run_resumed_after_its_last_round_stops_at_once():
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "10", True])
 def test_bad_sync_seconds_fail_when_the_driver_is_built(value):
     with pytest.raises(ValueError, match="sync_seconds must be a number of seconds > 0"):
-        OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), 4, sync_seconds=value)
+        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 4, pacing=value)
 
 
 @pytest.mark.parametrize("overlap", [1, "auto"])
 def test_sync_seconds_with_overlap_fails_when_the_driver_is_built(overlap):
-    with pytest.raises(ValueError, match="cannot be combined yet.*Use overlap_steps=0 with sync_seconds"):
-        OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), 4, overlap_steps=overlap, sync_seconds=1.0)
+    with pytest.raises(ValueError, match="cannot be combined yet.*Use overlap_steps=0 with pacing"):
+        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 4, overlap_steps=overlap, pacing=1.0)

@@ -10,13 +10,15 @@ example GPT's schedule under a paced strategy.
 import glob
 import math
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
-import tiny
 from lightning_loco import NoLoCoStrategy
-from lightning_loco.strategies.setup import check_paced_fit
+from lightning_loco.options import Facts, check_rules
+from lightning_loco.strategies.setup import fit_facts
+
+import tiny
 from test_checkpoints import assert_same_tree
 
 
@@ -27,9 +29,11 @@ def rounds_of(record):
 @pytest.mark.parametrize("algorithm", ["noloco", "diloco"])
 def test_a_replica_that_sleeps_in_every_step_runs_the_same_rounds_with_fewer_steps(tmp_path, algorithm):
     H, max_steps = 10, 40  # four rounds
-    kwargs = {"sync_every": H, "sync_seconds": 0.3}
+    kwargs = {"sync_every": H, "pacing": 0.3}
+    # each rank on a clock of its own that moves by its step time at every batch (0.01 s and 0.1 s a step):
+    # what a sleep in every step would do, without the machine's load in it
     recs = tiny.launch(tmp_path, strategy=algorithm, strategy_kwargs=kwargs, devices=2, max_steps=max_steps,
-                       step_sleep_s_by_rank=[0.0, 0.1])
+                       virtual_step_seconds=[0.01, 0.1])
     fast, slow = recs
     for rec in recs:
         assert [t for t, _, _ in rounds_of(rec)] == [0, 1, 2, 3]  # the same rounds, in order
@@ -37,10 +41,10 @@ def test_a_replica_that_sleeps_in_every_step_runs_the_same_rounds_with_fewer_ste
         assert rec["outer_states"][0]["outer_steps"] == 4
         assert all(1 <= h <= H for _, h, _ in rounds_of(rec))
         assert sum(h for _, h, _ in rounds_of(rec)) == rec["outer_states"][0]["inner_steps"] == len(rec["weights"])
-    # 0.1 s of sleep after every step: the slow replica's phase reaches 0.3 s after at most four steps (three
-    # sleeps; from the second round on, the sleep after the landing step counts too)
-    assert all(h <= 4 for _, h, _ in rounds_of(slow))
-    assert slow["outer_states"][0]["inner_steps"] < fast["outer_states"][0]["inner_steps"]
+    # a round is due after k steps once (k + 1/2)·s >= T: the fast replica reaches H = 10 first, the slow one
+    # posts after 3 steps (3.5 × 0.1 s >= 0.3 s > 2.5 × 0.1 s)
+    assert [h for _, h, _ in rounds_of(fast)] == [10, 10, 10, 10]
+    assert [h for _, h, _ in rounds_of(slow)] == [3, 3, 3, 3]
     # the round that ended the run landed without the momentum on both: DiLoCo's replicas end identical
     if algorithm == "diloco":
         assert torch.equal(fast["weights"][-1], slow["weights"][-1])
@@ -50,7 +54,7 @@ def test_exact_resume_from_a_round_checkpoint_with_replicas_at_different_steps(t
     # Speeds 1 and 2 on their own clocks, T = 4, H = 4: H_i = 4 and 2. 16 nominal steps: 4 rounds. One batch
     # per epoch (24 of the 48 samples per replica) so that every checkpoint is at the end of a data epoch.
     ckpts = tmp_path / "ckpts"
-    common = {"strategy": "gasloc", "strategy_kwargs": {"sync_every": 4, "sync_seconds": 4.0}, "devices": 2,
+    common = {"strategy": "gasloc", "strategy_kwargs": {"sync_every": 4, "pacing": 4.0}, "devices": 2,
               "max_steps": 16, "batch_size": 24, "virtual_step_seconds": [1.0, 2.0],
               "outer_checkpoint": {"dirpath": str(ckpts), "every_n_outer_steps": 2}}
     straight = tiny.launch(tmp_path / "straight", **common)
@@ -71,14 +75,14 @@ def test_exact_resume_from_a_round_checkpoint_with_replicas_at_different_steps(t
 
 def test_a_round_paced_fit_that_saves_by_step_count_fails_before_training(tmp_path):
     proc = tiny.launch(tmp_path, expect_failure=True, strategy="noloco",
-                       strategy_kwargs={"sync_every": 4, "sync_seconds": 1.0}, devices=2, max_steps=8,
+                       strategy_kwargs={"sync_every": 4, "pacing": 1.0}, devices=2, max_steps=8,
                        checkpoint={"dirpath": str(tmp_path / "ckpts"), "every_n_train_steps": 2})
-    assert "sync_seconds cannot run this fit: ModelCheckpoint saves by each replica's own step" in proc.stderr
+    assert "pacing cannot run this fit: ModelCheckpoint saves by each replica's own step" in proc.stderr
     assert "OuterStepCheckpoint" in proc.stderr
 
 
 def trainer(**kwargs):
-    return L.Trainer(strategy=NoLoCoStrategy(sync_every=4, sync_seconds=1.0), accelerator="cpu", devices=2,
+    return L.Trainer(strategy=NoLoCoStrategy(sync_every=4, pacing=1.0), accelerator="cpu", devices=2,
                      logger=False, enable_progress_bar=False, **kwargs)
 
 
@@ -91,14 +95,19 @@ def trainer(**kwargs):
     ({"max_steps": 8, "enable_checkpointing": False}, 1, "set limit_val_batches=0 and validate after fit"),
 ])
 def test_what_a_round_paced_fit_cannot_do_is_named(kwargs, optimizers, match):
-    with pytest.raises(ValueError, match="sync_seconds cannot run this fit: .*" + match):
-        check_paced_fit(trainer(**kwargs), tiny.TinyRegressor(), optimizers)
-    check_paced_fit(trainer(max_steps=8, enable_checkpointing=False, limit_val_batches=0), tiny.TinyRegressor(), 1)
+    def check(fit_trainer: L.Trainer, count: int) -> None:
+        found = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for _ in range(count)]
+        facts = fit_facts(fit_trainer, tiny.TinyRegressor(), found, torch.device("cpu"))
+        check_rules("fit", Facts(fit_trainer.strategy.options, fit=facts))
+
+    with pytest.raises(ValueError, match="pacing cannot run this fit: .*" + match):
+        check(trainer(**kwargs), optimizers)
+    check(trainer(max_steps=8, enable_checkpointing=False, limit_val_batches=0), 1)
 
 
 def test_the_monitor_logs_each_rounds_steps_compute_and_share(tmp_path):
     # rank 0 (whose replica the logger writes) runs on a clock that moves 1 s a step, rank 1 2 s: H_i = 4 and 2
-    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 4, "sync_seconds": 4.0},
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": 4, "pacing": 4.0},
                        devices=2, max_steps=12, virtual_step_seconds=[1.0, 2.0], monitor={})
     from test_monitoring import logged
 
@@ -117,7 +126,8 @@ def test_report_fields_reach_the_monitors_metrics():
     report = OuterStepReport(optimizer_index=0, outer_step=3, inner_step=8, peers=(2,), bytes_sent=4, bytes_received=4,
                              comm_seconds=0.1, seconds=0.2, phase_steps=5, compute_seconds=1.5, compute_share=0.75)
     metrics = OuterStepMonitor._metrics(report, num_optimizers=1)
-    assert (metrics["outer/phase_steps"], metrics["outer/compute_seconds"], metrics["outer/compute_share"]) == (5, 1.5, 0.75)
+    seen = (metrics["outer/phase_steps"], metrics["outer/compute_seconds"], metrics["outer/compute_share"])
+    assert seen == (5, 1.5, 0.75)
 
 
 def test_the_example_gpt_schedule_follows_nominal_progress_under_sync_seconds():
@@ -138,13 +148,14 @@ def test_the_example_gpt_schedule_follows_nominal_progress_under_sync_seconds():
 
 @pytest.mark.slow
 def test_the_ranks_of_a_replica_take_the_same_rounds_steps_and_learning_rates(tmp_path):
-    # Two replicas of two ranks each (DDP inside a replica); one rank of replica 1 sleeps after every step,
-    # which makes its whole replica slow. The schedule follows nominal progress, read on each rank: the
-    # ranks of a replica must agree on their rounds, their H_i and their learning rates, step by step.
+    # Two replicas of two ranks each (DDP inside a replica); one rank of replica 1 runs on a clock ten times
+    # slower (its own clock, moved by its step time at every batch), which makes its whole replica slow. The
+    # schedule follows nominal progress, read on each rank: the ranks of a replica must agree on their rounds,
+    # their H_i and their learning rates, step by step.
     H, max_steps = 8, 32  # four rounds
-    kwargs = {"sync_every": H, "sync_seconds": 0.3, "ranks_per_replica": 2}
+    kwargs = {"sync_every": H, "pacing": 0.3, "ranks_per_replica": 2}
     recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs=kwargs, devices=4, max_steps=max_steps,
-                       step_sleep_s_by_rank=[0.0, 0.0, 0.0, 0.1], nominal_schedule=[H, max_steps])
+                       virtual_step_seconds=[0.01, 0.01, 0.01, 0.1], nominal_schedule=[H, max_steps])
     for rec in recs:
         assert [t for t, _, _ in rounds_of(rec)] == [0, 1, 2, 3]  # the same rounds everywhere
         assert [final for _, _, final in rounds_of(rec)] == [False, False, False, True]  # the same last one
@@ -156,6 +167,7 @@ def test_the_ranks_of_a_replica_take_the_same_rounds_steps_and_learning_rates(tm
             assert torch.equal(x, y), f"ranks {a} and {b} apart after step {step + 1}"
         assert recs[a]["lrs"] == recs[b]["lrs"]
     fast, slow = recs[0], recs[2]
-    assert sum(h for _, h, _ in rounds_of(slow)) < sum(h for _, h, _ in rounds_of(fast))  # the slow replica's H_i
-    assert all(h < H for _, h, _ in rounds_of(slow)[:-1])
+    # the ranks of a replica agree on the slowest clock: replica 1 posts after 3 steps, replica 0 after H
+    assert [h for _, h, _ in rounds_of(fast)] == [H] * 4
+    assert [h for _, h, _ in rounds_of(slow)] == [3] * 4
     assert fast["lrs"] != [0.05]  # the schedule moved (the warm-up and decay ran on nominal steps)

@@ -7,14 +7,15 @@ import pickle
 import sys
 from datetime import timedelta
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
-import tiny
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy
 from lightning_loco.algorithms.outer_optimizer import SGDFactory
 from lightning_loco.testing.launch import strategy_class
+
+import tiny
 
 NAMES = ["noloco", "diloco", "gasloc"]
 ADAM = functools.partial(torch.optim.Adam, lr=1e-3)

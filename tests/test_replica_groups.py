@@ -4,17 +4,18 @@ between replicas, the sliced exchange, checkpoints, and bad input."""
 import glob
 import os
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from test_multiprocess import PAPERS, noloco_outer, reference
 
-import lightning as L
 import lightning_loco
-import tiny
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
+
+import tiny
 from test_checkpoints import assert_same_tree
-from test_multiprocess import PAPERS, noloco_outer, reference
 
 run = tiny.launch
 
@@ -50,7 +51,8 @@ def test_two_replicas_of_two_ranks_equal_two_replicas_with_the_union_batch(tmp_p
 def test_diloco_and_gasloc_between_replicas_of_two_ranks(tmp_path, algorithm):
     h, steps = 4, 8
     recs = run(tmp_path, strategy=algorithm, devices=4, max_steps=steps,
-               strategy_kwargs={"sync_every": h, "ranks_per_replica": 2, "overlap_steps": 1 if algorithm == "gasloc" else 0})
+               strategy_kwargs={"sync_every": h, "ranks_per_replica": 2,
+                                "overlap_steps": 1 if algorithm == "gasloc" else 0})
     for r, rec in enumerate(recs):
         assert all(torch.equal(w, v) for w, v in zip(rec["weights"], recs[r - r % 2]["weights"]))
     if algorithm == "diloco":  # one shared anchor: all four ranks equal after each outer step

@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_multiprocess import PAPERS, noloco_outer, reference
 from torch import nn
 
 import lightning_loco
-import tiny
-from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco import checkpoints
-from lightning_loco.codecs import wire_format
+from lightning_loco.codecs import make_codec
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
+
+import tiny
 from test_checkpoints import assert_same_tree
-from test_multiprocess import PAPERS, noloco_outer, reference
 
 ROOT = Path(__file__).parent.parent
 run = tiny.launch
@@ -141,8 +142,8 @@ def test_gasloc_with_int8_and_bf16_mixed_precision(tmp_path):
     GASLoC over int8 payloads with error feedback: it trains, the sharded parameters and the outer
     state stay float32, and each rank's payload is its own shards encoded."""
     recs = run(tmp_path, strategy="gasloc", devices=4, max_steps=8, start_method="popen", fsdp_bf16=True,
-               strategy_kwargs={"sync_every": 4, "compression": "int8", "error_feedback": True, **SHARDED})
-    codec = wire_format("float32", "int8", 256, True, pseudo_gradient=False).codec
+               strategy_kwargs={"sync_every": 4, "wire": {"format": "int8", "error_feedback": True}, **SHARDED})
+    codec = make_codec("int8")
     for r, rec in enumerate(recs):
         assert rec["param_dtypes"] == ["torch.float32"]
         state = rec["outer_states"][0]
@@ -187,7 +188,7 @@ def test_exact_resume_from_a_sharded_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_replicas_that_shard_differently_fail_at_setup(tmp_path):
-    proc = run(tmp_path, expect_failure=True, strategy="noloco", strategy_kwargs={"sync_every": 3, **SHARDED},
+    run(tmp_path, expect_failure=True, strategy="noloco", strategy_kwargs={"sync_every": 3, **SHARDED},
                devices=4, max_steps=3, start_method="popen", model_parallel="mismatch")
     error = json.loads((tmp_path / "out" / "error0.json").read_text())
     assert error["type"] == "ValueError"
@@ -196,26 +197,28 @@ def test_replicas_that_shard_differently_fail_at_setup(tmp_path):
 
 
 def test_bad_sharding_arguments():
-    with pytest.raises(ValueError, match="replica_sharding must be None .* or 'fsdp'"):
+    from lightning_loco import ElasticConfig, FSDPConfig
+
+    with pytest.raises(ValueError, match="replica_sharding must be None .*, 'fsdp' .* or an FSDPConfig"):
         lightning_loco.NoLoCoStrategy(replica_sharding="ddp")
-    with pytest.raises(ValueError, match="pass replica_sharding='fsdp' with them"):
-        lightning_loco.DiLoCoStrategy(fsdp_blocks=(nn.Linear,))
-    with pytest.raises(ValueError, match="fsdp_blocks must hold nn.Module classes or class names"):
-        lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", fsdp_blocks=(3,))
-    with pytest.raises(ValueError, match="fsdp_kwargs must not hold 'mesh'"):
-        lightning_loco.GASLoCStrategy(replica_sharding="fsdp", fsdp_kwargs={"mesh": None})
+    with pytest.raises(ValueError, match="FSDP blocks must be nn.Module classes or class names"):
+        lightning_loco.NoLoCoStrategy(replica_sharding=FSDPConfig(blocks=(3,)))
+    with pytest.raises(ValueError, match="FSDP kwargs must not hold 'mesh'"):
+        lightning_loco.GASLoCStrategy(replica_sharding=FSDPConfig(kwargs={"mesh": None}))
     with pytest.raises(ValueError, match="Use start_method='popen'"):
         lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", start_method="fork")
     # elastic replicas shard too (tests/test_elastic_sharded.py); what elastic mode refuses stays refused, saying why
-    elastic = lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1", ranks_per_replica=2)
-    assert elastic.sharding is not None and elastic.elastic is not None
+    elastic = lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", elastic=ElasticConfig("localhost:1"),
+                                            ranks_per_replica=2)
+    assert elastic.options.replica_sharding is not None and elastic.elastic is not None
     with pytest.raises(ValueError, match="start_method='popen'"):
-        lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1", start_method="fork")
+        lightning_loco.NoLoCoStrategy(replica_sharding="fsdp", elastic=ElasticConfig("localhost:1"),
+                                      start_method="fork")
     with pytest.raises(ValueError, match="a lossy wire format .* cannot yet undo on one rank alone"):
-        lightning_loco.DiLoCoStrategy(replica_sharding="fsdp", lighthouse="localhost:1", ranks_per_replica=2,
-                                      wire_dtype="bfloat16")
-    strategy = lightning_loco.DiLoCoStrategy(replica_sharding="fsdp", ranks_per_replica=2, fsdp_blocks=("Linear",))
-    assert strategy.sharding.blocks == ("Linear",)
+        lightning_loco.DiLoCoStrategy(replica_sharding="fsdp", elastic=ElasticConfig("localhost:1"),
+                                      ranks_per_replica=2, wire="bfloat16")
+    strategy = lightning_loco.DiLoCoStrategy(replica_sharding=FSDPConfig(blocks=("Linear",)), ranks_per_replica=2)
+    assert strategy.options.replica_sharding.blocks == ("Linear",)
 
 
 # ---------------------------------------------------------------- the pieces, in two plain gloo processes

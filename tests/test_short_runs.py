@@ -7,15 +7,16 @@ from __future__ import annotations
 import functools
 import warnings
 
+import lightning as L
 import pytest
 import torch
 
-import lightning as L
-import tiny
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
-from lightning_loco.algorithms import GASLoC, DiLoCo, NoLoCo
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.short_runs import SHORT_RUN, planned_outer_steps, short_run_note
 from lightning_loco.simulator import TrainingSimulator, distributed_shards
+
+import tiny
 
 DEFAULTS = {"diloco": DiLoCo, "noloco": NoLoCo, "gasloc": GASLoC}
 TUNED = {  # any outer-step argument moved from its default counts as tuned

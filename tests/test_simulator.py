@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-import tiny
-from lightning_loco.algorithms import GASLoC, DiLoCo, NoLoCo
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.simulator import TrainingSimulator, distributed_shards
+
+import tiny
 
 ALGORITHMS = {
     "noloco": lambda: NoLoCo(),
@@ -55,7 +56,7 @@ def test_the_simulator_follows_the_multiprocess_strategy_step_by_step(tmp_path, 
     for step in range(steps):
         for r in range(n):
             torch.testing.assert_close(history[step][r], recs[r]["weights"][step], atol=2e-6, rtol=1e-5,
-                                       msg=lambda m: f"{name}, replica {r}, step {step}: {m}")
+                                       msg=lambda m, r=r, step=step: f"{name}, replica {r}, step {step}: {m}")
     # the replicas really trained apart and met: not all identical, not all different after a round
     assert not torch.equal(history[h - 2][0], history[h - 2][1])
 
@@ -70,7 +71,7 @@ def test_the_simulator_with_fragments_follows_the_multiprocess_strategy_step_by_
     for step in range(steps):
         for r in range(n):
             torch.testing.assert_close(history[step][r], recs[r]["weights"][step], atol=2e-6, rtol=1e-5,
-                                       msg=lambda m: f"replica {r}, step {step}: {m}")
+                                       msg=lambda m, r=r, step=step: f"replica {r}, step {step}: {m}")
     assert not torch.equal(history[0][0], history[0][1])  # the replicas trained apart
     whole = simulate(n, NoLoCo(), steps, h, True)  # F = 1: no round before step 4
     assert torch.equal(whole[0][0], history[0][0]) and not torch.equal(whole[1][0], history[1][0])
@@ -213,8 +214,9 @@ def test_dropout_each_replica_draws_from_its_own_rng_stream_in_the_loop():
     [({"batched": "yes"}, "batched"), ({"sync_every": 0}, "sync_every"), ({"gradient_clip_val": -1.0}, "clip"),
      ({"gradient_averaging": True, "algorithm": NoLoCo()}, "gradient_averaging"),
      ({"fragments": 3, "sync_every": 4, "algorithm": NoLoCo()}, "fragments=3 must divide sync_every=4"),
-     ({"fragments": 2, "sync_every": 4}, "fragments=2 splits the outer step's exchanges: it needs an algorithm"),
-     ({"fragments": 2, "sync_every": 4, "algorithm": NoLoCo(), "step_seconds": [1.0, 2.0]}, "without step_seconds")],
+     ({"fragments": 2, "sync_every": 4}, "fragments configure the outer step: give an algorithm with them"),
+     ({"fragments": 2, "sync_every": 4, "algorithm": NoLoCo(), "step_seconds": [1.0, 2.0]},
+      "Use fragments=1 with step_seconds")],
 )
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -16,9 +16,10 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import tiny
 from lightning_loco.algorithms import NoLoCo
 from lightning_loco.simulator import TrainingSimulator, distributed_shards
+
+import tiny
 
 FALLBACK = "batched path is not available"
 

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
+from lightning_loco.options import PacingConfig
 from lightning_loco.simulator import TrainingSimulator
+
 from test_driver import SLOT_SHAPES, assert_same, initial_weights, inner_lr, targets
 from test_pacing import MAKERS, expected_h, paced, threaded
 
@@ -55,9 +57,10 @@ def plain_optimizer(module: nn.Module):
 
 def simulator(make, speeds=SPEEDS, sync_every=8, sync_seconds=6.0, max_steps=24, **kwargs) -> TrainingSimulator:
     shards = [[targets(i, 0, SLOT_SHAPES[0])] for i in range(len(speeds))]
+    merge = kwargs.pop("merge", "mean")
     return TrainingSimulator(Pull(), shards, make(), sync_every=sync_every, optimizers=plain_optimizer,
                              loss=pull_loss, batched=False, max_steps=max_steps, step_seconds=list(speeds),
-                             sync_seconds=sync_seconds, **kwargs)
+                             pacing=None if sync_seconds is None else PacingConfig(sync_seconds, merge=merge), **kwargs)
 
 
 def fields(report):
@@ -112,8 +115,8 @@ def test_a_ten_times_slower_replica_takes_one_step_a_round_and_is_waited_for_no_
     speeds, H = (1.0, 1.0, 1.0, 10.0), 8
     for sync_seconds, round_seconds in ((4.0, 10.0), (None, 80.0)):
         sim = simulator(NoLoCo, speeds, sync_every=H, sync_seconds=sync_seconds, max_steps=5 * H)
-        walls = []
-        sim.run_rounds(callback=lambda s: walls.append((s.time.clocks[3].now, s.time.wall_seconds)))
+        walls: list[tuple[float, float]] = []
+        sim.run_rounds(callback=lambda s, seen=walls: seen.append((s.time.clocks[3].now, s.time.wall_seconds)))
         assert walls == [(round_seconds * (t + 1), round_seconds * (t + 1)) for t in range(5)]
         assert sim.time.compute_share(3) == 1.0  # it is the last to post every round: it never waits
     assert [r.phase_steps for r in sim.drivers[3].reports] == [H] * 5  # (the last run: one H)
@@ -167,15 +170,15 @@ def test_fixed_h_rounds_are_h_steps_of_every_replica_and_the_last_ends_at_max_st
     ({"step_seconds": None}, "give step_seconds=\\[...\\]"),
     ({"max_steps": None}, "sync_seconds needs max_steps"),
     ({"batched": True}, "use batched=False or 'auto'"),
-    ({"sync_seconds": 0.0}, "sync_seconds must be a number of seconds > 0"),
+    ({"pacing": 0.0}, "sync_seconds must be a number of seconds > 0"),
     ({"step_seconds": [1.0, 2.0]}, "step_seconds must give each of the 4 replicas"),
     ({"step_seconds": [1.0, 1.0, 0.0, 1.0]}, "a number of seconds > 0"),
     ({"step_seconds": [1.0, True, 1.0, 1.0]}, "step_seconds must give"),
     ({"step_seconds": "1111"}, "step_seconds must give"),
-    ({"sync_seconds": None, "overlap_steps": 1}, "step_seconds serves synchronous rounds only"),
+    ({"pacing": None, "overlap_steps": 1}, "step_seconds serves synchronous rounds only"),
 ])
 def test_bad_modelled_time_arguments_fail_when_the_simulator_is_built(kwargs, match):
-    options = {"step_seconds": list(SPEEDS), "sync_seconds": 6.0, "max_steps": 24, "batched": False, **kwargs}
+    options = {"step_seconds": list(SPEEDS), "pacing": 6.0, "max_steps": 24, "batched": False, **kwargs}
     shards = [[targets(i, 0, SLOT_SHAPES[0])] for i in range(4)]
     with pytest.raises(ValueError, match=match):
         TrainingSimulator(Pull(), shards, NoLoCo(), sync_every=8, optimizers=plain_optimizer, loss=pull_loss, **options)

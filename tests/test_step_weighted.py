@@ -14,11 +14,12 @@ from torch import Tensor, nn
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.algorithms.step_weighted import StepWeighted, WeightedState
-from lightning_loco.codecs import wire_format
 from lightning_loco.driver import OuterStepDriver
+from lightning_loco.options import PacingConfig
 from lightning_loco.simulator import TrainingSimulator
 from lightning_loco.strategies import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.transport import InProcessNetwork
+
 from test_pacing import expected_h, paced, threaded
 
 D64 = torch.float64
@@ -93,7 +94,7 @@ def test_a_simulated_run_weights_each_replica_by_its_steps_in_closed_form():
         sim = TrainingSimulator(module, [[torch.zeros(1)] * 8] * 2, algorithm, sync_every=4, batched=False,
                                 optimizers=lambda m: torch.optim.SGD(m.parameters(), lr=lr),
                                 loss=lambda m, batch: (m.w * c).sum(), max_steps=8, step_seconds=[1.0, 2.0],
-                                sync_seconds=4.0, track_norms=False, merge=merge)
+                                pacing=PacingConfig(4.0, merge=merge), track_norms=False)
         sim.run_rounds(1)  # the first of two rounds: an ordinary outer step, not the final average
         assert [d.reports[0].phase_steps for d in sim.drivers] == [4, 2]
         return [flat.gather() for flat in sim.flats]
@@ -110,41 +111,41 @@ def test_a_simulated_run_weights_each_replica_by_its_steps_in_closed_form():
 
 
 def driver(make=NoLoCo, **kwargs) -> OuterStepDriver:
-    return OuterStepDriver(make(), InProcessNetwork(2).transport(0), 4, **kwargs)
+    return OuterStepDriver.of(make(), InProcessNetwork(2).transport(0), 4, **kwargs)
+
+
+STEPS = PacingConfig(1.0, merge="steps")
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"merge": "tokens", "sync_seconds": 1.0}, "merge must be 'mean'.*or 'steps'"),
-    ({"merge": "steps"}, "differ only under sync_seconds.*Set sync_seconds, or leave merge='mean'"),
-    ({"merge": "steps", "sync_seconds": 1.0, "wire": wire_format("bfloat16", None, 256, None, False)},
-     "would round it. Use wire_dtype='float32' and compression=None"),
+    ({"pacing": PacingConfig(1.0, merge="tokens")}, "merge must be 'mean'.*or 'steps'"),
+    ({"pacing": STEPS, "wire": "bfloat16"}, "would round it. Use wire='float32' with merge='steps'"),
 ])
 def test_bad_merges_fail_when_the_driver_is_built(kwargs, match):
     with pytest.raises(ValueError, match=match):
         driver(**kwargs)
     with pytest.raises(ValueError, match="does not serve gasloc: its gossip mix must stay mean-preserving"):
-        driver(GASLoC, merge="steps", sync_seconds=1.0)
-    assert driver(merge="mean").algorithm.name == "noloco"  # the plain mean: the algorithm itself
-    assert type(driver(merge="steps", sync_seconds=1.0).algorithm) is StepWeighted
+        driver(GASLoC, pacing=STEPS)
+    assert driver(pacing=1.0).algorithm.name == "noloco"  # the plain mean: the algorithm itself
+    assert type(driver(pacing=STEPS).algorithm) is StepWeighted
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"merge": "steps"}, "differ only under sync_seconds"),
-    ({"merge": "Steps", "sync_seconds": 1.0}, "merge must be 'mean'"),
-    ({"merge": "steps", "sync_seconds": 1.0, "compression": "int8"}, "would round it"),
-    ({"merge": "steps", "sync_seconds": 1.0, "wire_dtype": "float16"}, "would round it"),
+    ({"pacing": PacingConfig(1.0, merge="Steps")}, "merge must be 'mean'"),
+    ({"pacing": STEPS, "wire": "int8"}, "would round it"),
+    ({"pacing": STEPS, "wire": "float16"}, "would round it"),
 ])
 @pytest.mark.parametrize("cls", [NoLoCoStrategy, DiLoCoStrategy])
 def test_bad_merges_fail_when_the_strategy_is_built(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(sync_every=10, **kwargs)
-    assert cls(sync_every=10, sync_seconds=2.5, merge="steps").merge == "steps"
-    assert cls(sync_every=10).merge == "mean"
+    assert cls(sync_every=10, pacing=PacingConfig(2.5, merge="steps")).options.merge == "steps"
+    assert cls(sync_every=10).options.merge == "mean"
 
 
 def test_gasloc_refuses_the_weighted_merge_when_the_strategy_is_built():
     with pytest.raises(ValueError, match="mean-preserving.*Use merge='mean' with it"):
-        GASLoCStrategy(sync_every=10, sync_seconds=2.5, merge="steps")
+        GASLoCStrategy(sync_every=10, pacing=PacingConfig(2.5, merge="steps"))
 
 
 # ---------------------------------------------------------------------------- real processes (slow tier)
@@ -158,7 +159,8 @@ def test_real_processes_resume_the_weighted_merge_exactly_and_it_changes_the_wei
     from test_checkpoints import assert_same_tree
 
     ckpts = tmp_path / "ckpts"
-    common = {"strategy": "noloco", "strategy_kwargs": {"sync_every": 4, "sync_seconds": 4.0, "merge": "steps"},
+    pacing = {"sync_seconds": 4.0, "merge": "steps"}
+    common = {"strategy": "noloco", "strategy_kwargs": {"sync_every": 4, "pacing": pacing},
               "devices": 2, "max_steps": 16, "batch_size": 24, "virtual_step_seconds": [1.0, 2.0],
               "outer_checkpoint": {"dirpath": str(ckpts), "every_n_outer_steps": 2}}
     straight = tiny.launch(tmp_path / "straight", **common)
@@ -170,6 +172,6 @@ def test_real_processes_resume_the_weighted_merge_exactly_and_it_changes_the_wei
             assert torch.equal(a, b), (r, done + step)
         assert_same_tree(straight[r]["outer_states"], resumed[r]["outer_states"], "outer")
     plain_config = {k: v for k, v in common.items() if k != "outer_checkpoint"}
-    plain_config["strategy_kwargs"] = {"sync_every": 4, "sync_seconds": 4.0}  # merge="mean"
+    plain_config["strategy_kwargs"] = {"sync_every": 4, "pacing": {"sync_seconds": 4.0}}  # merge="mean"
     plain = tiny.launch(tmp_path / "plain", **plain_config)
     assert not torch.equal(plain[0]["weights"][-1], straight[0]["weights"][-1])

@@ -19,16 +19,17 @@ import time
 import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 
-import lightning as L
-import tiny
 from lightning_loco import NoLoCoStrategy
 from lightning_loco.strategies import _compat
 from lightning_loco.testing.launch import free_port
 from lightning_loco.transport import PendingSum
+
+import tiny
 
 HANG_LIMIT_S = 150  # far below the process group's 30 minutes: a rank stuck on a dead peer fails the test
 
@@ -218,14 +219,14 @@ class _CpuTransport:
 
 
 def test_a_group_still_awaited_by_an_abandoned_round_is_never_destroyed(monkeypatch):
+    from lightning_loco.algorithms import NoLoCo
     from lightning_loco.driver import OuterStepDriver
     from lightning_loco.flat import FlatParameters
-    from lightning_loco.algorithms import NoLoCo
     from lightning_loco.overlap import InFlight
     from lightning_loco.process_groups import ProcessGroups
     from lightning_loco.transport import InProcessNetwork
 
-    driver = OuterStepDriver(NoLoCo(), InProcessNetwork(2).transport(0), sync_every=4, overlap_steps=2)
+    driver = OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), sync_every=4, overlap_steps=2)
     slot = driver.add(FlatParameters([torch.zeros(3)], torch.device("cpu")))
     work = _BlockedWork()
     pending = PendingSum(_CpuTransport(), [work], lambda: torch.zeros(1), 4, (1,)).watch()

@@ -3,13 +3,13 @@
 import functools
 import warnings
 
+import lightning as L
 import pytest
 import torch
-
-import lightning as L
-import lightning_loco
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+
+import lightning_loco
+from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy, PacingConfig
 from lightning_loco.strategies._compat import disable_per_batch_sigterm_broadcast
 
 
@@ -74,12 +74,14 @@ def test_diloco_strategy_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("cls", [DiLoCoStrategy, GASLoCStrategy])
-def test_a_custom_outer_optimizer_makes_the_default_sgd_momentum_unchecked(cls):
+def test_a_custom_outer_optimizer_replaces_the_default_sgd_and_its_momentum_is_refused_beside_it(cls):
     custom = functools.partial(torch.optim.SGD, lr=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nor a stability warning about a γ that is not used
-        strategy = cls(outer_momentum=1.5, outer_optimizer=custom)
+        strategy = cls(outer_optimizer=custom)
     assert strategy.algorithm.outer_optimizer is custom
+    with pytest.raises(ValueError, match="outer_momentum=1.5 configures .* default outer SGD"):
+        cls(outer_momentum=1.5, outer_optimizer=custom)  # it would configure nothing: refused, not ignored
     with pytest.raises(ValueError, match=r"outer_momentum.*must be in \[0, 1\)"):
         cls(outer_momentum=1.5)
 
@@ -92,7 +94,7 @@ def test_gasloc_with_a_custom_outer_optimizer_still_checks_what_it_uses():
         GASLoCStrategy(gossip_step=1.5, outer_optimizer=custom)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GASLoCStrategy(gossip_step=0.5, outer_momentum=0.8, outer_optimizer=custom)  # warns with the default SGD
+        GASLoCStrategy(gossip_step=0.5, outer_optimizer=custom)  # γ = 0.8 would warn with the default SGD
     with pytest.warns(UserWarning, match="simulated") as caught:
         GASLoCStrategy(gossip_step=0.9, outer_optimizer=custom)  # α itself is outside what we simulated
     assert all("outer_momentum" not in str(w.message) for w in caught)
@@ -165,15 +167,17 @@ def test_installed_lightning_has_the_broadcast_we_remove():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"sync_seconds": 0}, "sync_seconds must be a number of seconds > 0"),
-    ({"sync_seconds": -2.0}, "sync_seconds must be a number of seconds > 0"),
-    ({"sync_seconds": "fast"}, "sync_seconds must be a number of seconds > 0"),
-    ({"sync_seconds": 1.0, "overlap_steps": 2}, "cannot be combined yet.*Use overlap_steps=0 with sync_seconds"),
-    ({"sync_seconds": 1.0, "overlap_steps": "auto"}, "cannot be combined yet"),
-    ({"sync_seconds": 1.0, "lighthouse": "localhost:29510"}, "sync_seconds=1.0 and lighthouse=... cannot be combined"),
+    ({"pacing": 0}, "sync_seconds must be a number of seconds > 0"),
+    ({"pacing": -2.0}, "sync_seconds must be a number of seconds > 0"),
+    ({"pacing": "fast"}, "sync_seconds must be a number of seconds > 0"),
+    ({"pacing": 1.0, "overlap_steps": 2}, "cannot be combined yet.*Use overlap_steps=0 with pacing"),
+    ({"pacing": 1.0, "overlap_steps": "auto"}, "cannot be combined yet"),
+    ({"pacing": 1.0, "elastic": ElasticConfig("localhost:29510")},
+     "pacing \\(sync_seconds=1\\) and elastic replicas cannot be combined"),
 ])
 @pytest.mark.parametrize("cls", [NoLoCoStrategy, GASLoCStrategy, DiLoCoStrategy])
 def test_sync_seconds_is_checked_when_the_strategy_is_built(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(sync_every=10, **kwargs)
-    assert cls(sync_every=10, sync_seconds=2.5).sync_seconds == 2.5
+    assert cls(sync_every=10, pacing=2.5).sync_seconds == 2.5
+    assert cls(sync_every=10, pacing=PacingConfig(2.5)).sync_seconds == 2.5

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import (
     InProcessNetwork,

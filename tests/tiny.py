@@ -14,25 +14,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import os
-import signal
 import subprocess
 import sys
 import time
-import traceback
-import warnings
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning as L
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning_loco.testing.launch import finish_forked, fork_call, fork_ranks
 
 NUM_SAMPLES = 48
 IN_FEATURES = 4
@@ -181,167 +178,17 @@ def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
 
 def run_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.CompletedProcess:
     """``main(out, config)`` in a child forked from this process, as ``python tests/tiny.py`` would run
-    it: its standard output and error go to files (read back into the returned process), warnings and
-    log records are printed there rather than collected by the test runner of this process, and an
-    exception ends the child with status 1 after printing its traceback. A child still running after
-    ``timeout`` seconds is killed, and ``subprocess.TimeoutExpired`` raised."""
+    it (see :func:`lightning_loco.testing.launch.fork_call`)."""
     out.mkdir(parents=True, exist_ok=True)
     streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
-    pid = _fork_main(out, config, streams, {})
-    return _finish(pid, streams, timeout, [__file__, str(out)])
-
-
-def run_module_forked(module: str, argv: list[str], out: Path, env: dict[str, str], timeout: float,
-                      cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m module *argv`` (in ``cwd``, with ``env`` added to the environment) as a child forked
-    from this process, which has torch and Lightning imported already: the same run without a new
-    interpreter's start-up. Output, errors and the timeout as in :func:`run_forked`."""
-    import runpy
-
-    out.mkdir(parents=True, exist_ok=True)
-    streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
-
-    def run() -> None:
-        os.chdir(cwd)
-        sys.path.insert(0, str(cwd))
-        sys.argv = [module, *argv]
-        package = module.split(".")[0]  # imported afresh, as a new interpreter would: its module-level
-        for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
-            del sys.modules[name]  # settings (read from the environment at import) see ``env``
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        except SystemExit as stop:
-            if stop.code not in (None, 0):
-                raise
-
-    pid = _fork_call(run, streams, env)
-    return _finish(pid, streams, timeout, [sys.executable, "-m", module, *argv])
-
-
-def _finish(pid: int, streams: dict[int, Path], timeout: float, args: list[str]) -> subprocess.CompletedProcess:
-    """Waits for the forked child ``pid`` (killed after ``timeout`` seconds: ``TimeoutExpired``) and returns
-    it as a finished process with the output it wrote to ``streams``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired(args, timeout)
-        time.sleep(0.05)
-    stdout, stderr = (streams[fd].read_text(errors="replace") for fd in (1, 2))
-    return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(wait_status), stdout, stderr)
+    pid = fork_call(lambda: main(str(out), config), streams, {})
+    return finish_forked(pid, streams, timeout, [__file__, str(out)])
 
 
 def run_ranks_forked(out: Path, config: dict[str, Any], timeout: float) -> subprocess.CompletedProcess:
-    """The ranks of a run that Lightning's popen launcher would start, started instead as torchrun
-    starts them: one child per rank forked from this process, with ``LOCAL_RANK``, ``NODE_RANK``,
-    ``WORLD_SIZE`` and the rendezvous address set, so that Lightning finds its processes created
-    outside. Each rank's output goes to files; the returned process holds them all (rank 0's first)
-    and the first non-zero exit status. When a rank fails the others get ``_GRACE_S`` seconds to end
-    on their own (they usually fail the same check), then they are killed, as when ``timeout`` passes."""
-    from lightning_loco.testing.launch import free_port
-
-    out.mkdir(parents=True, exist_ok=True)
-    world, port = config["devices"], free_port()
-    pids: dict[int, int] = {}
-    for rank in range(world):
-        env = dict(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        pids[rank] = _fork_main(out, config, {1: out / f"stdout{rank}.txt", 2: out / f"stderr{rank}.txt"}, env)
-    codes: dict[int, int] = {}
-    deadline = time.monotonic() + timeout
-    while len(codes) < world:
-        for rank, pid in pids.items():
-            if rank not in codes:
-                done, wait_status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[rank] = os.waitstatus_to_exitcode(wait_status)
-                    if codes[rank] != 0:
-                        deadline = min(deadline, time.monotonic() + _GRACE_S)
-        if len(codes) < world and time.monotonic() > deadline:
-            one_failed = any(code != 0 for code in codes.values())
-            for rank, pid in pids.items():
-                if rank not in codes:
-                    os.kill(pid, signal.SIGKILL)
-                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            if not one_failed:
-                raise subprocess.TimeoutExpired([__file__, str(out)], timeout)
-        time.sleep(0.05)
-    stdout, stderr = ("".join((out / f"{name}{r}.txt").read_text(errors="replace") for r in range(world))
-                      for name in ("stdout", "stderr"))
-    returncode = next((code for _, code in sorted(codes.items()) if code != 0), 0)
-    return subprocess.CompletedProcess([__file__, str(out)], returncode, stdout, stderr)
-
-
-def _fork_main(out: Path, config: dict[str, Any], streams: dict[int, Path], env: dict[str, str]) -> int:
-    """Forks a child that runs ``main(out, config)``: see :func:`_fork_call`."""
-    def run() -> None:
-        main(str(out), config)
-
-    return _fork_call(run, streams, env)
-
-
-def _fork_call(run: Any, streams: dict[int, Path], env: dict[str, str]) -> int:
-    """Forks a child that calls ``run()`` on one thread, with ``env`` added to its environment and its output in
-    ``streams`` (see :func:`_print_to_files`), and ends with status 0, or 1 after printing the traceback of
-    what it raised; it never returns into the test runner. Returns the child's process id."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    status = 1
-    try:
-        # One thread: GNU OpenMP is not fork-safe. A child's parallel region waits at a barrier for the
-        # parent's OpenMP threads, which a fork does not copy, and hangs (seen in the GPU quality dry run's
-        # first parallel op after this process had run others); with one thread torch starts none.
-        torch.set_num_threads(1)
-        _print_to_files(streams)
-        os.environ.update(env)
-        run()
-        status = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-
-
-_GRACE_S = 30.0  # how long the other ranks of a launch have to end on their own after one failed
-
-
-def _print_to_files(streams: dict[int, Path]) -> None:
-    """In a forked child: file descriptors 1 and 2 and ``sys.stdout``/``sys.stderr`` write to the
-    files, warnings are printed (not recorded), and the log handlers that printed to the old streams
-    print to the new ones (the test runner's own handlers are removed)."""
-    old = {id(sys.stdout): 1, id(sys.stderr): 2, id(sys.__stdout__): 1, id(sys.__stderr__): 2}
-    for fd, path in streams.items():
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    new = {fd: open(fd, "w", buffering=1, closefd=False) for fd in streams}
-    loggers = [logging.getLogger()] + [
-        one for one in logging.Logger.manager.loggerDict.values() if isinstance(one, logging.Logger)
-    ]
-    for one in loggers:
-        for handler in list(one.handlers):
-            if type(handler).__module__.startswith("_pytest"):
-                one.removeHandler(handler)
-            elif isinstance(handler, logging.StreamHandler) and id(handler.stream) in old:
-                handler.setStream(new[old[id(handler.stream)]])
-    sys.stdout, sys.stderr = new[1], new[2]
-
-    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-    warnings.showwarning = show
-
-
-# ---------------------------------------------------------------- counting torch.distributed calls
+    """The ranks of a run that Lightning's popen launcher would start, started instead as torchrun starts
+    them (:func:`lightning_loco.testing.launch.fork_ranks`), each running ``main(out, config)``."""
+    return fork_ranks(lambda rank: main(str(out), config), config["devices"], out, timeout, [__file__, str(out)])
 
 _COUNTED = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
@@ -510,7 +357,7 @@ class Recorder(L.Callback):
         self.record["reports"] = [dataclasses.asdict(r) for r in getattr(strategy, "outer_step_reports", [])]
         if isinstance(strategy.model, torch.nn.parallel.DistributedDataParallel):
             self.record["ddp_group_ranks"] = dist.get_process_group_ranks(strategy.model.process_group)
-        if getattr(strategy, "sharding", None) is not None:  # the groups FSDP's collectives run on
+        if getattr(getattr(strategy, "options", None), "replica_sharding", None) is not None:  # FSDP's groups
             self.record["fsdp_group_ranks"] = sorted({tuple(dist.get_process_group_ranks(p.device_mesh.get_group()))
                                                       for p in pl_module.parameters()})
         os.makedirs(self.out_dir, exist_ok=True)
@@ -545,6 +392,14 @@ def start_method_of(config: dict[str, Any]) -> str:
     return "fork"
 
 
+def option_groups(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A strategy's arguments from JSON: the option groups given as dicts become their config objects."""
+    from lightning_loco import ElasticConfig, FSDPConfig, PacingConfig, WireConfig
+
+    groups = {"wire": WireConfig, "pacing": PacingConfig, "elastic": ElasticConfig, "replica_sharding": FSDPConfig}
+    return {k: groups[k](**v) if k in groups and isinstance(v, dict) else v for k, v in kwargs.items()}
+
+
 def main(out_dir: str, config: dict[str, Any]) -> None:
     from lightning_loco.testing.launch import strategy_class
 
@@ -555,12 +410,14 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     if "strategy_kwargs" in config or start_method != "popen":
         cls = strategy_class(strategy)
         timeout = timedelta(seconds=config.get("pg_timeout_s", 60))
-        kwargs = dict(config.get("strategy_kwargs", {}))
+        kwargs = option_groups(config.get("strategy_kwargs", {}))
         if config.get("fsdp_bf16"):  # FSDP2's mixed precision: bf16 parameters in compute, float32 reduction
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            kwargs["fsdp_kwargs"] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                      reduce_dtype=torch.float32)}
+            from lightning_loco import FSDPConfig
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            kwargs["replica_sharding"] = FSDPConfig(kwargs={"mp_policy": policy})
         strategy = cls(timeout=timeout, start_method=start_method, **kwargs)
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
@@ -595,7 +452,8 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         accumulate_grad_batches=config.get("accumulate", 1),
         gradient_clip_val=config.get("clip"),
         precision=None if config.get("fp16_scaler") else config.get("precision", "32-true"),
-        plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=16.0))] if config.get("fp16_scaler") else None,
+        plugins=([MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=16.0))]
+                 if config.get("fp16_scaler") else None),
         callbacks=callbacks,
         limit_val_batches=None if config.get("then_validate") or "val_check_interval" in config
         or "validate_ckpt_path" in config else 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -79,8 +80,10 @@ class Lighthouse:
         self.proc = subprocess.Popen([sys.executable, "-c", _LIGHTHOUSE, *args], stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, start_new_session=True,
                                      env=child_env(LOCO_LAUNCHER_PID=str(os.getpid())))
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else None
+        stdout = self.proc.stdout
+        assert stdout is not None  # stdout=PIPE
+        ready, _, _ = select.select([stdout], [], [], timeout_s)
+        line = stdout.readline() if ready else None
         if line is None or not line.startswith("lighthouse "):
             if line == "":  # its output closed: it is ending
                 try:
@@ -107,7 +110,8 @@ class Lighthouse:
     def close(self) -> None:
         """Stops the Lighthouse (SIGTERM; SIGKILL if it still runs 10 s later)."""
         self._stop()
-        self.proc.stdout.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self._log.close()
 
     def __enter__(self) -> "Lighthouse":
@@ -197,6 +201,19 @@ class Replicas:
             if self._left() <= 0:
                 raise RuntimeError(f"{replica_id} did not reach step {step} within {self.limit_s:g} s:\n{self.logs()}")
             time.sleep(0.02)
+
+    def wait_for_log(self, log: str, pattern: str, proc: subprocess.Popen) -> None:
+        """Returns once the log ``log`` (e.g. ``"A.0.r0"``) holds a line matching the regular expression
+        ``pattern``: an event a replica said, not a time that passed. Raises ``RuntimeError`` (with the logs)
+        if ``proc`` ends first or the launcher's time limit passes."""
+        path, compiled = self.out / f"{log}.log", re.compile(pattern)
+        while not (path.exists() and compiled.search(path.read_text(errors="replace"))):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self._name(proc)} ended (code {proc.returncode}) before {log} said "
+                                   f"{pattern!r}:\n{self.logs()}")
+            if self._left() <= 0:
+                raise RuntimeError(f"{log} did not say {pattern!r} within {self.limit_s:g} s:\n{self.logs()}")
+            time.sleep(0.05)
 
     def wait(self, proc: subprocess.Popen, timeout_s: Optional[float] = None) -> int:
         """``proc``'s exit code, waiting at most ``timeout_s`` (default: what is left of the time limit);

@@ -1,0 +1,233 @@
+"""The options and their one table of rules (``lightning_loco.options``), without processes.
+
+What the table says is proved here: every rule refuses its own example (and no other rule does), the
+defaults pass every rule, docs/options.md renders the table as it is, every argument of the strategies
+is an option, an outer step's argument or one of DDPStrategy's, and every option given takes effect in
+every combination the rules let through (a run with it differs from the same run without it, bitwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from lightning_loco import ElasticConfig, PacingConfig, WireConfig
+from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.driver import OuterStepDriver
+from lightning_loco.flat import FlatParameters
+from lightning_loco.options import RULES, Facts, Fit, Launch, Options, RefusedOptions, check_rules, rules_table
+from lightning_loco.strategies.base import OuterStepStrategy
+from lightning_loco.testing.launch import strategy_class
+from lightning_loco.transport import InProcessNetwork
+
+from test_driver import run_in_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+DDP_ARGUMENTS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                 "process_group_backend", "timeout", "start_method"}
+
+
+def strategy_of(example: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    """The strategy class and the arguments of a rule's example (its facts left out)."""
+    kwargs = {k: v for k, v in example.items() if k not in ("strategy", "launch", "fit")}
+    return strategy_class(example.get("strategy", "noloco")), kwargs
+
+
+# ---------------------------------------------------------------- the table
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if r.when == "build"], ids=lambda r: r.name)
+def test_each_build_rule_alone_refuses_its_example_when_the_strategy_is_built(rule):
+    cls, kwargs = strategy_of(rule.example)
+    with pytest.raises(RefusedOptions) as refused:
+        cls(**kwargs)
+    assert refused.value.rules == (rule.name,)
+    assert str(refused.value) and "\n" not in str(refused.value)  # one message, the rule's own
+
+
+@pytest.mark.parametrize("rule", [r for r in RULES if r.when != "build"], ids=lambda r: r.name)
+def test_each_launch_and_fit_rule_alone_refuses_its_facts(rule):
+    cls, kwargs = strategy_of(rule.example)
+    options = cls(**kwargs).options  # the options themselves are fine: the facts are not
+    launch = Launch(**rule.example.get("launch", {"nodes": 1, "devices": 2}))
+    fit = Fit(**rule.example["fit"]) if "fit" in rule.example else None
+    with pytest.raises(RefusedOptions) as refused:
+        check_rules(rule.when, Facts(options, launch=launch, fit=fit))
+    assert refused.value.rules == (rule.name,)
+
+
+@pytest.mark.parametrize("name", ["noloco", "gasloc", "diloco"])
+def test_no_rule_refuses_the_defaults(name):
+    options = strategy_class(name)().options
+    for launch in (Launch(1, 4), Launch(2, 4), Launch(1, 1)):
+        check_rules("launch", Facts(options, launch=launch))
+    check_rules("fit", Facts(options, fit=Fit(parameters=(3, 2), max_steps=10, validates=True,
+                                              step_checkpoints=("ModelCheckpoint",))))
+
+
+def test_several_refusals_are_told_together():
+    with pytest.raises(RefusedOptions) as refused:
+        strategy_class("noloco")(sync_every=4, overlap_steps=4, elastic=ElasticConfig("localhost:1"))
+    assert set(refused.value.rules) == {"overlap-within-round", "elastic-not-overlapped"}
+    assert str(refused.value).startswith("2 options do not fit together:\n- ")
+
+
+def test_rule_names_are_unique_and_each_has_its_facts():
+    assert len({r.name for r in RULES}) == len(RULES)
+    for r in RULES:
+        assert r.example is not None, r.name
+        if r.when == "launch":
+            assert "launch" in r.example, r.name
+        if r.when == "fit":
+            assert "fit" in r.example, r.name
+
+
+def test_docs_options_md_renders_the_table_as_it_is():
+    text = (ROOT / "docs" / "options.md").read_text()
+    start, end = "<!-- rules: generated from lightning_loco.options.RULES -->", "<!-- end of rules -->"
+    assert start in text and end in text
+    rendered = text.split(start, 1)[1].split(end, 1)[0].strip()
+    assert rendered == rules_table(), "docs/options.md is out of date: paste lightning_loco.options.rules_table()"
+
+
+# ---------------------------------------------------------------- the surface
+
+
+def algorithm_arguments(cls: type) -> set[str]:
+    return set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+
+
+@pytest.mark.parametrize("name", ["noloco", "gasloc", "diloco"])
+def test_every_strategy_argument_is_an_option_an_outer_step_argument_or_ddps(name):
+    cls = strategy_class(name)
+    shared = set(inspect.signature(OuterStepStrategy.__init__).parameters) - {"self", "algorithm", "sync_every"}
+    options = {f.name for f in dataclasses.fields(Options)} - {"algorithm", "sync_every"}
+    assert shared == options | DDP_ARGUMENTS
+    assert len(shared) <= 25  # the shared keywords: a surface a Lightning user can hold
+    algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}[name]
+    assert algorithm_arguments(cls) == algorithm_arguments(algorithm) | {"sync_every"}
+
+
+# ---------------------------------------------------------------- every option given takes effect
+
+
+H, STEPS, SPEEDS = 8, 24, (1.0, 2.0)  # three rounds of H = 8; the second replica's steps take twice as long
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(make, options: dict[str, Any]) -> Optional[list[torch.Tensor]]:
+    """Two replicas pulled towards their own targets, each with its own clock, under ``options`` (a
+    strategy's arguments that the driver takes); their weights at the end, or None where the rules refuse
+    the options."""
+    try:
+        built = Options.build(make(), H, **options)
+    except RefusedOptions:
+        return None
+    network = InProcessNetwork(len(SPEEDS), timeout=30.0)
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(3, generator=g), torch.randn(2, generator=g)]  # two parameters: two fragments
+    replicas = []
+    for i, speed in enumerate(SPEEDS):
+        clock = Clock()
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        targets = [torch.randn(w.shape, generator=torch.Generator().manual_seed(10 + i)) for w in start]
+        driver = OuterStepDriver(built, network.transport(i), clock=clock)
+        driver.add(FlatParameters(params, torch.device("cpu")))
+        if driver.pacing is not None:
+            driver.pacing.end_at(STEPS)
+        replicas.append((driver, clock, speed, params, targets))
+
+    def train(driver, clock, speed, params, targets) -> None:
+        for _ in range(STEPS):
+            clock.now += speed
+            with torch.no_grad():
+                for p, target in zip(params, targets):
+                    p.sub_(0.2 * (p - target))
+            last = driver.last_step(0, STEPS)
+            driver.after_inner_step(0, last=last)
+            if last:
+                break
+        driver.land_all()
+
+    run_in_threads([functools.partial(train, *r) for r in replicas])
+    return [torch.cat([p.detach().reshape(-1) for p in r[3]]) for r in replicas]
+
+
+def values(make) -> dict[str, list[Any]]:
+    """A non-default value of every option the driver takes (error feedback: the opposite of the algorithm's
+    own default)."""
+    feedback = not make().payload_is_pseudo_gradient
+    return {
+        "overlap_steps": [2, "auto"],
+        "overlap_merge": ["delayed"],
+        "fragments": [2],
+        "pacing": [PacingConfig(H * 1.0), PacingConfig(H * 1.0, merge="steps")],
+        "wire": ["bfloat16", WireConfig("int8", block_size=2, error_feedback=feedback)],
+        "final_outer_step": ["outer"],
+    }
+
+
+def label(value: Any) -> str:
+    return str(value).replace("WireConfig", "").replace("PacingConfig", "pacing")
+
+
+def pairs(make) -> list[tuple[tuple[str, Any], tuple[str, Any]]]:
+    options = values(make)
+    singles = [(name, v) for name, vs in options.items() for v in vs]
+    return [(a, b) for a, b in itertools.combinations(singles, 2) if a[0] != b[0]]
+
+
+ALGORITHMS = {"noloco": NoLoCo, "diloco": DiLoCo, "gasloc": GASLoC}
+CASES = [(name, a, b) for name, make in ALGORITHMS.items() for a, b in pairs(make)]
+
+
+RUNS: dict[tuple[str, str], Optional[list[torch.Tensor]]] = {}  # each run once per worker process
+
+
+def run_once(name: str, options: dict[str, Any]) -> Optional[list[torch.Tensor]]:
+    key = (name, repr(sorted((k, repr(v)) for k, v in options.items())))
+    if key not in RUNS:
+        RUNS[key] = run(ALGORITHMS[name], options)
+    return RUNS[key]
+
+
+def differs(x: list[torch.Tensor], y: list[torch.Tensor]) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("name,a,b", CASES, ids=[f"{n}-{a[0]}={label(a[1])}-{b[0]}={label(b[1])}" for n, a, b in CASES])
+def test_every_option_takes_effect_in_every_combination_the_rules_let_through(name, a, b):
+    both = run_once(name, dict([a, b]))
+    if both is None:
+        return  # refused: the rules say so (tests above prove each refusal)
+    only_a, only_b = run_once(name, dict([a])), run_once(name, dict([b]))
+    assert only_a is not None or only_b is not None
+    if only_b is not None:
+        assert differs(both, only_b), f"{a} is ignored beside {b}"
+    if only_a is not None:
+        assert differs(both, only_a), f"{b} is ignored beside {a}"
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_every_option_takes_effect_alone(name):
+    plain = run_once(name, {})
+    assert plain is not None
+    for option, given in values(ALGORITHMS[name]).items():
+        for value in given:
+            alone = run_once(name, {option: value})
+            if alone is not None:  # overlap_merge alone is refused (merge-needs-overlap)
+                assert differs(alone, plain), (option, value)
