@@ -94,7 +94,7 @@ class Turns:
         size = params // BLOCKS
         self.model = [torch.randn(size, generator=generator) for _ in range(BLOCKS)]
         algorithm, _ = build(method)
-        self.driver = OuterStepDriver(algorithm, transport, sync_every, overlap_steps=overlap, fragments=fragments,
+        self.driver = OuterStepDriver.of(algorithm, transport, sync_every, overlap_steps=overlap, fragments=fragments,
                                       label=f"Replica {rank}, {key(method, fragments)}")
         self.driver.add(FlatParameters(self.model, torch.device("cpu")))
         self.transport, self.sync_every, self.seconds = transport, sync_every, seconds
@@ -220,7 +220,8 @@ def report_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             flat.append({
                 "mode": row["mode"], "params_m": row["params"] / 1e6, "method": run["method"],
                 "F": run["fragments"], "X": run["step_seconds"], "window": run["window_s"],
-                "exchange": (run["exchange_s"] or {}).get("median"), "exchange_max": (run["exchange_s"] or {}).get("max"),
+                "exchange": (run["exchange_s"] or {}).get("median"),
+                "exchange_max": (run["exchange_s"] or {}).get("max"),
                 "wall": run["wall_s"]["median"], "wall_min": run["wall_s"]["min"], "wall_max": run["wall_s"]["max"],
                 "exposed": run["exposed_s"]["median"], "exposed_min": run["exposed_s"]["min"],
                 "exposed_max": run["exposed_s"]["max"], "wait": run["wait_s"]["median"],
@@ -238,7 +239,8 @@ def print_table(rows: list[dict[str, Any]], rounds: int) -> None:
     if not rows:
         return
     first = rows[0]
-    print(f"\nB1 fragments: seconds per outer step (H = {first['sync_every']} inner steps, τ = {first['overlap_steps']}), "
+    print(f"\nB1 fragments: seconds per outer step (H = {first['sync_every']} inner steps, "
+          f"τ = {first['overlap_steps']}), "
           f"slowest replica, median [min, max] of {rounds} rounds. Compute is MODELLED: X s of sleep per inner step "
           f"(column X); window = τ·X; exposed = time in the driver (posting, landing), of which wait = landing "
           f"waits; exchange = a round's posting to completion (median, max); F=1/F = the ratio round by round; "
@@ -259,7 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fragments part")
     group.add_argument("--fragments", nargs="+", type=int, default=[1, 4],
                        help="F of each run (default 1 4; the ratios need 1), each dividing --sync-every")
-    group.add_argument("--sync-every", type=int, help=f"H, inner steps per outer step (default {SYNC_EVERY}; 8 with --quick)")
+    group.add_argument("--sync-every", type=int,
+                       help=f"H, inner steps per outer step (default {SYNC_EVERY}; 8 with --quick)")
     group.add_argument("--overlap", type=int, help=f"τ for every F, below H/max(F) (default {OVERLAP}; 1 with --quick)")
     group.add_argument("--step-seconds", type=float,
                        help="X, the modelled compute of one inner step, for every method and size (default: "
@@ -268,7 +271,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, modes: list[str], networks: Any, results: Path, out: str) -> Path:
     """The part as B1's ``main`` calls it: every mode × N × size; prints the table, writes ``out``.json."""
-    from lightning_loco.fragments import check_fragments
+    from lightning_loco.algorithms import NoLoCo
+    from lightning_loco.options import Options
 
     methods = args.methods or ["noloco", "diloco"]
     if not set(methods) <= set(METHODS):
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace, modes: list[str], networks: Any, results: Path
     overlap = args.overlap if args.overlap is not None else (1 if args.quick else OVERLAP)
     for F in args.fragments:
         try:
-            check_fragments(F, sync_every, overlap)
+            Options.build(NoLoCo(), sync_every, fragments=F, overlap_steps=overlap)
         except ValueError as err:
             raise SystemExit(f"--fragments {F} --sync-every {sync_every} --overlap {overlap}: {err}") from None
     if overlap < 1:

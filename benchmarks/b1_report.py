@@ -99,7 +99,8 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
     def key(r: dict) -> tuple:
         return r["mode"], r["network"], r["params"], r.get("tcp") or ""
 
-    for (mode, net, params, tcp), style in zip(sorted({key(r) for r in rows}), ["o-", "s-", "^-", "v-", "d-", "x-", "+-", "*-"] * 4):
+    styles = ["o-", "s-", "^-", "v-", "d-", "x-", "+-", "*-"] * 4
+    for (mode, net, params, tcp), style in zip(sorted({key(r) for r in rows}), styles):
         sub = sorted((r for r in rows if key(r) == (mode, net, params, tcp)), key=lambda r: r["replicas"])
         ns = [r["replicas"] for r in sub]
         where = mode if mode == "loopback" else f"{mode}, {net}" + (f", {tcp}" if tcp else "")

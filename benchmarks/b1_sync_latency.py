@@ -84,8 +84,7 @@ from lightning_loco.testing.launch import init_gloo
 
 ALGORITHMS = ("noloco", "gasloc", "diloco", "ddp")
 # --codecs: the wire formats of lightning_loco.codecs, as (wire_dtype, compression)
-CODECS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "float16": ("float16", None),
-          "int8": ("float32", "int8")}
+CODECS = ("float32", "bfloat16", "float16", "int8")
 WARM_NUMEL = 1 << 20  # float32 per pair for warm_all_pairs: 4 MB is past TCP slow start on the emulated WAN
 # The workers meet through this file in their shared output folder (a FileStore: no port, and no
 # rendezvous connection beside gloo's on the emulated network), whatever their network namespaces.
@@ -151,11 +150,10 @@ def build(name: str, codec: str = "float32") -> tuple[Any, Any]:
     the payload is a pseudo-gradient, as DiLoCo's). Options of the exchange itself belong here, so
     that every method is timed with the same ones."""
     from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-    from lightning_loco.codecs import wire_format
+    from lightning_loco.options import WireConfig
 
     algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}[name]()
-    dtype, compression = CODECS[codec]
-    return algorithm, wire_format(dtype, compression, pseudo_gradient=algorithm.payload_is_pseudo_gradient)
+    return algorithm, WireConfig(codec).resolve(algorithm.payload_is_pseudo_gradient)
 
 
 def column(name: str, codec: str) -> str:
@@ -294,7 +292,8 @@ def measure(mode: str, network: Network, params: int, rounds: int, algorithms: t
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(len(network.links))]
     row: dict[str, Any] = {
         "mode": mode, "network": network.name, "replicas": len(network.links), "params": params, "wall_s": wall,
-        "warm_pairs": warm_pairs, "idle_s": idle, "tcp": (congestion or host_congestion()) if mode == "emulated" else None,
+        "warm_pairs": warm_pairs, "idle_s": idle,
+        "tcp": (congestion or host_congestion()) if mode == "emulated" else None,
         "codecs": list(codecs), "per_replica": {}, "bytes_sent": {}, "speedup": {},
     }
     slowest: dict[str, list[float]] = {}
@@ -340,7 +339,8 @@ def measure_idle(
         slowest = {ssai: [max(rank[k]["seconds"] for rank in ranks) for k in ks] for ssai, ks in picked.items()}
         ratios = [on / off for on, off in zip(slowest[1], slowest[0])]  # consecutive rounds: on, then off
         for ssai in (1, 0):
-            cwnds = [rank[k]["cwnd_before"] for rank in ranks for k in picked[ssai] if rank[k]["cwnd_before"] is not None]
+            cwnds = [rank[k]["cwnd_before"] for rank in ranks for k in picked[ssai]
+                     if rank[k]["cwnd_before"] is not None]
             rows.append({"tcp": cc, "params": params, "gap_s": gap, "slow_start_after_idle": ssai,
                          "seconds": spread(slowest[ssai]), "cwnd_before": spread(cwnds) if cwnds else None,
                          "on_over_off": spread(ratios)})
@@ -352,26 +352,30 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # JSON: the worker's options
     parser.add_argument("--idle-worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
-                        help="N = 2; 0.1 M parameters; 2 rounds; no idle gap; the latency model from 10 trials (full: 100)")
+                        help="N = 2; 0.1 M parameters; 2 rounds; no idle gap; the latency model from 10 trials "
+                        "(full: 100)")
     parser.add_argument("--parts", nargs="+", choices=("main", "idle", "fragments"),
                         help="main: the methods side by side; idle: the cost of slow start after idle (emulated); "
                              "fragments: the driver with overlap, F = 1 against F = 4 (benchmarks.b1_fragments). "
                              "Default: main, and idle where emulation runs (not with --quick)")
-    parser.add_argument("--modes", nargs="+", choices=launch.MODES, help="default: emulated where root, else modelled; and loopback")
+    parser.add_argument("--modes", nargs="+", choices=launch.MODES,
+                        help="default: emulated where root, else modelled; and loopback")
     parser.add_argument("--replicas", nargs="+", type=int)
     parser.add_argument("--params", nargs="+", type=float)
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--methods", nargs="+", choices=ALGORITHMS,
                         help="the methods and the order of their turns in every round (the table needs noloco and "
                              "diloco). Default: all four; the fragments part: noloco diloco")
-    parser.add_argument("--idle", type=float, help="emulated mode: seconds of silence before every timed outer step, the "
+    parser.add_argument("--idle", type=float,
+                        help="emulated mode: seconds of silence before every timed outer step, the "
                         "H inner steps of real training (default 11; 0 with --quick)")
     parser.add_argument("--codecs", nargs="+", choices=tuple(CODECS), default=["float32"],
                         help="the wire formats of the outer-step methods (not DDP's): each (method, codec) takes its "
                              "own turn in every round; the table of wire formats gives float32's time over each "
                              "other codec's (float32 needed for that). Default: float32 only")
     parser.add_argument("--cold", action="store_true",
-                        help="do not warm every pair before timing (how B1 ran before; first-timed methods pay slow start)")
+                        help="do not warm every pair before timing (how B1 ran before; first-timed methods pay "
+                        "slow start)")
     parser.add_argument("--congestion", nargs="+",
                         help="emulated mode: the TCP congestion control(s) in the namespaces (default: the host's)")
     parser.add_argument("--idle-params", nargs="+", type=float, default=[1e6, 10e6], help="idle part: model sizes")

@@ -93,7 +93,8 @@ def run(method: str, mode: str, network: Network, steps: int, val_every: int, sy
         out = str(Path(tmp) / "curve.json")
         cfg = Path(tmp) / "config.yaml"
         cfg.write_text(yaml.safe_dump(config(method, len(network.links), steps, val_every, sync_every, out, tmp)))
-        launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.netem.lightning_worker", "fit", "--config", str(cfg)])
+        launch.run_workers(mode, network,
+                           lambda i: ["-m", "benchmarks.netem.lightning_worker", "fit", "--config", str(cfg)])
         return json.loads(Path(out).read_text())
 
 
@@ -176,7 +177,8 @@ def main(argv: Optional[list[str]] = None, default_network: str = "uniform", def
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON of an earlier run")
     args = parser.parse_args(argv)
     if args.out is None:
-        args.out = default_out if not args.overlap else "b2_overlap" + ("_one_slow" if args.network == "one_slow" else "")
+        suffix = "_one_slow" if args.network == "one_slow" else ""
+        args.out = default_out if not args.overlap else "b2_overlap" + suffix
     if args.replot:
         saved = json.loads((RESULTS / f"{args.out}.json").read_text())
         plot(saved["curves"], saved["target"], saved["mode"], RESULTS / f"{args.out}.png", title(saved))

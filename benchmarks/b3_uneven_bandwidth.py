@@ -76,7 +76,8 @@ def main() -> None:
     print(f"wrote {path} and {results / 'b3_uneven_bandwidth.png'}")
     if not args.quick:
         b2_time_to_loss.main(["--network", "one_slow", "--mode", mode, "--methods", "diloco", "noloco", "gasloc"],
-                             default_out="b3_uneven_bandwidth_time_to_loss", benchmark="B3 uneven bandwidth, time to loss")
+                             default_out="b3_uneven_bandwidth_time_to_loss",
+                             benchmark="B3 uneven bandwidth, time to loss")
 
 
 if __name__ == "__main__":

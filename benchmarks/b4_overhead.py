@@ -49,9 +49,9 @@ WARMUP = 20
 
 
 def run_one(strategy_name: str, devices: int, kwargs: dict, steps: int, sync_every: int, out: str) -> None:
+    import lightning as L
     import torch
 
-    import lightning as L
     from lightning_loco.examples.gpt import GPT
     from lightning_loco.examples.text import ByteTextDataModule
     from lightning_loco.testing.launch import strategy_class
@@ -90,7 +90,8 @@ def run_one(strategy_name: str, devices: int, kwargs: dict, steps: int, sync_eve
     trainer.fit(GPT(max_steps=steps), datamodule=ByteTextDataModule())
     times, outer = timer.times[WARMUP:], timer.outer[WARMUP:]
     inner = [t for t, o in zip(times, outer) if not o]
-    result = {"inner_step_s": statistics.median(inner), "all_steps_s": statistics.mean(times), "outer_steps": sum(outer),
+    result = {"inner_step_s": statistics.median(inner), "all_steps_s": statistics.mean(times),
+              "outer_steps": sum(outer),
               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     with open(f"{out}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(result, f)
@@ -173,14 +174,16 @@ def main() -> None:
     rows = []
     print(f"\nexample GPT on CPU, 1 thread per process, {args.steps} steps, H = {args.sync_every}, "
           f"{args.repeats} repeats (median [min, max]); ratio = plain steps/s over strategy steps/s")
-    print(f"{'config':<19} {'inner step ms':>22} {'ratio':>6} {'all steps ms':>22} {'ratio':>6} {'peak MB':>8} {'ratio':>6}")
+    print(f"{'config':<19} {'inner step ms':>22} {'ratio':>6} {'all steps ms':>22} {'ratio':>6} {'peak MB':>8} "
+          f"{'ratio':>6}")
     for config in configs:
         inner, all_ = summary(config, "inner_step_s"), summary(config, "all_steps_s")
         rss = summary(config, "peak_rss_mb")
         row = {"config": config, "inner_step_s": inner, "all_steps_s": all_, "peak_rss_mb": rss,
                "inner_ratio": inner[0] / plain_inner, "all_ratio": all_[0] / plain_all, "rss_ratio": rss[0] / plain_rss}
         rows.append(row)
-        print(f"{config:<19} {inner[0] * 1e3:>7.2f} [{inner[1] * 1e3:.2f}, {inner[2] * 1e3:.2f}] {row['inner_ratio']:>6.3f} "
+        print(f"{config:<19} {inner[0] * 1e3:>7.2f} [{inner[1] * 1e3:.2f}, {inner[2] * 1e3:.2f}] "
+              f"{row['inner_ratio']:>6.3f} "
               f"{all_[0] * 1e3:>7.2f} [{all_[1] * 1e3:.2f}, {all_[2] * 1e3:.2f}] {row['all_ratio']:>6.3f} "
               f"{rss[0]:>8.0f} {row['rss_ratio']:>6.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -137,9 +137,9 @@ def measure_step(quick: bool, batch_size: int) -> float:
 
 def worker(spec: dict[str, Any]) -> None:
     """One training run of 4 replicas (forked ranks); each rank writes ``rank<r>.json``."""
+    import lightning as L
     import torch
 
-    import lightning as L
     from lightning_loco.examples.gpt import GPT
     from lightning_loco.examples.text import ByteTextDataModule
     from lightning_loco.testing.launch import strategy_class
@@ -196,7 +196,7 @@ def worker(spec: dict[str, Any]) -> None:
             (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
     L.seed_everything(spec["seed"], verbose=False)
-    kwargs = {"sync_every": spec["sync_every"], "sync_seconds": spec["sync_seconds"], "start_method": "fork"}
+    kwargs = {"sync_every": spec["sync_every"], "pacing": spec["sync_seconds"], "start_method": "fork"}
     if spec["algorithm"] != "diloco":
         kwargs["seed"] = spec["seed"]
     strategy = strategy_class(spec["algorithm"])(**kwargs)
@@ -228,7 +228,8 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     """The curve of the mean replica loss against the slowest replica's time at each round, and shares."""
     ranks = result["ranks"]
     curve = [{"outer_step": points[0]["outer_step"], "train_seconds": max(p["train_seconds"] for p in points),
-              "val_loss": statistics.mean(p["val_loss"] for p in points)} for points in zip(*(r["curve"] for r in ranks))]
+              "val_loss": statistics.mean(p["val_loss"] for p in points)}
+             for points in zip(*(r["curve"] for r in ranks))]
 
     def share(rank: dict[str, Any]) -> float:
         compute = sum(r["compute_seconds"] for r in rank["reports"])
@@ -314,7 +315,7 @@ def main() -> None:
     sync_every, rounds = (4, 3) if args.quick else (50, 5)
     batch_size = 4 if args.quick else 16
     events = event_model(50, 40)
-    print(f"\nB6 part 1, the event model: compute share (compute / wall time), H = 50, 40 rounds, T = H × the fast "
+    print("\nB6 part 1, the event model: compute share (compute / wall time), H = 50, 40 rounds, T = H × the fast "
           "step time, exchanges free")
     print(table(events, [("case", "case", "s"), ("algorithm", "algorithm", "s"), ("fixed_fast", "fast, one H", ".3f"),
                          ("paced_fast", "fast, own H_i", ".3f"), ("fixed_slowest", "slowest, one H", ".3f"),

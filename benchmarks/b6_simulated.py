@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 from benchmarks.b2_time_to_loss import time_to
 from benchmarks.b6_heterogeneous import loss_by  # the processes' part reads its curves the same way
 from benchmarks.common import machine, results_dir, table, write_json
+from lightning_loco.options import PacingConfig
 
 ALGORITHMS = ("noloco", "gasloc", "diloco")
 LONG = 4  # the third mode: own H_i for 4× the rounds, to compare losses at one H's wall time
@@ -90,8 +91,8 @@ def run_one(name: str, mode: str, seed: int, settings: dict[str, Any], algorithm
     algorithm = make_algorithm(name, seed) if algorithm is None else algorithm
     sim = TrainingSimulator(model, shards, algorithm, sync_every=h, loss=lambda m, b: m.loss(b),
                             gradient_clip_val=1.0, max_steps=rounds * h, batched=False, step_seconds=speeds,
-                            sync_seconds=None if mode == "fixed" else h * min(speeds), track_norms=False,
-                            merge=merge)
+                            pacing=None if mode == "fixed" else PacingConfig(h * min(speeds), merge=merge),
+                            track_norms=False)
     tokens_per_step = settings["batch_size"] * MODEL["block_size"]
     curve: list[dict[str, Any]] = []
 

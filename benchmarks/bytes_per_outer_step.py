@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.codecs import wire_format
+from lightning_loco.options import WireConfig
 from lightning_loco.rounds import step as outer_step
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
@@ -48,8 +48,7 @@ ALGORITHMS = {
     "diloco": DiLoCo,
 }
 CODEC_ALGORITHMS = ("noloco", "gasloc-random_pairs", "diloco")
-CODECS = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "float16": ("float16", None),
-          "int8": ("float32", "int8")}
+CODECS = ("float32", "bfloat16", "float16", "int8")
 
 
 def _lo_tx() -> int:
@@ -66,8 +65,7 @@ def _worker(rank: int, world: int, port: int, name: str, params: int, rounds: in
         transport = TorchDistributedTransport(torch.device("cpu"))
         g = torch.Generator().manual_seed(rank)
         state = algorithm.init_state(torch.zeros(params), [torch.Size([params])])
-        dtype, compression = CODECS[codec]
-        wire = wire_format(dtype, compression, pseudo_gradient=algorithm.payload_is_pseudo_gradient)
+        wire = WireConfig(codec).resolve(algorithm.payload_is_pseudo_gradient)
         residual = torch.zeros(algorithm.payload_numel(state)) if wire.error_feedback else None
         wire_arg = wire if wire.lossy else None
         weights = state.anchor + 0.01 * torch.randn(params, generator=g)
@@ -148,8 +146,9 @@ def main() -> None:
     for world in args.replicas:
         by = {r["algorithm"]: r for r in rows if r["replicas"] == world and r["codec"] == "float32"}
         if "diloco" in by and "noloco" in by:
-            print(f"N = {world}: DiLoCo/NoLoCo wire bytes {by['diloco']['wire_bytes_sent'] / by['noloco']['wire_bytes_sent']:.2f}, "
-                  f"time {by['diloco']['outer_step_seconds_median'] / by['noloco']['outer_step_seconds_median']:.2f} (loopback)")
+            wire = by['diloco']['wire_bytes_sent'] / by['noloco']['wire_bytes_sent']
+            seconds = by['diloco']['outer_step_seconds_median'] / by['noloco']['outer_step_seconds_median']
+            print(f"N = {world}: DiLoCo/NoLoCo wire bytes {wire:.2f}, time {seconds:.2f} (loopback)")
         for name in CODEC_ALGORITHMS:
             base = by.get(name)
             coded = {r["codec"]: r for r in rows if r["replicas"] == world and r["algorithm"] == name}
@@ -159,7 +158,8 @@ def main() -> None:
                 print(f"N = {world} {name}: payload bytes against float32: {ratios}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"network": "loopback", "machine": f"{os.cpu_count()} CPUs", "rounds": args.rounds, "rows": rows}, f, indent=2)
+        json.dump({"network": "loopback", "machine": f"{os.cpu_count()} CPUs", "rounds": args.rounds, "rows": rows}, f,
+                  indent=2)
     print(f"wrote {args.out}")
 
 

@@ -45,7 +45,7 @@ from benchmarks.common import ROOT, results_dir, spread, table, write_json
 from lightning_loco import codecs
 
 BEFORE = "a10949b"  # the last commit whose codecs ran one whole-buffer operation after another
-CODECS = {"bfloat16": {"wire_dtype": "bfloat16"}, "float16": {"wire_dtype": "float16"}, "int8": {"compression": "int8"}}
+CODECS = ("bfloat16", "float16", "int8")
 
 
 def load_before(commit: str) -> types.ModuleType | None:
@@ -62,6 +62,14 @@ def load_before(commit: str) -> types.ModuleType | None:
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"{commit}:lightning_loco/codecs.py", "exec"), module.__dict__)
     return module
+
+
+def codec_of(module: types.ModuleType, name: str) -> Any:
+    """The codec of wire format ``name`` from ``module``: today's codecs, or an older copy of them, whose
+    ``make_codec`` took ``wire_dtype`` and ``compression``."""
+    if hasattr(module, "FORMATS"):
+        return module.make_codec(name)
+    return module.make_codec(**({"compression": "int8"} if name == "int8" else {"wire_dtype": name}))
 
 
 def int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +124,7 @@ def same_bytes(codec: Any, encoded: Any, x: torch.Tensor) -> bool:
         full = x.numel() // codec.block_size * codec.block_size
         expected = codecs.Int8BlockCodec(codec.block_size).encode(x[:full])
         return bool(torch.equal(codec.as_bytes(encoded, full), expected))
-    return bool(torch.equal(encoded, codecs.make_codec(**CODECS[codec.name]).encode(x)))
+    return bool(torch.equal(encoded, codecs.make_codec(codec.name).encode(x)))
 
 
 def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes: dict,
@@ -131,8 +139,8 @@ def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes:
     }
     modules = {"after": codecs, **({"before": before} if before is not None else {})}
     same: dict[str, bool] = {}
-    for name, kwargs in CODECS.items():
-        variants: dict[str, Any] = {v: m.make_codec(**kwargs) for v, m in modules.items()}
+    for name in CODECS:
+        variants: dict[str, Any] = {v: codec_of(m, name) for v, m in modules.items()}
         if name == "int8" and compile_:
             built = compiled_int8(x)
             if isinstance(built, str):
@@ -145,7 +153,7 @@ def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes:
             same[f"{name}/{variant}"] = same_bytes(codec, encoded, x)
             calls[("encode", name, variant)] = lambda c=codec: c.encode(x)
             calls[("decode", name, variant)] = lambda c=codec, e=encoded: c.decode(e, n)
-    fp16 = {v: m.make_codec("float16") for v, m in modules.items()}
+    fp16 = {v: codec_of(m, "float16") for v, m in modules.items()}
     for variant, module in modules.items():
         calls[("check", "float32", variant)] = lambda m=module: m.check_payload(x, None, "bench")
         calls[("check", "float16", variant)] = lambda m=module, c=fp16[variant]: m.check_payload(x, c, "bench")

@@ -14,7 +14,7 @@ Per repeat, interleaved (the machine's load drifts alike over all four):
 * ``weights once``: the donor sends its flat weights (N float32) in one message, the joiner receives them
   into a buffer it used before; ``into fresh memory``: the same into a new buffer, as a joiner's receive is
   (the first touch of fresh pages costs the kernel's page faults, here about as much as the transfer);
-* ``heal``: :mod:`lightning_loco.elastic.heal` as a membership runs it: the donor prepares the state and
+* ``heal``: :mod:`lightning_loco.elastic.state_transfer` as a membership runs it: the donor prepares the state and
   writes the header to the store, then sends the tensors point to point in messages of at most 64 MB;
   the joiner takes the header, receives the tensors (the outer state in place, into its own anchor and
   momentum, set up before it joined; the rest into fresh memory) and rebuilds the state; ``heal, all
@@ -90,7 +90,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
     import torch.distributed as dist
     from torchft.process_group import ProcessGroupGloo, create_store_client
 
-    from lightning_loco.elastic import heal
+    from lightning_loco.elastic import state_transfer as heal
 
     torch.set_num_threads(1)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=600))
@@ -136,7 +136,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
                     heal.prepare(sent, head).send(pg, store, key, [1], 600.0)
                 else:
                     incoming = heal.Incoming(heal.take(store, key, 1), head)
-                    into = heal.landing(incoming.skeleton, own, incoming.metas) if in_place else None
+                    into = heal.in_place(incoming.skeleton, own, incoming.metas) if in_place else None
                     healed = incoming.receive(pg, 0, 600.0, into)
                     row[f"{name}_s"] = time.perf_counter() - started
                     row[f"{name}_bytes"] = incoming.nbytes

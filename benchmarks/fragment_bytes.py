@@ -6,7 +6,7 @@
 
 The parameters are the example GPT's (``lightning_loco.examples.gpt.GPT``, ``--layers`` blocks of
 ``--width``), in module order, as float32 tensors; N replicas (``--replicas``) run the driver
-(``OuterStepDriver(..., fragments=F)``) over the in-process transport in lock-step for 2H inner steps
+(``OuterStepDriver.of(..., fragments=F)``) over the in-process transport in lock-step for 2H inner steps
 (a closed-form inner step, θ ← 0.999·θ, stands in for training: bytes do not depend on values). From
 replica 0's reports:
 
@@ -54,7 +54,7 @@ def peak_bytes(name: str, shapes: list[torch.Size], replicas: int, sync_every: i
     drivers, params = [], []
     for i in range(replicas):
         mine = [torch.nn.Parameter(torch.full(shape, 1.0 + i)) for shape in shapes]
-        driver = OuterStepDriver(ALGORITHMS[name](), network.transport(i), sync_every, overlap_steps=overlap,
+        driver = OuterStepDriver.of(ALGORITHMS[name](), network.transport(i), sync_every, overlap_steps=overlap,
                                  fragments=fragments)
         driver.add(FlatParameters(mine, torch.device("cpu")))
         drivers.append(driver)
@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--overlap", type=int, default=1, help="τ >= 1 (the replicas run in lock-step), below H / max(fragments)")
+    parser.add_argument("--overlap", type=int, default=1,
+                        help="τ >= 1 (the replicas run in lock-step), below H / max(fragments)")
     parser.add_argument("--step-seconds", type=float, default=0.5, help="an inner step's time, for the link rate")
     args = parser.parse_args()
     torch.set_num_threads(1)  # bytes do not depend on speed, and small tensors gain nothing from threads

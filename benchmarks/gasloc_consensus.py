@@ -33,7 +33,6 @@ from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.transport import InProcessNetwork
 
-
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -48,7 +47,7 @@ def rounds_to_consensus(topology: str, n: int, alpha: float, gamma: float, max_r
     flats = [FlatParameters([torch.randn(dim, generator=g)], "cpu") for _ in range(n)]
     algorithm = GASLoC(outer_momentum=gamma, gossip_step=alpha, topology=topology, momentum_on=momentum_on)
     network = InProcessNetwork(n, timeout=600.0)
-    drivers = [OuterStepDriver(algorithm, network.transport(i), sync_every=1) for i in range(n)]
+    drivers = [OuterStepDriver.of(algorithm, network.transport(i), sync_every=1) for i in range(n)]
     for driver, flat in zip(drivers, flats):
         driver.add(flat)
     start = spread([flat.gather() for flat in flats])

@@ -159,7 +159,8 @@ def main() -> int:
         say(f"calibration: {per_step * 1e3:.0f} ms per step, {fixed:.0f} s per run besides; "
             f"{steps} steps ({steps // GPU.sync_every} outer steps) per run in the {left:.0f} s left")
         if steps // GPU.sync_every < MIN_OUTER_STEPS:
-            say(f"only {steps // GPU.sync_every} outer steps fit: fewer than the {MIN_OUTER_STEPS} this run is meant for")
+            say(f"only {steps // GPU.sync_every} outer steps fit: fewer than the {MIN_OUTER_STEPS} this run is "
+                "meant for")
     else:
         settings = DRY
     model_params = _parameters(settings)
@@ -190,7 +191,8 @@ def main() -> int:
     path = write_json(out_name, payload, folder)
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
     if not on_gpu:
-        print("This was a CPU dry run: it did not run on a GPU (no CUDA device). Its losses say nothing about the question.")
+        print("This was a CPU dry run: it did not run on a GPU (no CUDA device). Its losses say nothing about the "
+              "question.")
     return 1 if any(r["status"] not in ("ran", "skipped: out of time") for r in results) else 0
 
 

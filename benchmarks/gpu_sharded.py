@@ -5,7 +5,7 @@
 One process, a world of one (NCCL on CUDA, gloo on the CPU), one replica of one rank:
 ``ranks_per_replica=1`` with ``replica_sharding="fsdp"`` makes every parameter a ``DTensor`` on the
 replica's (1, 1) device mesh, so a real ``Trainer`` runs the whole local-shard path: the automatic
-policy (``fsdp_blocks``) with FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, float32 reduction),
+policy (``FSDPConfig(blocks=...)``) with FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, float32 reduction),
 :class:`~lightning_loco.flat.ShardedParameters` copying the CUDA shards into the float32 outer state
 on the CPU through the pinned staging buffers (``outer_state_device="cpu"``), the transport told that
 each rank is its own slice (DiLoCo's all-reduce on the world of one; NoLoCo's groups of one), a
@@ -109,7 +109,7 @@ def check(device: str, out_dir: str, width: int = 1024, depth: int = 4, steps: i
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
-    from lightning_loco import DiLoCoStrategy, NoLoCoStrategy, checkpoints
+    from lightning_loco import DiLoCoStrategy, FSDPConfig, NoLoCoStrategy, checkpoints
     from lightning_loco.flat import FlatParameters
     from lightning_loco.transport import TorchDistributedTransport
 
@@ -126,7 +126,7 @@ def check(device: str, out_dir: str, width: int = 1024, depth: int = 4, steps: i
     out: dict[str, Any] = {"device": device, "width": width, "depth": depth, "steps": steps}
     for name, cls in (("diloco", DiLoCoStrategy), ("noloco", NoLoCoStrategy)):
         module, block = make_module(width, depth)
-        strategy = cls(sync_every=4, replica_sharding="fsdp", fsdp_blocks=(block,), fsdp_kwargs={"mp_policy": policy},
+        strategy = cls(sync_every=4, replica_sharding=FSDPConfig(blocks=(block,), kwargs={"mp_policy": policy}),
                        outer_state_device="cpu")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -158,7 +158,7 @@ def check(device: str, out_dir: str, width: int = 1024, depth: int = 4, steps: i
             add("checkpoint: consensus model full, loads unsharded on the CPU", same and main["optimizer_states"] == [],
                 f"{len(main['state_dict'])} tensors; shards per replica {main[checkpoints.META_KEY]['shards']}")
             resumed, block = make_module(width, depth)
-            again = cls(sync_every=4, replica_sharding="fsdp", fsdp_blocks=(block,), fsdp_kwargs={"mp_policy": policy},
+            again = cls(sync_every=4, replica_sharding=FSDPConfig(blocks=(block,), kwargs={"mp_policy": policy}),
                         outer_state_device="cpu")
             later, _ = fit(again, resumed, steps + 4, "gpu" if cuda else "cpu", ckpt_path=path)
             states = [s for opt in later.optimizers for s in opt.state.values()]

@@ -20,9 +20,9 @@ import sys
 import tempfile
 import time
 
+import lightning as L
 import torch
 
-import lightning as L
 from lightning_loco.examples.gpt import GPT
 from lightning_loco.examples.text import ByteTextDataModule
 from lightning_loco.testing.launch import strategy_class

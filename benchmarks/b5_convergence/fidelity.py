@@ -272,7 +272,7 @@ def long_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -
     records = _records(runs_dir, "long")
     groups = _group(records)
     rows = []
-    for (h, method), runs in sorted(groups.items(), key=lambda kv: _order(kv[0][1])):
+    for (_, method), runs in sorted(groups.items(), key=lambda kv: _order(kv[0][1])):
         rows.append({"method": method, "seeds": len(runs), "consensus": _stat([r["final"]["consensus"] for r in runs]),
                      "mean_replica": _stat([r["final"]["mean_replica"] for r in runs]),
                      "mbytes_per_replica": statistics.mean(r["final"]["bytes_per_replica"] for r in runs) / 1e6})

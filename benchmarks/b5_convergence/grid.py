@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lightning_loco.options import WireConfig
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -59,12 +61,12 @@ TUNING_GRID = {
 # The codecs part: wire formats as (wire_dtype, compression, error_feedback); None = the default
 # (error feedback on for DiLoCo's pseudo-gradients, off for NoLoCo's and GASLoC's weights).
 CODECS = {
-    "float32": ("float32", None, None),
-    "bfloat16": ("bfloat16", None, None),
-    "int8": ("float32", "int8", None),
-    "float16": ("float16", None, None),
-    "int8_ef": ("float32", "int8", True),  # error feedback on weights (NoLoCo, GASLoC)
-    "int8_no_ef": ("float32", "int8", False),  # DiLoCo without its error feedback
+    "float32": WireConfig("float32"),
+    "bfloat16": WireConfig("bfloat16"),
+    "int8": WireConfig("int8"),
+    "float16": WireConfig("float16"),
+    "int8_ef": WireConfig("int8", error_feedback=True),  # error feedback on weights (NoLoCo, GASLoC)
+    "int8_no_ef": WireConfig("int8", error_feedback=False),  # DiLoCo without its error feedback
 }
 CODEC_METHODS = ("diloco", "noloco", "gasloc_pairs")
 

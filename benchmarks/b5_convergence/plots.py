@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.b5_convergence.grid import CODECS, CODEC_METHODS, MAIN_METHODS
+from benchmarks.b5_convergence.grid import CODEC_METHODS, CODECS, MAIN_METHODS
 
 
 def codec_plot(records: list[dict[str, Any]], folder: Path) -> list[str]:

@@ -103,11 +103,10 @@ def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = 
         shards = [OnDevice(s, device) for s in shards]
     torch.manual_seed(job.seed)
     model = GPT(**settings.model_kwargs).to(device)
-    wire_dtype, compression, error_feedback = CODECS[job.wire]
     sim = TrainingSimulator(
         model, shards, make_algorithm(job.method), sync_every=job.sync_every,
         loss=gpt_loss, gradient_clip_val=1.0, gradient_averaging=job.method == "ddp",
-        wire_dtype=wire_dtype, compression=compression, error_feedback=error_feedback, precision=precision,
+        wire=CODECS[job.wire], precision=precision,
         fragments=job.fragments, max_steps=settings.steps if streaming else None,
     )
     tokens_per_step = job.replicas * settings.batch_size * settings.block_size

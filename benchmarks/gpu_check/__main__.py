@@ -26,7 +26,8 @@ def main() -> int:
     parser.add_argument("--out", help="default: gpu_check.json in benchmarks/results (dry run: a temporary folder)")
     parser.add_argument("--in-process", action="store_true",
                         help="run the parts in this process (default without CUDA; with CUDA each part gets a process)")
-    parser.add_argument("--isolate", action="store_true", help="run each part in a process of its own, also without CUDA")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run each part in a process of its own, also without CUDA")
     parser.add_argument("--part", type=int, help=argparse.SUPPRESS)  # internal: one part, in a child process
     parser.add_argument("--part-out", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=float, help=argparse.SUPPRESS)

@@ -89,7 +89,8 @@ def part_host_sync(setting: Setting, budget: Budget) -> dict[str, Any]:
             self.caught.__exit__(None, None, None)
             self.caught = None
             outer = rounds_seen(trainer.strategy) != self.outer_before
-            self.steps.append({"outer": outer, "host_reads": self.reads.count, "cuda_syncs": len(syncs) if on_gpu else None,
+            self.steps.append({"outer": outer, "host_reads": self.reads.count,
+                               "cuda_syncs": len(syncs) if on_gpu else None,
                                "hook_host_reads": self.hook_reads.count - self.hook_before,
                                "where": self.reads.where[:5], "sync_messages": syncs[:3]})
             self.reads.where = []

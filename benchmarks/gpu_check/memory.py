@@ -47,17 +47,19 @@ def part_memory(setting: Setting, budget: Budget) -> dict[str, Any]:
             continue
         params = numel(model)
         peak = seen.peak - base if on_gpu and seen.peak is not None else None
+        with_end = torch.cuda.max_memory_allocated() - base if on_gpu else None
         row: dict[str, Any] = {"peak_bytes": peak,  # training, outer steps included
-                               "peak_bytes_with_end_of_fit": torch.cuda.max_memory_allocated() - base if on_gpu else None}
+                               "peak_bytes_with_end_of_fit": with_end}
         if config == "plain":
             plain_peak = peak
         elif peak is not None and plain_peak is not None:
             row["extra_float32_copies"] = (peak - plain_peak) / (4 * params)
-            row["extra_float32_copies_with_end_of_fit"] = (
-                row["peak_bytes_with_end_of_fit"] - out["configs"]["plain"]["peak_bytes_with_end_of_fit"]) / (4 * params)
+            plain_end = out["configs"]["plain"]["peak_bytes_with_end_of_fit"]
+            row["extra_float32_copies_with_end_of_fit"] = (row["peak_bytes_with_end_of_fit"] - plain_end) / (4 * params)
         out["configs"][config] = row
         out["parameters"] = params
-        say(f"part 3: {config}: peak {peak / 2**20:.0f} MiB" if peak is not None else f"part 3: {config}: ran (no CUDA)")
+        say(f"part 3: {config}: peak {peak / 2**20:.0f} MiB" if peak is not None
+            else f"part 3: {config}: ran (no CUDA)")
         del model
         free_memory()
     return out

@@ -34,7 +34,8 @@ def run_part_here(part: int, setting: Setting, budget: Optional[float]) -> dict[
     except BaseException as err:  # a failed part must not stop the others
         if isinstance(err, KeyboardInterrupt):
             raise
-        result = {"status": "error", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+        result = {"status": "error", "error": f"{type(err).__name__}: {err}",
+                  "traceback": traceback.format_exc()[-4000:]}
     result["skipped"] = limit.skipped
     result["seconds"] = time.perf_counter() - started
     return result

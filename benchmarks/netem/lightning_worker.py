@@ -17,10 +17,10 @@ import json
 import sys
 import time
 
+import lightning as L
 import torch
 import torch.distributed as dist
 
-import lightning as L
 from benchmarks.common import skip_final_collection
 from benchmarks.netem import modelled
 

@@ -78,7 +78,8 @@ def uniform(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, jitter_ms: fl
     return Network(f"{mbit:g} Mbit/s, {one_way_ms:g} ms one way", (link,) * n)
 
 
-def one_slow(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, slower: float = 10.0, farther: float = 4.0) -> Network:
+def one_slow(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, slower: float = 10.0,
+             farther: float = 4.0) -> Network:
     """Like :func:`uniform`, but node n−1 has ``slower``× less bandwidth and is ``farther``× more distant
     from every other node (its one-way latency to any peer is ``farther·one_way_ms``)."""
     base = one_way_ms / 2

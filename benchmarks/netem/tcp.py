@@ -18,7 +18,8 @@ from pathlib import Path
 def ss_text() -> str:
     """``ss -tinH`` for this network namespace's established TCP connections ("" without ``ss``)."""
     try:
-        return subprocess.run(["ss", "-tinH", "state", "established"], check=False, capture_output=True, text=True).stdout
+        return subprocess.run(["ss", "-tinH", "state", "established"], check=False, capture_output=True,
+                              text=True).stdout
     except OSError:
         return ""
 

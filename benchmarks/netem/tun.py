@@ -162,7 +162,8 @@ class EmulatedNetwork:
 
     # ------------------------------------------------------------------ workers
 
-    def popen(self, i: int, cmd: Sequence[str], env: Optional[dict[str, str]] = None, **kwargs: Any) -> subprocess.Popen:
+    def popen(self, i: int, cmd: Sequence[str], env: Optional[dict[str, str]] = None,
+              **kwargs: Any) -> subprocess.Popen:
         """Starts ``cmd`` inside node i's namespace; gloo is told to use the node's device."""
         full_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.device(i)}
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[i], *cmd], env=full_env, **kwargs)

@@ -5,7 +5,8 @@
 Each replica is its own process and its own Lightning Trainer (devices=1). It writes
 ``OUT/ID.json`` when ``fit`` ends: its loss at every step, its step and learning rate at every step,
 its rounds (outer step, group by replica id, alone or not), the memberships it took up, the state it
-healed from, the rounds taken alone for a late partner, and timings. ``OUT/ID.progress`` holds the step it is at, for whoever wants to kill it at a
+healed from, the rounds taken alone for a late partner, and timings. ``OUT/ID.progress`` holds the step it is at,
+for whoever wants to kill it at a
 given point (``demo.py``, the tests). ``--optimizer adamw`` trains with the shipped GPT's AdamW and
 warm-up + cosine schedule; ``--csv`` logs the loss and learning rate to ``OUT/csv/ID/PID/metrics.csv``.
 
@@ -35,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_loco import ElasticConfig
 from lightning_loco.examples.gpt import warmup_cosine
 from lightning_loco.testing.launch import strategy_class
 
@@ -104,8 +106,8 @@ class DieInExchange(L.Callback):
                     os.kill(os.getpid(), signal.SIGKILL)
             return pending
 
-        transport.start_group_sum = lambda payload, group, **codec: die_if_due(post(payload, group, **codec))
-        transport.start_all_reduce_sum = lambda payload, **codec: die_if_due(post_all(payload, **codec))
+        transport.start_group_sum = lambda *args, **kwargs: die_if_due(post(*args, **kwargs))
+        transport.start_all_reduce_sum = lambda *args, **kwargs: die_if_due(post_all(*args, **kwargs))
         transport._wrapped = True
 
 
@@ -141,8 +143,7 @@ def main() -> None:
                         help="seconds an exchange waits for a live partner that is late (default: off)")
     parser.add_argument("--slow-at", type=int, default=None, help="sleep --slow-seconds before this outer step")
     parser.add_argument("--slow-seconds", type=float, default=0.0)
-    parser.add_argument("--wire-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--compression", choices=["int8"], default=None)
+    parser.add_argument("--wire", choices=["float32", "bfloat16", "float16", "int8"], default="float32")
     parser.add_argument("--ckpt-path", default=None, help="resume from this replica's own checkpoint")
     parser.add_argument("--save-ckpt", default=None, help="save a checkpoint here when fit ends")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
@@ -156,16 +157,18 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|LOCAL_RANK).*")
     started = args.launched_at or time.time()
-    elastic = dict(lighthouse=args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
-                   join_timeout=args.join_timeout, membership_every=args.membership_every, heal=not args.no_heal,
-                   straggler_timeout=args.straggler_timeout, wire_dtype=args.wire_dtype, compression=args.compression)
+    elastic = ElasticConfig(args.lighthouse, replica_id=args.replica_id, outer_step_timeout=args.outer_step_timeout,
+                            join_timeout=args.join_timeout, membership_every=args.membership_every,
+                            heal=not args.no_heal, straggler_timeout=args.straggler_timeout)
     strategy = strategy_class(args.algorithm)(sync_every=args.sync_every, ranks_per_replica=args.ranks,
-                                              replica_sharding=args.sharding, **elastic)
+                                              replica_sharding=args.sharding, wire=args.wire, elastic=elastic)
     rank = int(os.environ.get("RANK", 0)) if args.ranks > 1 else 0
     name = args.replica_id + (f".rank{rank}" if rank else "")  # this process's files
     model = Regressor(args.replica_id, args.step_sleep, args.out / f"{name}.progress", args.optimizer,
                       args.max_steps)
-    callbacks: list[L.Callback] = [DieInExchange(args.die_in_exchange_at)] if args.die_in_exchange_at is not None else []
+    callbacks: list[L.Callback] = []
+    if args.die_in_exchange_at is not None:
+        callbacks.append(DieInExchange(args.die_in_exchange_at))
     if args.slow_at is not None:
         callbacks.append(SlowAt(args.slow_at, args.slow_seconds))
     logger: Any = False

@@ -47,7 +47,8 @@ def main() -> None:
     panels = [
         ("val/loss_replicas", "validation loss, mean over replicas", axes[0, 0]),
         ("val/loss_consensus", "validation loss of the consensus model", axes[0, 1]),
-        (("outer/replica_spread", "outer/peer_distance"), "replica spread (RMS distance from the mean) or peer distance",
+        (("outer/replica_spread", "outer/peer_distance"),
+         "replica spread (RMS distance from the mean) or peer distance",
          axes[1, 0]),
         ("outer/pseudo_gradient_norm", "pseudo-gradient norm (rank 0)", axes[1, 1]),
     ]
