@@ -97,6 +97,21 @@ def test_noloco_on_local_shards_equals_ddp_inside(tmp_path):
     assert all(torch.allclose(w, after[0], atol=1e-6) for w in after)
 
 
+def test_every_rank_of_a_sharded_replica_starts_from_global_rank_0s_full_weights(tmp_path):
+    """The automatic FSDP2 policy shards a module whose ranks initialised differently: every rank of every
+    replica starts from global rank 0's full weights, as DDP inside does (not from a replica stitched from
+    its ranks' shards)."""
+    # (the sharded run's ranks are started processes that each build the module; the forked DDP-inside run
+    # builds it once, in the parent, so it is the reference with one init)
+    ddp, fsdp = run_pair(tmp_path, "noloco", {"sync_every": 2, **PAPERS}, max_steps=4,
+                         sharded_only={"rank_dependent_init": True})
+    rank0 = tiny.flat(tiny.TinyRegressor())
+    for r, rec in enumerate(fsdp):
+        assert torch.equal(rec["built"], rank0 + r)  # what each rank built differed
+        assert torch.equal(rec["initial"], rank0)  # what it trained from did not
+    assert_close_runs(ddp, fsdp)
+
+
 @pytest.mark.slow
 def test_diloco_overlapped_with_two_optimizers_equals_ddp_inside(tmp_path):
     """DiLoCo with overlap_steps, manual optimization over two optimizers with momentum, the outer

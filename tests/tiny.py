@@ -471,6 +471,11 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         scheduler=config.get("scheduler", False), inf_loss_at=config.get("inf_loss_at"),
         batch_size=config.get("batch_size", 4), momentum=config.get("momentum", 0.0),
         nominal_schedule=config.get("nominal_schedule"), **options)
+    if config.get("rank_dependent_init"):  # a module whose ranks initialise differently (no seed_everything)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(os.environ.get("LOCAL_RANK", "0")))
+        recorder.record["built"] = flat(model)
     if "hide_replica_files_on_rank" in config and os.environ.get("LOCAL_RANK", "0") == str(
         config["hide_replica_files_on_rank"]
     ):

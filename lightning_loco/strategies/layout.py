@@ -214,8 +214,8 @@ class ShardedReplicas(ReplicaLayout):
         """FSDP2 reduce-scatters the gradients inside the replica; no DDP wrapper."""
 
     def prepare_model(self) -> None:
-        """Shards the module (the automatic policy when ``configure_model`` sharded nothing; its ranks first
-        take the replica's first rank's full weights, as DDP inside does), checks it and materializes
+        """Shards the module (the automatic policy when ``configure_model`` sharded nothing; every rank first
+        takes global rank 0's full weights, as DDP inside does), checks it and materializes
         meta-device parameters. The layout check is one ``all_gather_object`` over the slice group, here
         at setup only."""
         host = self.host
