@@ -1,12 +1,14 @@
 """A small sweep of GASLoC's outer hyper-parameters on a real model, beside NoLoCo and DiLoCo.
 
     python -m benchmarks.gasloc_sweep [--steps 400] [--sync-every 25] [--devices 4]
+    python -m benchmarks.gasloc_sweep --quick    # a smoke run: two configurations, 8 steps on 2 replicas
 
 Each configuration is one run of ``examples/quickstart.py`` (the byte-level GPT on Shakespeare,
 4 CPU replicas, one seed): same data, seed and token budget; only the strategy's arguments differ.
 Prints the final validation loss (mean over replicas) per configuration and writes
-``benchmarks/results/gasloc_sweep.json``. One seed at this scale separates configurations only
-when the gaps exceed the run-to-run noise: read small differences as ties.
+``benchmarks/results/gasloc_sweep.json`` (``--quick``: a temporary folder, or ``$LOCO_BENCH_RESULTS``).
+One seed at this scale separates configurations only when the gaps exceed the run-to-run noise: read
+small differences as ties.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+from benchmarks.common import ROOT, results_dir
 
 
 def run(strategy: str, kwargs: dict, args: argparse.Namespace, tmp: str, seed: int = 0) -> dict:
@@ -39,12 +41,18 @@ def key(strategy: str, kwargs: dict, seed: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--sync-every", type=int, default=25)
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gasloc_sweep.json"))
+    parser.add_argument("--quick", action="store_true", help="NoLoCo and one GASLoC configuration, 8 steps, H = 4, "
+                                                             "2 replicas (a smoke run; its losses mean nothing)")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--sync-every", type=int)
+    parser.add_argument("--devices", type=int)
+    parser.add_argument("--out", help="default: gasloc_sweep.json in benchmarks/results (quick: a temporary folder)")
     parser.add_argument("--only-new", action="store_true", help="reuse rows already in --out")
     args = parser.parse_args()
+    args.steps = args.steps or (8 if args.quick else 400)
+    args.sync_every = args.sync_every or (4 if args.quick else 25)
+    args.devices = args.devices or (2 if args.quick else 4)
+    args.out = args.out or str(results_dir(args.quick) / "gasloc_sweep.json")
     previous = {}
     if args.only_new and Path(args.out).exists():
         for row in json.loads(Path(args.out).read_text())["rows"]:
@@ -60,6 +68,8 @@ def main() -> None:
     seeded += [("gasloc", {"outer_lr": 0.7, "gossip_step": a, "outer_momentum": 0.5}, 1) for a in (0.25, 0.5)]
     seeded += [("gasloc", {"outer_lr": 0.7, "gossip_step": 0.25, "outer_momentum": 0.3}, 1)]
     configs = [(s, k, 0) for s, k in configs] + seeded
+    if args.quick:
+        configs = [("noloco", {}, 0), ("gasloc", {"outer_lr": 0.7, "gossip_step": 0.25, "outer_momentum": 0.5}, 0)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for strategy, kwargs, seed in configs:

@@ -444,6 +444,52 @@ def test_b6_merge_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_elastic_heal_quick(tmp_path):
+    out = bench(tmp_path, "elastic_heal")
+    rows = {r["size"]: r for r in json.loads((tmp_path / "elastic_heal.json").read_text())["rows"]}
+    assert sorted(rows) == ["10M", "1M"] and "healing over loopback gloo" in out
+    for size, row in rows.items():
+        # a heal carries the weights, the outer anchor and momentum and Adam's two moments: 4 × the weights,
+        # plus the small rest of the training state; without the optimizer, the weights and the outer state only
+        assert 4.0 <= row["bytes_ratio"] < 4.1, size
+        assert row["lean_mb"] == pytest.approx(row["heal_mb"] / 2, rel=0.01), size
+    assert rows["10M"]["heal_mb"] == pytest.approx(10 * rows["1M"]["heal_mb"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_elastic_goodput_quick(tmp_path):
+    # 320 steps of at least 20 ms each: r0 is under 90 % through after 3 s, so the kill run kills at least once
+    bench(tmp_path, "elastic_goodput", "--max-steps", "320", "--kill-every", "3", timeout=300)
+    result = json.loads((tmp_path / "elastic_goodput.json").read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["steady K=1", "kill every 3 s"]
+    assert rows["steady K=1"]["kills"] == 0 and rows["kill every 3 s"]["kills"] >= 1
+    steady, kill = result["runs"]
+    assert steady["finished"] == ["r0", "r1", "r2", "r3"] and steady["launches"] == 4
+    assert {"r0", "r1", "r2"} <= set(kill["finished"])  # the survivors always finish
+    assert kill["launches"] == 4 + rows["kill every 3 s"]["kills"]
+    assert rows["steady K=1"]["ratio"]["median"] == 1.0 and rows["steady K=1"]["alone_pct"] == 0.0
+
+
+@pytest.mark.slow
+def test_elastic_quorum_hold_quick(tmp_path):
+    out = bench(tmp_path, "elastic_quorum_hold")
+    (row,) = json.loads((tmp_path / "elastic_quorum_hold.json").read_text())["rows"]
+    # c heartbeats again before its old heartbeats expired: the Lighthouse holds the survivors' quorum for it,
+    # and c is in it
+    assert row["beat_after_s"] == 1.0 and row["quorum"] == ["a", "b", "c"] and "survivors waited" in out
+
+
+@pytest.mark.slow
+def test_gasloc_sweep_quick(tmp_path):
+    out = bench(tmp_path, "gasloc_sweep")
+    result = json.loads((tmp_path / "gasloc_sweep.json").read_text())
+    assert [(r["strategy"], r["seed"]) for r in result["rows"]] == [("noloco", 0), ("gasloc", 0)]
+    assert all("error" not in r and r["outer_steps"] == 2 and 0 < r["val_loss"] < 6 for r in result["rows"])
+    assert result["rows"][1]["strategy_args"]["gossip_step"] == 0.25 and "val loss" in out
+
+
+@pytest.mark.slow
 def test_gpu_quality_dry_run(tmp_path):
     """Without CUDA: every configuration trains the tiny model (no budget) and the table and JSON come out."""
     proc = run_module_forked("benchmarks.gpu_quality", [], tmp_path / "run", {"LOCO_BENCH_RESULTS": str(tmp_path)},
