@@ -14,6 +14,7 @@ import logging
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
+from lightning_loco.elastic import data
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.ranks import ReplicaRankError, restart_advice
@@ -55,6 +56,11 @@ class RunMode:
     def explains_stops(self) -> bool:
         """Whether the end of fit is explained in a log line (elastic replicas stop on their own)."""
         return False
+
+    def sampler_kwargs(self, default: dict[str, Any], rank_in_replica: int, ranks_per_replica: int,
+                       seed: int) -> dict[str, Any]:
+        """Lightning's ``distributed_sampler_kwargs``: the launch's world already cuts the data (``default``)."""
+        return default
 
 
 class ElasticRun(RunMode):
@@ -101,6 +107,15 @@ class ElasticRun(RunMode):
 
     def explains_stops(self) -> bool:
         return True
+
+    def sampler_kwargs(self, default: dict[str, Any], rank_in_replica: int, ranks_per_replica: int,
+                       seed: int) -> dict[str, Any]:
+        """A replica's own data, from its slot or its id (:mod:`lightning_loco.elastic.data`); the launch's world
+        is the replica's own ranks, which would give every replica the same batches."""
+        assert self.elastic is not None
+        config = self.elastic
+        return data.sampler_kwargs(config.name, config.data_slots, config.data_slot, ranks_per_replica,
+                                   rank_in_replica, seed)
 
 
 def run_mode(elastic: Optional[ElasticConfig]) -> RunMode:

@@ -8,6 +8,7 @@ own session with a time limit; a failing test kills their process groups.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -670,3 +671,59 @@ def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by
         for rank in (0, 1):
             assert records[("A", rank)]["final_weights"] == pytest.approx(records[("B", rank)]["final_weights"],
                                                                           abs=1e-6)
+
+
+# ---------------------------------------------------------------- data: each elastic replica reads its own
+
+DATA_CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 4
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  callbacks:
+    - class_path: tiny.BatchLog
+      init_args: {{out: {out}}}
+  strategy:
+    class_path: lightning_loco.NoLoCoStrategy
+    init_args:
+      sync_every: 2
+      elastic: {{lighthouse: "{lighthouse}", outer_step_timeout: 60, data_slots: 3}}
+model:
+  class_path: tiny.TinyRegressor
+"""
+
+
+@pytest.mark.slow
+def test_three_elastic_replicas_from_the_cli_recipe_read_disjoint_parts_of_the_data(tmp_path: Path) -> None:
+    """docs/elastic.md's recipe (a Lighthouse, then one `lightning-loco fit` per replica with its id) with
+    data_slots=3: replicas site-0, site-1 and site-2 each read their own third of the 48 samples in their
+    epoch, as the three replicas of a static launch would: pairwise disjoint, all of them together."""
+    import tiny
+
+    with Lighthouse(min_replicas=3) as lighthouse:
+        config = tmp_path / "replica.yaml"
+        config.write_text(DATA_CONFIG.format(out=tmp_path / "batches", lighthouse=lighthouse.address))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+        procs = [subprocess.Popen([sys.executable, "-m", "lightning_loco.cli", "fit", "--config", str(config),
+                                   f"--trainer.strategy.init_args.elastic.replica_id=site-{r}"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True) for r in range(3)]
+        try:
+            outputs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    assert not any("may train on the same batches" in o for o in outputs)
+    seen = {r: [tuple(row) for batch in json.loads((tmp_path / "batches" / f"site-{r}.rank0.json").read_text())
+                for row in batch] for r in range(3)}
+    everything = {tuple(row) for row in tiny.dataset().tensors[0].tolist()}
+    assert all(len(rows) == len(set(rows)) == 16 for rows in seen.values())  # 4 batches of 4, no repeats
+    assert set(seen[0]) | set(seen[1]) | set(seen[2]) == everything
+    assert not set(seen[0]) & set(seen[1]) and not set(seen[0]) & set(seen[2]) and not set(seen[1]) & set(seen[2])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
 ROOT = Path(__file__).resolve().parents[1]
 
 

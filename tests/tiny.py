@@ -238,6 +238,22 @@ class VirtualClock:
         return self.now
 
 
+class BatchLog(L.Callback):
+    """Writes the training inputs this process saw, batch by batch, to ``OUT/<replica>.rank<R>.json`` at the
+    end of fit (the replica named by its elastic id, else its index)."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.batches = out, []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, *args: Any) -> None:
+        self.batches.append(batch[0].tolist())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        name = trainer.strategy.replica_name
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        (Path(self.out) / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(self.batches))
+
+
 class Recorder(L.Callback):
     def __init__(self, out_dir: str, log: CallLog) -> None:
         self.out_dir, self.call_log = out_dir, log

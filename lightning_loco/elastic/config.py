@@ -14,6 +14,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_loco.elastic.data import slot_of
+
 EXTRA = "pip install 'lightning-loco[elastic]'"
 TORCHFT_VERSION = "0.2.0"  # the version the extra pins and the tests run
 
@@ -83,6 +85,11 @@ class ElasticConfig:
         straggler_timeout: seconds an exchange waits for a live partner that is late before both take
             that round alone (DiLoCo: drop it) and meet again next round (default None: a live partner
             is waited for up to ``outer_step_timeout``). See :mod:`~lightning_loco.elastic.straggler`.
+        data_slots: N, the parts the training data is cut into, one per replica slot, as a static launch of N
+            replicas cuts it (default None: every replica reads all of it, in an order of its own; 1: all
+            read the same data in the same order). See :mod:`~lightning_loco.elastic.data`.
+        data_slot: this replica's part, 0 to N − 1 (default None: the number ``replica_id`` ends with,
+            ``site-2`` → 2).
     """
 
     lighthouse: str
@@ -93,6 +100,8 @@ class ElasticConfig:
     heal: bool = True
     heal_optimizer: bool = True
     straggler_timeout: Optional[float] = None
+    data_slots: Optional[int] = None
+    data_slot: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.replica_id is None:  # resolved once, where the config is built
@@ -136,6 +145,35 @@ class ElasticConfig:
                 f"membership_every must be an integer >= 1, got {every!r} (default 1: a membership refresh requested "
                 "in the background at every outer step and used at the next). Larger values ask the Lighthouse "
                 "less often and take longer to drop a dead replica."
+            )
+
+        self._check_data()
+
+    def _check_data(self) -> None:
+        slots, slot = self.data_slots, self.data_slot
+        for name, value in (("data_slots", slots), ("data_slot", slot)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'data_slots' else 0}, got {value!r}.")
+        if slots is None:
+            if slot is not None:
+                raise ValueError(
+                    f"data_slot={slot} needs data_slots, the number of parts the data is cut into: set data_slots=N "
+                    "as well (every replica the same N), or leave data_slot None."
+                )
+            return
+        if slots < 1:
+            raise ValueError(f"data_slots must be an integer >= 1, got {slots!r}.")
+        if slot is not None:
+            if slot >= slots:
+                raise ValueError(f"data_slot={slot} must be below data_slots={slots} (the parts are 0 to {slots - 1}).")
+            return
+        found = slot_of(self.name)
+        if slots > 1 and (found is None or found >= slots):
+            ends = f"ends with {found}" if found is not None else "ends with no number"
+            raise ValueError(
+                f"data_slots={slots}: replica_id={self.name!r} {ends}, so it names no part of the data 0 to "
+                f"{slots - 1}. Name the replicas by their slot (e.g. site-0 ... site-{slots - 1}), or give this one "
+                "data_slot=."
             )
 
     @property

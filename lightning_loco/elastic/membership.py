@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_loco.elastic import healing
+from lightning_loco.elastic import data, healing
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
 from lightning_loco.elastic.keys import group_prefix, rank_prefix
 from lightning_loco.elastic.plan import Plan, View, make_plan
@@ -113,6 +113,7 @@ class Membership:
         self.check_stop = check_stop
         self.ranks, self.rank = ranks, ranks.rank if ranks is not None else 0
         self.info = log.info if self.rank == 0 else log.debug  # the replica's rank 0 says what happens
+        self._shared_slots: set[tuple[str, str]] = set()  # pairs of members warned about: they read the same data
         self._asked = 0  # quorum requests so far (rank 0 numbers the plans it hands to the other ranks)
         if self.rank == 0:
             host = local_host_for(config.url)
@@ -330,6 +331,13 @@ class Membership:
             [f"healing from {plan.donor!r}: {list(plan.joiners)}"] if plan.joiners else [])
         self.info("Replica %r: membership %d from outer step %d: %s%s", self.replica_id, plan.quorum_id, plan.switch,
                  list(plan.members), f" ({'; '.join(changes)})" if changes else "")
+        config = self.config
+        for a, b, slot in data.shared_slots(plan.members, config.data_slots, config.data_slot, config.name):
+            if self.replica_id in (a, b) and self.rank == 0 and (a, b) not in self._shared_slots:
+                self._shared_slots.add((a, b))
+                log.warning("Replicas %r and %r both read data slot %d of %d: they train on the same batches. Give "
+                            "each live replica a slot of its own (a replica_id ending in its slot number, or "
+                            "data_slot=).", a, b, slot, config.data_slots)
 
     def failed(self) -> None:
         """An exchange of the current membership failed: its process group is aborted, which closes this

@@ -264,6 +264,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
         setup.warn_if_no_outer_step(self, trainer)
         setup.warn_if_short_run(self, trainer)
+        setup.warn_if_replicas_read_the_same_data(self, trainer)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -86,3 +86,40 @@ def warn_if_short_run(strategy: Any, trainer: "pl.Trainer") -> None:
     what ``max_epochs`` makes of the training batches."""
     steps = trainer.max_steps if trainer.max_steps >= 0 else trainer.estimated_stepping_batches
     warn_if_short(strategy.algorithm, steps, strategy.sync_every, rank_zero_warn)
+
+
+def warn_if_replicas_read_the_same_data(strategy: Any, trainer: "pl.Trainer") -> None:
+    """Elastic replicas: once the training data loaders are built, whether Lightning's sampler cuts them as
+    :mod:`lightning_loco.elastic.data` says. A loader it cannot cut (an iterable dataset, a sampler of the
+    module's own, ``use_distributed_sampler=False``) or one that does not shuffle without data slots would give
+    every replica the same batches."""
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+    config = strategy.elastic
+    if config is None or config.data_slots == 1:
+        return
+    loaders = trainer.train_dataloader
+    flat = loaders.flattened if isinstance(loaders, CombinedLoader) else [loaders]
+    wanted = strategy.distributed_sampler_kwargs
+    fix = (f"Cut it by trainer.strategy.distributed_sampler_kwargs ({wanted}), or set elastic.data_slots=1 if the "
+           "replicas should read the same data.")
+    for loader in flat:
+        if not isinstance(loader, DataLoader):
+            continue
+        sampler = loader.sampler
+        if isinstance(loader.dataset, IterableDataset):
+            problem = "an iterable dataset, which Lightning's sampler does not cut"
+        elif not isinstance(sampler, DistributedSampler):  # Lightning's wrapper of a batch sampler is one too
+            problem = f"a {type(sampler).__name__} of its own (or use_distributed_sampler=False)"
+        elif (sampler.num_replicas, sampler.rank) != (wanted["num_replicas"], wanted["rank"]):
+            problem = f"a sampler of its own for {sampler.num_replicas} replica(s)"
+        elif config.data_slots is None and not getattr(sampler, "shuffle", True):
+            problem = "no shuffling, so every replica reads the whole dataset in the same order"
+            fix = ("Shuffle the training data (each replica then reads its own order), or set elastic.data_slots=N "
+                   "to cut it into N parts, one per replica slot.")
+        else:
+            continue
+        rank_zero_warn(f"Elastic replica {config.name!r}: its training data loader has {problem}, so every replica "
+                       f"may train on the same batches. {fix}")
+        return

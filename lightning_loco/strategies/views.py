@@ -7,6 +7,7 @@ Lightning's ``DDPStrategy``: the options as attributes, the replica's index and 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -92,6 +93,14 @@ class ReplicaViews(DDPStrategy):
     @property
     def replica_index(self) -> int:
         return self.global_rank // self.ranks_per_replica
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """What Lightning's distributed sampler is built with: the launch's world, or an elastic replica's own
+        part of the data (:mod:`lightning_loco.elastic.data`)."""
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # as Lightning seeds its sampler
+        return self.mode.sampler_kwargs(super().distributed_sampler_kwargs, self.global_rank % self.ranks_per_replica,
+                                        self.ranks_per_replica, seed)
 
     @property
     def replica_name(self) -> Union[int, str]:
