@@ -56,6 +56,10 @@ class PacedReplica:
         self.i, self.speed, self.max_steps = i, speed, max_steps
         self.clock = Clock()
         merge = driver_kwargs.pop("merge", "mean")
+        # follow_nominal: the learning rate's step count follows the run's nominal progress, as a scheduler
+        # does on a paced strategy or simulator (lightning_loco.lr_schedules), not this replica's own count
+        self.follow_nominal = driver_kwargs.pop("follow_nominal", False)
+        self.schedule_steps = 0
         pacing = None if sync_seconds is None else PacingConfig(sync_seconds, merge=merge)
         self.driver = OuterStepDriver.of(algorithm, network.transport(i), sync_every, pacing=pacing,
                                          clock=self.clock, **driver_kwargs)
@@ -75,7 +79,8 @@ class PacedReplica:
         slot = self.driver.slots[0]
         with torch.no_grad():
             for p, target in zip(self.flat.params, self.target.split([p.numel() for p in self.flat.params])):
-                p.sub_((p - target.view_as(p)).mul_(inner_lr(slot.inner_steps + 1)))
+                done = self.schedule_steps if self.follow_nominal else slot.inner_steps
+                p.sub_((p - target.view_as(p)).mul_(inner_lr(done + 1)))
         last = self.max_steps is not None and self.driver.last_step(0, self.max_steps)
         if self.driver.round_due(0):
             self.snapshots.append(self.flat.gather())
@@ -83,6 +88,10 @@ class PacedReplica:
         self.driver.after_inner_step(0, last=last)
         if len(self.driver.reports) > landed:
             self.anchors.append(slot.state.anchor.clone())
+        if self.follow_nominal:
+            self.schedule_steps += 1
+            nominal = math.floor(self.driver.nominal_step() + 1e-9)
+            self.schedule_steps = max(self.schedule_steps, min(nominal, self.max_steps or nominal))
         self.trace.append(self.flat.gather())
         return last
 

@@ -50,6 +50,31 @@ def test_a_replica_that_sleeps_in_every_step_runs_the_same_rounds_with_fewer_ste
         assert torch.equal(fast["weights"][-1], slow["weights"][-1])
 
 
+@pytest.mark.parametrize("algorithm", ["noloco", "diloco"])
+def test_a_standard_scheduler_follows_the_runs_progress_on_a_slow_replica(tmp_path, algorithm):
+    """OneCycleLR over max_steps, stepped by Lightning every step, with one replica 10× slower (3 steps a
+    round instead of 10): at every round both replicas' schedulers have taken t·H steps, so their learning
+    rates agree there, and both end where a replica that never waited ends (the schedule's end)."""
+    H, max_steps = 10, 40
+    recs = tiny.launch(tmp_path, strategy=algorithm, strategy_kwargs={"sync_every": H, "pacing": 0.3}, devices=2,
+                       max_steps=max_steps, virtual_step_seconds=[0.01, 0.1], scheduler="onecycle")
+    fast, slow = recs
+    assert [h for _, h, _ in rounds_of(fast)] == [10] * 4 and [h for _, h, _ in rounds_of(slow)] == [3] * 4
+    reference = torch.optim.lr_scheduler.OneCycleLR(torch.optim.SGD([torch.zeros(1)], lr=0.05), max_lr=0.05,
+                                                    total_steps=max_steps)
+    at_rounds = []
+    for _ in range(4):
+        for _ in range(H):
+            reference.step()
+        at_rounds.append(reference.get_last_lr()[0])
+    # the learning rate after each round's last step: t·H scheduler steps on both
+    assert [fast["step_lrs"][H * (t + 1) - 1] for t in range(4)] == at_rounds
+    assert [slow["step_lrs"][3 * (t + 1) - 1] for t in range(4)] == at_rounds
+    assert fast["lrs"] == slow["lrs"] == [at_rounds[-1]]  # both end at the schedule's end
+    # between rounds the slow replica's rate moves on with its nominal progress, 10/3 scheduler steps a step
+    assert slow["step_lrs"][0] != fast["step_lrs"][0]
+
+
 def test_exact_resume_from_a_round_checkpoint_with_replicas_at_different_steps(tmp_path):
     # Speeds 1 and 2 on their own clocks, T = 4, H = 4: H_i = 4 and 2. 16 nominal steps: 4 rounds. One batch
     # per epoch (24 of the 48 samples per replica) so that every checkpoint is at the end of a data epoch.

@@ -50,7 +50,8 @@ class PlainStep(torch.optim.Optimizer):
 
 def plain_optimizer(module: nn.Module):
     optimizer = PlainStep(module.parameters())
-    # the simulator steps the scheduler after each optimizer step: the k-th step runs at inner_lr(k)
+    # the simulator steps the scheduler after each optimizer step, and then on to the run's nominal progress:
+    # a step runs at inner_lr(k + 1) after k scheduler steps
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: inner_lr(done + 1))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -74,7 +75,7 @@ def test_a_paced_simulated_run_is_the_drivers_paced_run(name):
     sim = simulator(MAKERS[name], speeds, H, T, max_steps)
     sim.run_rounds()
     sim.finish()
-    _, replicas = paced(MAKERS[name], speeds, H, T, max_steps)
+    _, replicas = paced(MAKERS[name], speeds, H, T, max_steps, follow_nominal=True)
     threaded(replicas)
     n, schedule = len(speeds), MAKERS[name]().schedule
     for i, (driver, replica) in enumerate(zip(sim.drivers, replicas)):

@@ -53,7 +53,7 @@ def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[li
 
 
 class TinyRegressor(L.LightningModule):
-    def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: bool = False,
+    def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: Any = False,
                  inf_loss_at: Any = None, batch_size: int = 4, momentum: float = 0.0,
                  nominal_schedule: Any = None) -> None:
         super().__init__()
@@ -106,6 +106,10 @@ class TinyRegressor(L.LightningModule):
 
                 schedule = warmup_cosine(optimizer, *self.nominal_schedule,
                                          nominal=lambda: getattr(self.trainer.strategy, "nominal_step", None))
+                return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+            if self.scheduler == "onecycle":  # stepped once per step over the run's max_steps
+                schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr,
+                                                               total_steps=self.trainer.max_steps)
                 return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
             if self.scheduler:
                 schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -328,6 +332,7 @@ class Recorder(L.Callback):
         if trainer.global_step == self.record.get("save_at_step", [None])[0]:  # as ModelCheckpoint saves
             trainer.save_checkpoint(self.record["save_at_step"][1])
         self.record["weights"].append(flat(pl_module))
+        self.record.setdefault("step_lrs", []).append(trainer.optimizers[0].param_groups[0]["lr"])
         self.record["calls"].append(self.call_log.take())
         replicas = getattr(trainer.strategy, "outer_slots", [])
         if replicas:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lightning_loco import lr_schedules
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.plugins import DriverPlugin
 from lightning_loco.schedules import Round
@@ -221,8 +222,12 @@ class PacedRounds:
     def _after_paced_step(self, i: int) -> None:
         """What follows replica ``i``'s step and its round: its scheduler, on the run's nominal progress
         (as on a paced strategy), and the end of its data epoch."""
-        self.contexts[i].follow_nominal(self.drivers[i].nominal_step())
-        if self.schedulers[i] is not None:
-            self.schedulers[i].step()
+        nominal = self.drivers[i].nominal_step()
+        self.contexts[i].follow_nominal(nominal)
+        scheduler = self.schedulers[i]
+        if scheduler is not None:
+            scheduler.step()
+            if lr_schedules.followable(scheduler):  # as the strategies' schedulers catch up with the run
+                lr_schedules.catch_up(scheduler, nominal, limit=self.max_steps)
         if self.shards[i].at_epoch_end:
             self.contexts[i].end_epoch()

@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_loco import consensus
+from lightning_loco import consensus, lr_schedules
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.modes import TransportFactory, run_mode
@@ -142,6 +142,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         self._restore_sigterm_check: Optional[Callable[[], None]] = None  # while training
         self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from fit(ckpt_path=...), until training starts
         self._final_outer_steps = 0
+        self._nominal_schedulers: list[Any] = []  # with pacing: Lightning's step-interval scheduler configs, in fit
         self._said_why_ended = False  # the end of fit was logged
         self.outer_step_reports: list[OuterStepReport] = []  # this fit's rounds, in the order they finished
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
@@ -265,6 +266,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         setup.warn_if_no_outer_step(self, trainer)
         setup.warn_if_short_run(self, trainer)
         setup.warn_if_replicas_read_the_same_data(self, trainer)
+        self._nominal_schedulers = setup.schedulers_on_nominal_steps(self, trainer)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -289,11 +291,23 @@ class OuterStepStrategy(ReplicaCheckpoints):
         if self.run is not None:
             self.run.before_batch()
 
+    def follow_nominal_steps(self) -> None:
+        """With ``pacing``: the step-interval schedulers catch up with the run's nominal progress
+        (:mod:`lightning_loco.lr_schedules`); called after each batch's own scheduler steps, and at the end."""
+        nominal = self.nominal_step
+        if nominal is None:
+            return
+        limit = self.module.trainer.max_steps
+        for config in self._nominal_schedulers:
+            lr_schedules.catch_up(config.scheduler, nominal, config.frequency,
+                                  limit // config.frequency if limit >= 0 else None)
+
     @override
     def on_train_end(self) -> None:
         self._undo_sigterm_check()
         if self.run is not None:
             self.run.end()  # a round still in flight lands now, early (as the final round)
+            self.follow_nominal_steps()
             self._say_why_ended(interrupted=False)
         if self.options.averages_at_end:
             self.average_replicas()

@@ -123,3 +123,29 @@ def warn_if_replicas_read_the_same_data(strategy: Any, trainer: "pl.Trainer") ->
         rank_zero_warn(f"Elastic replica {config.name!r}: its training data loader has {problem}, so every replica "
                        f"may train on the same batches. {fix}")
         return
+
+
+def schedulers_on_nominal_steps(strategy: Any, trainer: "pl.Trainer") -> list[Any]:
+    """With ``pacing``: the scheduler configs that follow the run's nominal progress (every step-interval
+    scheduler Lightning steps that counts its steps, :mod:`lightning_loco.lr_schedules`), with a warning for
+    those that cannot (an epoch interval, ``ReduceLROnPlateau``, manual optimization's own stepping)."""
+    from lightning_loco.lr_schedules import followable
+
+    if strategy.sync_seconds is None:
+        return []
+    follow, left = [], []
+    automatic = trainer.lightning_module.automatic_optimization
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step" and followable(config.scheduler) and automatic:
+            follow.append(config)
+        else:
+            left.append(type(config.scheduler).__name__)
+    if left:
+        rank_zero_warn(
+            f"pacing (sync_seconds={strategy.sync_seconds:g}) makes replicas take different numbers of steps; "
+            f"{', '.join(left)} cannot be made to follow the run's progress here (an epoch interval, a metric's "
+            "scheduler or manual optimization), so each replica's learning rate follows its own steps. Use a "
+            "step-interval scheduler under automatic optimization, or compute the rate from "
+            "trainer.strategy.nominal_step."
+        )
+    return follow

@@ -137,13 +137,21 @@ def _data_ptr(t: Any) -> int:
 
 
 class BetweenSteps(Callback):
-    """Calls the driver plug-in's ``between_steps`` at the start of each training batch; :meth:`insert` puts it
-    before every other callback, :meth:`remove` takes it out again."""
+    """Calls the driver plug-in's ``between_steps`` at the start of each training batch and lets the schedulers
+    follow the nominal progress at its end; :meth:`insert` puts it before every other callback, :meth:`remove`
+    takes it out again."""
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         driver = getattr(trainer.strategy, "driver", None)
         if driver is not None:
             driver.plugin.between_steps()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the loop stepped its schedulers, before any other callback (a checkpoint, a monitor) reads them:
+        under ``pacing`` they catch up with the run's nominal progress."""
+        follow = getattr(trainer.strategy, "follow_nominal_steps", None)
+        if follow is not None:
+            follow()
 
     @classmethod
     def insert(cls, trainer: Any) -> None:
