@@ -48,7 +48,7 @@ from lightning_loco.overlap import (
     correction_norm,
     merge_at_landing,
 )
-from lightning_loco.pacing import Pacing, compute_share
+from lightning_loco.pacing import AUTO, AutoSeconds, Pacing, SharedStepTimes, StepTimes, compute_share
 from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.reports import OuterStepReport, peer_distance
 from lightning_loco.slots import OuterSlot, load_slots
@@ -75,6 +75,8 @@ class OuterStepDriver:
             agree on whether a round is due (given 0 or 1, returns the largest over the replica).
         agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
             rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
+        step_times: with ``sync_seconds="auto"``, where replicas tell each other their step times
+            (:class:`~lightning_loco.pacing.StepTimes`; default: a board of this driver alone).
 
     Under ``final_outer_step="average"`` (the default, as on the strategies and the simulator) a round
     that lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
@@ -93,6 +95,7 @@ class OuterStepDriver:
         agree_overlap: Optional[Callable[[int], int]] = None,
         agree_due: Optional[Callable[[int], int]] = None,
         agree_seconds: Optional[Callable[[float], float]] = None,
+        step_times: Optional[StepTimes] = None,
     ) -> None:
         options.algorithm.check_num_replicas(transport.num_replicas)
         self.options = options
@@ -109,8 +112,11 @@ class OuterStepDriver:
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as fragment 0's rounds start
         self.track_norms, self.clock = False, clock  # track_norms: norms and peer distance, one anchor copy a round
         sync_seconds = options.sync_seconds
+        auto = None
+        if sync_seconds == AUTO:
+            auto = AutoSeconds(self.sync_every, transport.replica, step_times or SharedStepTimes())
         self.pacing = None if sync_seconds is None else Pacing(self.sync_every, sync_seconds, clock, agree_due,
-                                                               agree_seconds)
+                                                               agree_seconds, auto)
         self.plugin = plugin if plugin is not None else DriverPlugin()
         self.plugin.attach(self)
 
@@ -118,11 +124,13 @@ class OuterStepDriver:
     def of(cls, algorithm: OuterAlgorithm, transport: Transport, sync_every: int, *, label: str = "",
            plugin: Optional[DriverPlugin] = None, clock: Callable[[], float] = time.perf_counter,
            agree_overlap: Optional[Callable[[int], int]] = None, agree_due: Optional[Callable[[int], int]] = None,
-           agree_seconds: Optional[Callable[[float], float]] = None, **options: Any) -> OuterStepDriver:
+           agree_seconds: Optional[Callable[[float], float]] = None, step_times: Optional[StepTimes] = None,
+           **options: Any) -> OuterStepDriver:
         """A driver of ``algorithm`` every ``sync_every`` steps, with ``options`` as the strategies take them
         (``overlap_steps``, ``fragments``, ``pacing``, ``wire``, ...: :meth:`Options.build`)."""
         return cls(Options.build(algorithm, sync_every, **options), transport, label=label, plugin=plugin,
-                   clock=clock, agree_overlap=agree_overlap, agree_due=agree_due, agree_seconds=agree_seconds)
+                   clock=clock, agree_overlap=agree_overlap, agree_due=agree_due, agree_seconds=agree_seconds,
+                   step_times=step_times)
 
     def add(self, flat: FlatParameters) -> OuterSlot:
         """Adds an optimizer's parameters (as F fragments: :func:`lightning_loco.fragments.layout`); the
@@ -224,6 +232,8 @@ class OuterStepDriver:
         part = f", fragment {slot.fragment}" if self.fragments > 1 else ""
         ended = self.clock()
         algorithm.phase_ended(slot.state, slot.phase.end(slot.inner_steps, ended))  # H_i, for merge="steps"
+        if self.pacing is not None:
+            self.pacing.phase_ended(slot.phase)  # sync_seconds="auto": the next estimate of T
         schedule = algorithm.schedule(t, self.transport.num_replicas)  # the round's groups, once
         self.plugin.before_round(index, t, schedule)
         if slot.fragment == 0:  # one entry per H steps and optimizer, as with F = 1

@@ -120,25 +120,29 @@ class PacingConfig:
         sync_seconds: T: a replica posts its next round once its inner phase is as near T seconds of
             compute on its own clock (the waits at exchanges left out) as its steps allow, after at
             least one inner step and at most ``sync_every``. About ``sync_every`` × the fastest
-            replica's step time paces every replica. The run is then ⌈max_steps / sync_every⌉ rounds
-            on every replica (``max_steps`` is required, in nominal steps), and each replica's
-            ``global_step`` is its own optimizer steps.
+            replica's step time paces every replica; ``"auto"`` sets T to that from the replicas'
+            measured step times, again at every round (the first round is ``sync_every`` steps
+            everywhere). The run is then ⌈max_steps / sync_every⌉ rounds on every replica
+            (``max_steps`` is required, in nominal steps), and each replica's ``global_step`` is its
+            own optimizer steps.
         merge: how a group combines payloads of unequal H_i: "mean" (default: the plain mean) or
             "steps" (each replica weighted by its H_i, which travels with the payload; NoLoCo and
             DiLoCo, float32 wire only).
     """
 
-    sync_seconds: float
+    sync_seconds: Union[float, Literal["auto"]]
     merge: Literal["mean", "steps"] = "mean"
 
     def check(self) -> None:
         """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options)."""
         value = self.sync_seconds
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        if value == "auto":
+            pass
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
             raise ValueError(
-                f"sync_seconds must be a number of seconds > 0, got {value!r}. At most sync_every × the fastest "
-                "replica's step time paces every replica; pacing=None (the default) gives every replica sync_every "
-                "inner steps per round."
+                f"sync_seconds must be a number of seconds > 0 or 'auto', got {value!r}. At most sync_every × the "
+                "fastest replica's step time paces every replica; pacing=None (the default) gives every replica "
+                "sync_every inner steps per round."
             )
         if self.merge not in PACING_MERGES:
             raise ValueError(
@@ -193,11 +197,11 @@ def wire_config(wire: Union[str, WireConfig, None]) -> WireConfig:
     raise ValueError(f"wire must be a format name ({', '.join(map(repr, FORMATS))}) or a WireConfig, got {wire!r}.")
 
 
-def pacing_config(pacing: Union[None, float, PacingConfig]) -> Optional[PacingConfig]:
-    """A ``pacing=`` argument as a :class:`PacingConfig` (a number stands for ``sync_seconds``)."""
+def pacing_config(pacing: Union[None, float, str, PacingConfig]) -> Optional[PacingConfig]:
+    """A ``pacing=`` argument as a :class:`PacingConfig` (a number or "auto" stands for ``sync_seconds``)."""
     if pacing is None or isinstance(pacing, PacingConfig):
         return pacing
-    return PacingConfig(sync_seconds=pacing)
+    return PacingConfig(sync_seconds=pacing)  # type: ignore[arg-type]  # checked with the options
 
 
 def sharding_config(replica_sharding: Union[None, str, FSDPConfig]) -> Optional[FSDPConfig]:
@@ -245,7 +249,8 @@ class Options:
     start_method: str = "popen"
 
     @classmethod
-    def build(cls, algorithm: OuterAlgorithm, sync_every: int, *, pacing: Union[None, float, PacingConfig] = None,
+    def build(cls, algorithm: OuterAlgorithm, sync_every: int, *,
+              pacing: Union[None, float, str, PacingConfig] = None,
               replica_sharding: Union[None, str, FSDPConfig] = None, wire: Union[None, str, WireConfig] = None,
               outer_state_device: Any = None, **others: Any) -> Options:
         """The options from a strategy's arguments, in any of their forms: a number of seconds for
@@ -303,8 +308,16 @@ class Options:
         return self.elastic is None if self.average_at_end is None else self.average_at_end
 
     @property
-    def sync_seconds(self) -> Optional[float]:
-        return None if self.pacing is None else float(self.pacing.sync_seconds)
+    def sync_seconds(self) -> Union[None, float, str]:
+        """T in seconds, "auto", or None (no pacing)."""
+        if self.pacing is None:
+            return None
+        return "auto" if self.pacing.sync_seconds == "auto" else float(self.pacing.sync_seconds)
+
+    @property
+    def pacing_text(self) -> str:
+        """How messages name the pacing: ``sync_seconds=2`` or ``sync_seconds='auto'``."""
+        return "" if self.pacing is None else f"sync_seconds={self.pacing.sync_seconds!r}"
 
     @property
     def merge(self) -> str:
@@ -501,9 +514,21 @@ def _pacing_not_overlapped(f: Facts) -> Optional[str]:
     o = f.options
     if o.pacing is None or o.overlap_steps == 0:
         return None
-    return (f"pacing (sync_seconds={o.pacing.sync_seconds:g}) and overlap_steps={o.overlap_steps!r} cannot be combined "
+    return (f"pacing ({o.pacing_text}) and overlap_steps={o.overlap_steps!r} cannot be combined "
             "yet: a round that lands a number of inner steps after its start would land at a different time on every "
             "replica. Use overlap_steps=0 with pacing, or pacing=None to overlap.")
+
+
+@rule("auto-pacing-one-rank", "build", ("pacing", "ranks_per_replica"),
+      "`sync_seconds='auto'` with `ranks_per_replica` > 1", "T in seconds with several ranks per replica",
+      example={"pacing": "auto", "ranks_per_replica": 2})
+def _auto_pacing_one_rank(f: Facts) -> Optional[str]:
+    o = f.options
+    if o.sync_seconds != "auto" or o.ranks_per_replica == 1:
+        return None
+    return (f"pacing (sync_seconds='auto') with ranks_per_replica={o.ranks_per_replica} cannot be combined yet: the "
+            "ranks of a replica would read the replicas' step times at different moments and could choose different "
+            "T. Give T in seconds (about sync_every × the fastest replica's step time), or use one rank per replica.")
 
 
 @rule("steps-merge-algorithm", "build", ("pacing.merge", "algorithm"),
@@ -627,7 +652,7 @@ def _elastic_not_paced(f: Facts) -> Optional[str]:
     o = f.options
     if o.elastic is None or o.pacing is None:
         return None
-    return (f"pacing (sync_seconds={o.pacing.sync_seconds:g}) and elastic replicas cannot be combined yet: a replica "
+    return (f"pacing ({o.pacing_text}) and elastic replicas cannot be combined yet: a replica "
             "that heals takes a donor's step counts. Use pacing=None with elastic replicas, or the static launch.")
 
 
@@ -642,15 +667,15 @@ def _elastic_own_transport(f: Facts) -> Optional[str]:
 
 
 @rule("elastic-no-average-at-end", "build", ("elastic", "average_at_end"), "`elastic` with `average_at_end=True`",
-      "`average_at_end=None` (or False): export the consensus from the replicas' checkpoints",
+      "`average_at_end=None` (or False): each replica ends with its own weights",
       example={"elastic": _ELASTIC, "average_at_end": True})
 def _elastic_no_average(f: Facts) -> Optional[str]:
     o = f.options
     if o.elastic is None or o.average_at_end is not True:
         return None
     return ("average_at_end=True with elastic replicas: each elastic replica is a run of its own, with no collective "
-            "over the others to average with at the end. Leave average_at_end=None (elastic replicas keep their own "
-            "weights), and take the consensus from the replicas' checkpoints (lightning-loco export).")
+            "over the others to average with at the end. Leave average_at_end=None: each replica ends with its own "
+            "weights, as its checkpoint holds them (DiLoCo's final round leaves the live replicas identical).")
 
 
 # -- the outer step's own arguments

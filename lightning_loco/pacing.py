@@ -20,6 +20,15 @@ R = ⌈max_steps / H⌉ rounds and stops when round R − 1 lands, whatever its 
 never takes more than max_steps inner steps (at most H per round), so Lightning's own step limit is
 never the first to stop it.
 
+``sync_seconds="auto"`` chooses T itself: T = H × the fastest replica's step time, each replica's step time
+being the median of its latest inner phases' mean steps (:class:`AutoSeconds`, re-estimated at every round,
+so that T follows speeds that drift). The first round, before any estimate, is H steps everywhere. Replicas
+learn each other's step times from a :class:`StepTimes` board: the run's store under the static launch
+(:class:`StoreStepTimes`: one key a replica, written and read when a round starts, waiting for no replica),
+a dictionary in one process (the simulator, tests). Nobody waits for a publication: a replica reads what the
+store holds, so it sees the step time of every replica that published before one of its past exchanges
+(with its partners, and with theirs before) and may miss a later one until its next round.
+
 :class:`Phase` is the bookkeeping both modes share (the reports' H_i and compute share come from it);
 :class:`Pacing` is the policy of ``sync_seconds``. The driver (:mod:`lightning_loco.driver`) asks
 :meth:`Pacing.due` once per inner step. No Lightning here.
@@ -27,8 +36,13 @@ never the first to stop it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Union
+
+AUTO = "auto"
+RECENT_PHASES = 5  # the phases a replica's step time is the median over
 
 
 def phase_due(steps: int, seconds: float, sync_every: int, sync_seconds: float) -> bool:
@@ -64,6 +78,9 @@ class Phase:
     spent: float = 0.0  # seconds the latest round's start took (its landing's are added in the report)
     decision: Optional[tuple[int, bool]] = None  # (step count, due): a round is decided once per inner step
     agreed: float = 0.0  # the phase's seconds at its latest decision, as the replica's ranks agreed on them
+    # sync_seconds="auto": the mean step of the latest phases, and the T they gave (inf: none yet, H steps)
+    recent: list[float] = field(default_factory=list)
+    target: float = math.inf
 
     def steps(self, inner_steps: int) -> int:
         return inner_steps - self.start_step
@@ -82,13 +99,82 @@ class Phase:
         self.clock_start, self.excluded, self.agreed = now, 0.0, 0.0
 
     def state_dict(self, now: float) -> dict[str, Any]:
-        return {"start_step": self.start_step, "seconds": self.seconds(now)}
+        out: dict[str, Any] = {"start_step": self.start_step, "seconds": self.seconds(now)}
+        if self.recent:
+            out["recent"], out["target"] = list(self.recent), self.target
+        return out
 
     def load_state_dict(self, saved: Optional[dict[str, Any]], inner_steps: int, now: float) -> None:
         """Continues a saved phase (its compute so far counts); without one, a phase starts now."""
         self.start_step = inner_steps if saved is None else int(saved["start_step"])
         self.clock_start, self.excluded = now - (0.0 if saved is None else float(saved["seconds"])), 0.0
         self.decision, self.agreed = None, 0.0 if saved is None else float(saved["seconds"])
+        self.recent = [] if saved is None else [float(x) for x in saved.get("recent", [])]
+        self.target = math.inf if saved is None else float(saved.get("target", math.inf))
+
+
+class StepTimes(Protocol):
+    """Where replicas tell each other their step time (for ``sync_seconds="auto"``)."""
+
+    def publish(self, replica: int, step_seconds: float) -> None: ...
+
+    def fastest(self) -> Optional[float]:
+        """The smallest step time heard of so far (None: none yet)."""
+        ...
+
+
+class SharedStepTimes:
+    """The board of replicas in one process (the simulator, tests): a dictionary."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, float] = {}
+
+    def publish(self, replica: int, step_seconds: float) -> None:
+        self.values[replica] = step_seconds
+
+    def fastest(self) -> Optional[float]:
+        return min(self.values.values()) if self.values else None
+
+
+class StoreStepTimes:
+    """The board of a static launch: key ``<replica>`` of ``store`` (a ``torch.distributed`` store, under a
+    prefix of its own) holds that replica's step time. A publication writes this replica's key and reads the
+    keys that exist (it waits for no replica): one round trip to the store's host for the write, one to see
+    which replicas have published (until all have) and one to read them, once per round."""
+
+    def __init__(self, store: Any, num_replicas: int) -> None:
+        self.store, self.num_replicas = store, num_replicas
+        self._latest: Optional[float] = None
+        self._seen: set[int] = set()
+
+    def publish(self, replica: int, step_seconds: float) -> None:
+        self.store.set(str(replica), repr(step_seconds))
+        self._seen.add(replica)
+        unseen = [r for r in range(self.num_replicas) if r not in self._seen]
+        self._seen.update(r for r in unseen if self.store.check([str(r)]))
+        keys = [str(r) for r in sorted(self._seen)]
+        self._latest = min(float(v.decode() if isinstance(v, bytes) else v) for v in self.store.multi_get(keys))
+
+    def fastest(self) -> Optional[float]:
+        return self._latest
+
+
+class AutoSeconds:
+    """``sync_seconds="auto"``: T = H × the fastest step time on the board, each replica publishing the median
+    of its latest :data:`RECENT_PHASES` phases' mean steps when a phase ends."""
+
+    def __init__(self, sync_every: int, replica: int, board: StepTimes) -> None:
+        self.sync_every, self.replica, self.board = sync_every, replica, board
+
+    def phase_ended(self, phase: Phase) -> None:
+        if phase.ended is None or phase.ended[0] <= 0:
+            return
+        steps, seconds = phase.ended
+        phase.recent = (phase.recent + [seconds / steps])[-RECENT_PHASES:]
+        self.board.publish(self.replica, statistics.median(phase.recent))
+        fastest = self.board.fastest()
+        if fastest is not None and fastest > 0:
+            phase.target = self.sync_every * fastest
 
 
 class Pacing:
@@ -110,13 +196,26 @@ class Pacing:
             that the ranks' learning rates, and hence their weights, stay the same.
     """
 
-    def __init__(self, sync_every: int, sync_seconds: float, clock: Callable[[], float],
+    def __init__(self, sync_every: int, sync_seconds: Union[float, str], clock: Callable[[], float],
                  agree: Optional[Callable[[int], int]] = None,
-                 agree_seconds: Optional[Callable[[float], float]] = None) -> None:
-        self.sync_every, self.sync_seconds = sync_every, float(sync_seconds)
+                 agree_seconds: Optional[Callable[[float], float]] = None,
+                 auto: Optional[AutoSeconds] = None) -> None:
+        if sync_seconds == AUTO and auto is None:
+            raise ValueError("sync_seconds='auto' needs the replicas' step times (an AutoSeconds)")
+        self.sync_every, self.auto = sync_every, auto if sync_seconds == AUTO else None
+        self.sync_seconds = math.inf if sync_seconds == AUTO else float(sync_seconds)
         self.clock, self.agree, self.agree_seconds = clock, agree, agree_seconds
         self.max_steps: Optional[int] = None  # the run's nominal length, when it ends on a round
         self.rounds: Optional[int] = None  # R = ⌈max_steps / H⌉
+
+    def target(self, phase: Phase) -> float:
+        """T for this phase: ``sync_seconds``, or with "auto" the latest estimate (inf before the first)."""
+        return phase.target if self.auto is not None else self.sync_seconds
+
+    def phase_ended(self, phase: Phase) -> None:
+        """A phase ended (its round starts): with "auto", its steps feed the next estimate of T."""
+        if self.auto is not None:
+            self.auto.phase_ended(phase)
 
     def end_at(self, max_steps: int) -> None:
         """The run ends when round ⌈max_steps / H⌉ − 1 lands, on every replica."""
@@ -130,7 +229,7 @@ class Pacing:
         seconds = phase.seconds(self.clock())
         if self.agree_seconds is not None:
             seconds = phase.agreed = self.agree_seconds(seconds)
-        due = phase_due(phase.steps(steps), seconds, self.sync_every, self.sync_seconds)
+        due = phase_due(phase.steps(steps), seconds, self.sync_every, self.target(phase))
         if self.max_steps is not None:
             assert self.rounds is not None
             due = outer_steps < self.rounds and (due or steps >= self.max_steps)
@@ -154,5 +253,5 @@ class Pacing:
         ``agree_seconds``, the phase's seconds are those its ranks agreed on at the latest step (each
         rank's own clock would give each a learning rate of its own)."""
         seconds = phase.agreed if self.agree_seconds is not None else phase.seconds(self.clock())
-        share = max(phase.steps(inner_steps) / self.sync_every, seconds / self.sync_seconds)
+        share = max(phase.steps(inner_steps) / self.sync_every, seconds / self.target(phase))
         return self.sync_every * (outer_steps + min(1.0, share))

@@ -9,10 +9,11 @@ adapters of their loops to it, so that both run the same rounds, bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
@@ -21,6 +22,7 @@ from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.modes import RunMode
 from lightning_loco.options import Options
+from lightning_loco.pacing import AUTO, SharedStepTimes, StoreStepTimes
 from lightning_loco.plugins import TrainingState
 from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.transport import Transport
@@ -32,6 +34,21 @@ class Layout(Protocol):
     def flat_parameters(self, params: list[torch.Tensor]) -> FlatParameters: ...
 
     def transport_options(self) -> dict[str, Any]: ...
+
+
+_fits = itertools.count()  # every rank counts its fits alike: each fit's step times live under a key of its own
+
+
+def step_times_of(num_replicas: int) -> Union[StoreStepTimes, SharedStepTimes]:
+    """Where ``sync_seconds="auto"`` finds the replicas' step times: the run's ``torch.distributed`` store (the
+    default group's, under a prefix of this fit), or, without a process group, this replica's alone."""
+    import torch.distributed as dist
+
+    fit = next(_fits)
+    if not dist.is_initialized():
+        return SharedStepTimes()
+    store = dist.distributed_c10d._get_default_store()
+    return StoreStepTimes(dist.PrefixStore(f"lightning_loco/step_times/{fit}", store), num_replicas)
 
 
 def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -65,10 +82,11 @@ class ReplicaRun:
         )
         several = k > 1
         self.groups, self.layout, self.comm_device = groups, layout, comm_device
+        self.step_times = step_times_of(transport.num_replicas) if options.sync_seconds == AUTO else None
         self.driver = OuterStepDriver(
             options, transport, label=label, plugin=mode.plugin(transport), clock=clock,
             agree_overlap=self._agree_overlap if several else None,
-            agree_seconds=self._agree_seconds if several else None,
+            agree_seconds=self._agree_seconds if several else None, step_times=self.step_times,
         )
 
     def _agree_overlap(self, tau: int) -> int:

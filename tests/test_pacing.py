@@ -308,3 +308,46 @@ def test_bad_sync_seconds_fail_when_the_driver_is_built(value):
 def test_sync_seconds_with_overlap_fails_when_the_driver_is_built(overlap):
     with pytest.raises(ValueError, match="cannot be combined yet.*Use overlap_steps=0 with pacing"):
         OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 4, overlap_steps=overlap, pacing=1.0)
+
+
+# ---------------------------------------------------------------------------- sync_seconds="auto"
+
+
+def test_auto_sets_t_to_h_times_the_fastest_replicas_median_step_and_follows_a_drift():
+    from lightning_loco.pacing import RECENT_PHASES, AutoSeconds, SharedStepTimes
+
+    board = SharedStepTimes()
+    me, other = AutoSeconds(10, 0, board), AutoSeconds(10, 1, board)
+    mine, theirs = Phase(), Phase()
+    assert Pacing(10, "auto", lambda: 0.0, auto=me).target(mine) == math.inf  # no estimate: H steps
+    board.publish(1, 0.5)
+    for k in range(RECENT_PHASES):  # this replica steps in 2 s, then a stall of 20 s (one phase) is outvoted
+        mine.ended = (4, 8.0 if k != 2 else 80.0)
+        me.phase_ended(mine)
+    assert mine.recent == [2.0, 2.0, 20.0, 2.0, 2.0] and mine.target == 10 * 0.5  # the other one is faster
+    assert board.values[0] == 2.0  # the median, not the mean
+    theirs.ended = (10, 40.0)  # the fast one slowed down to 4 s a step: the estimate follows
+    for _ in range(RECENT_PHASES // 2 + 1):
+        other.phase_ended(theirs)
+    assert board.values[1] == 4.0
+    mine.ended = (4, 8.0)
+    me.phase_ended(mine)
+    assert mine.target == 10 * 2.0  # now this replica is the fastest
+    # the estimate is part of the phase's saved state: a resumed run goes on with it
+    again = Phase()
+    again.load_state_dict(mine.state_dict(0.0), 0, 0.0)
+    assert again.recent == mine.recent and again.target == mine.target
+
+
+def test_auto_paced_replicas_take_h_steps_first_then_their_own_share():
+    from lightning_loco.pacing import SharedStepTimes
+
+    H, max_steps, board = 8, 48, SharedStepTimes()  # six rounds; speeds 1 s and 2 s a step
+    _, replicas = paced(NoLoCo, (1, 2), H, "auto", max_steps, step_times=board)
+    threaded(replicas)
+    fast, slow = ([r.phase_steps for r in rep.driver.reports] for rep in replicas)
+    # round 0 runs before any estimate; a round's T is set when the round before starts, and from round 2 on
+    # the other's step time was published before an exchange this replica took part in: T = 8 × 1 s
+    assert fast[0] == slow[0] == H and fast[1] == H
+    assert fast[2:] == [H] * 4 and slow[2:] == [expected_h(2, H, 8.0)] * 4 == [4] * 4
+    assert all(r.driver.reports[-1].final for r in replicas)

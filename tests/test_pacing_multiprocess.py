@@ -75,6 +75,20 @@ def test_a_standard_scheduler_follows_the_runs_progress_on_a_slow_replica(tmp_pa
     assert slow["step_lrs"][0] != fast["step_lrs"][0]
 
 
+def test_auto_pacing_finds_t_from_the_replicas_step_times(tmp_path):
+    """pacing="auto" in two processes, one replica twice as slow (0.02 s a step on its clock, against 0.01 s):
+    the first round is H steps on both; once the replicas have read each other's step times from the run's
+    store, T = H × 0.01 s and the slow one takes 5 steps a round (5.5 × 0.02 s ≥ 0.1 s > 4.5 × 0.02 s)."""
+    H, max_steps = 10, 60
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "pacing": "auto"}, devices=2,
+                       max_steps=max_steps, virtual_step_seconds=[0.01, 0.02])
+    fast, slow = ([h for _, h, _ in rounds_of(rec)] for rec in recs)
+    assert fast[0] == slow[0] == H and fast == [H] * 6
+    assert slow[2:] == [5] * 4
+    for rec in recs:
+        assert [t for t, _, _ in rounds_of(rec)] == list(range(6)) and rounds_of(rec)[-1][2]  # the same rounds
+
+
 def test_exact_resume_from_a_round_checkpoint_with_replicas_at_different_steps(tmp_path):
     # Speeds 1 and 2 on their own clocks, T = 4, H = 4: H_i = 4 and 2. 16 nominal steps: 4 rounds. One batch
     # per epoch (24 of the 48 samples per replica) so that every checkpoint is at the end of a data epoch.

@@ -7,12 +7,13 @@ arguments from here instead (``distributed_sampler_kwargs``), in one of two ways
 * **Data slots** (``ElasticConfig(data_slots=N)``): the dataset is cut into N parts, as a static launch of
   N replicas cuts it, and a replica reads part ``data_slot`` (by default the number its ``replica_id``
   ends with: ``site-2`` reads part 2). The permutation of an epoch is the same everywhere (the run's
-  seed), so the parts are disjoint. A replica that restarts or heals under the same id continues its
-  own part: it takes its donor's loop counters, so it reads on from the donor's place in the epoch. A
-  slot without a live replica is not read while it is empty; a joiner with a new slot adds its part.
+  seed), so the parts are disjoint. A replica that restarts or heals under the same id reads its own part
+  again, in the epoch it takes from its donor (its loop counters); its loader starts that epoch's part from
+  the beginning, as any Lightning run resumed mid-epoch does. A slot without a live replica is not read while
+  it is empty; a joiner with a new slot adds its part.
 * **Without slots** (the default): every replica reads the whole dataset, in an order of its own (the
   run's seed mixed with a hash of the replica id), so the replicas' batches differ, as independent
-  samples of the data; a replica that restarts under the same id continues its own order.
+  samples of the data; a replica that restarts under the same id reads its own order again.
   ``data_slots=1`` says that every replica reads the same data in the same order (a datamodule that
   shards by itself, or a test).
 

@@ -142,7 +142,7 @@ class PacedRounds:
 
     num_replicas: int
     sync_every: int
-    sync_seconds: float | None
+    sync_seconds: float | str | None
     max_steps: int | None
     step_count: int
     time: ModelledTime | None

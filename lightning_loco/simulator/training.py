@@ -16,6 +16,7 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver import OuterStepDriver
 from lightning_loco.flat import FlatParameters
 from lightning_loco.options import Options, PacingConfig, WireConfig, pacing_config, wire_config
+from lightning_loco.pacing import SharedStepTimes
 from lightning_loco.short_runs import warn_if_short
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
@@ -192,11 +193,12 @@ class TrainingSimulator(Measurements, PacedRounds):
         if algorithm is not None:
             self.network = InProcessNetwork(n, timeout=600.0)
             assert options is not None
+            step_times = SharedStepTimes()  # sync_seconds="auto": the replicas' step times (the run's store's)
             for i in range(n):
                 driver = OuterStepDriver(
                     options, self.network.transport(i), label=f"Simulated replica {i}",
                     clock=time.perf_counter if self.time is None else self.time.clocks[i],
-                    plugin=None if self.time is None else self.time.plugin(i),
+                    plugin=None if self.time is None else self.time.plugin(i), step_times=step_times,
                 )
                 driver.track_norms = track_norms
                 driver.add(self.flats[i])

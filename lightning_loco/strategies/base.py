@@ -98,7 +98,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         overlap_steps: Union[int, Literal["auto"]] = 0,
         overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
         fragments: int = 1,
-        pacing: Union[None, float, PacingConfig] = None,
+        pacing: Union[None, float, Literal["auto"], PacingConfig] = None,
         ranks_per_replica: int = 1,
         replica_sharding: Union[None, Literal["fsdp"], FSDPConfig] = None,
         average_at_end: Optional[bool] = None,

@@ -142,7 +142,7 @@ def schedulers_on_nominal_steps(strategy: Any, trainer: "pl.Trainer") -> list[An
             left.append(type(config.scheduler).__name__)
     if left:
         rank_zero_warn(
-            f"pacing (sync_seconds={strategy.sync_seconds:g}) makes replicas take different numbers of steps; "
+            f"pacing ({strategy.options.pacing_text}) makes replicas take different numbers of steps; "
             f"{', '.join(left)} cannot be made to follow the run's progress here (an epoch interval, a metric's "
             "scheduler or manual optimization), so each replica's learning rate follows its own steps. Use a "
             "step-interval scheduler under automatic optimization, or compute the rate from "

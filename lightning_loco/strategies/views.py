@@ -55,8 +55,8 @@ class ReplicaViews(DDPStrategy):
         return self.options.overlap_merge
 
     @property
-    def sync_seconds(self) -> Optional[float]:
-        """T, with ``pacing`` (None without)."""
+    def sync_seconds(self) -> Union[None, float, str]:
+        """T, with ``pacing`` ("auto": chosen at every round; None without)."""
         return self.options.sync_seconds
 
     @property
