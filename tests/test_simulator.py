@@ -221,3 +221,36 @@ def test_dropout_each_replica_draws_from_its_own_rng_stream_in_the_loop():
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 2, 4), **kwargs)
+
+
+def test_a_batchnorm_models_consensus_is_the_strategies_with_its_running_statistics_averaged(tmp_path):
+    """A BatchNorm model, N = 4, trained 6 steps (two rounds): the simulator's consensus loss is the real run's
+    ``val/loss_consensus`` (validated at step 6 with the replicas' average swapped in, buffers included), and its
+    consensus buffers are what every rank holds after fit's average."""
+    import csv
+
+    n, h, steps = 4, 3, 6
+    recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h}, devices=n, max_steps=steps,
+                       batchnorm=True, val_check_interval=steps, monitor={"consensus_validation": True})
+    module = tiny.TinyRegressor(lr=0.05, batchnorm=True)
+    shards = distributed_shards(tiny.dataset(), n, batch_size=4, shuffle=True, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the BatchNorm model falls back to the loop, with a warning
+        sim = TrainingSimulator(module, shards, NoLoCo(), sync_every=h, max_steps=steps)
+        for _ in range(steps):
+            sim.step()
+    for r in range(n):
+        torch.testing.assert_close(sim.weights()[r], recs[r]["weights"][-1], atol=2e-6, rtol=1e-5)
+    batches = list(torch.utils.data.DataLoader(tiny.dataset(), batch_size=4))
+    simulated = sim.evaluate(batches).consensus_loss
+    with open(tmp_path / "out" / "csv" / "version_0" / "metrics.csv") as f:
+        logged = [float(row["val/loss_consensus"]) for row in csv.DictReader(f) if row.get("val/loss_consensus")]
+    assert logged and simulated == pytest.approx(logged[-1], rel=1e-5)
+    # the buffers: the running statistics averaged over the replicas, as fit's end leaves every rank
+    after = torch.load(tmp_path / "out" / "after_fit0.pt")
+    consensus = sim.consensus_buffers()
+    assert set(after["buffers"]) == {"norm.running_mean", "norm.running_var"}
+    for name, value in after["buffers"].items():
+        torch.testing.assert_close(consensus[name], value, atol=1e-6, rtol=1e-5)
+        assert not torch.allclose(value, dict(module.named_buffers())[name])  # moved from the module's init
+    assert consensus["norm.num_batches_tracked"] == steps  # an integer buffer is replica 0's, not averaged

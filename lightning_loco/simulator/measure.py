@@ -81,14 +81,34 @@ class Measurements:
         return [0] * self.num_replicas
 
     def consensus_module(self) -> nn.Module:
-        """A copy of the module holding the replicas' average weights."""
-        return self._module_with(torch.stack(self.weights()).mean(0))
+        """A copy of the module holding the replicas' consensus, as the strategies average it: the mean of
+        the weights and of the floating-point buffers (BatchNorm's running statistics); integer buffers
+        (``num_batches_tracked``) are not averaged, and are replica 0's, as on the strategies' rank 0."""
+        return self._module_with(torch.stack(self.weights()).mean(0), buffers=None)
 
-    def _module_with(self, flat: Tensor) -> nn.Module:
+    def consensus_buffers(self) -> dict[str, Tensor]:
+        """The consensus's buffers: floating-point ones averaged over the replicas, the others replica 0's."""
+        per_replica = [dict(r.named_buffers()) for r in self.replicas]
+        out = {}
+        for name, first in per_replica[0].items():
+            if first.is_floating_point():
+                mean = torch.stack([b[name].detach().float() for b in per_replica]).mean(0)
+                out[name] = mean.to(first.dtype)
+            else:
+                out[name] = first.detach().clone()
+        return out
+
+    def _module_with(self, flat: Tensor, buffers: int | None) -> nn.Module:
+        """A copy of the module with the flat weights ``flat`` and replica ``buffers``'s buffers (None: the
+        consensus's)."""
         module = copy.deepcopy(self._template)
         own = {id(p): name for name, p in self.replicas[0].named_parameters()}
         target = dict(module.named_parameters())
         FlatParameters([target[own[id(p)]] for p in self.params[0]], "cpu").scatter(flat)
+        values = self.consensus_buffers() if buffers is None else dict(self.replicas[buffers].named_buffers())
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(values[name])
         return module
 
     def _replica_copy(self, i: int) -> nn.Module:
@@ -118,7 +138,7 @@ class Measurements:
             models = [*(self._replica_copy(i) for i in chosen), self.consensus_module()]
         else:
             mean = torch.stack(list(weights)).mean(0)
-            models = [*(self._module_with(weights[i]) for i in chosen), self._module_with(mean)]
+            models = [*(self._module_with(weights[i], i) for i in chosen), self._module_with(mean, None)]
         for i, model in zip([*chosen, 0], models):  # a training_step may read self.trainer
             self.contexts[i].attach(model)
         results = []
