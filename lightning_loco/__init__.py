@@ -10,6 +10,7 @@ from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.options import FSDPConfig, PacingConfig, WireConfig
 from lightning_loco.outer_checkpoint import OuterStepCheckpoint
+from lightning_loco.short_runs import ShortRunWarning
 from lightning_loco.strategies import (
     DiLoCoStrategy,
     GASLoCStrategy,
@@ -38,5 +39,6 @@ __all__ = [
     "OuterStepStrategy",
     "PacingConfig",
     "PeerError",
+    "ShortRunWarning",
     "WireConfig",
 ]

@@ -145,3 +145,39 @@ def test_a_lightning_fit_warns_once_at_its_start():
     long_enough = SHORT_RUN[name].outer_steps
     assert fit(STRATEGIES[name](sync_every=1), max_steps=long_enough) == []
     assert fit(STRATEGIES[name](sync_every=2, outer_momentum=0.25), max_steps=6) == []
+
+
+def test_the_paper_values_given_explicitly_warn_and_the_message_says_how_to_keep_them_quietly(tmp_path):
+    """The paper's values given explicitly are the defaults (LightningCLI passes every default): the note does not
+    claim that setting them silences it; it names the warning's own category, which a filter silences."""
+    import os
+    import subprocess
+    import sys
+    import warnings
+
+    import lightning as L
+
+    import lightning_loco
+    from lightning_loco.short_runs import ShortRunWarning, warn_if_short
+
+    explicit = lightning_loco.NoLoCo(outer_lr=0.7, outer_momentum=0.5)
+    note = short_run_note(explicit, 5)
+    assert note is not None and "Setting any outer-step argument" not in note
+    assert "category=lightning_loco.ShortRunWarning" in note
+    assert "PYTHONWARNINGS='ignore:NoLoCo with its default outer step'" in note
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_short(explicit, 250, 50, warnings.warn)
+    assert [w.category for w in caught] == [ShortRunWarning]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=lightning_loco.ShortRunWarning)
+        warn_if_short(explicit, 250, 50, L.pytorch.utilities.rank_zero_warn)  # the strategies' way of warning
+    assert caught == []
+    # the command line's filter, as the note gives it, works too (a new interpreter reads PYTHONWARNINGS)
+    code = ("import warnings, lightning_loco; from lightning_loco.short_runs import warn_if_short; "
+            "warn_if_short(lightning_loco.NoLoCo(), 250, 50, warnings.warn)")
+    for env, warned in ({}, True), ({"PYTHONWARNINGS": "ignore:NoLoCo with its default outer step"}, False):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+        assert proc.returncode == 0 and ("ShortRunWarning" in proc.stderr) == warned, proc.stderr
