@@ -331,7 +331,7 @@ class OuterStepDriver:
                 pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
                 overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
                 final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
-                peer_ids=self.plugin.peer_ids(flight.group), fragment=slot.fragment,
+                peer_ids=self.plugin.peer_ids(flight.group), fragment=slot.fragment, alone=pending.alone,
             )
         )
         if flight.merge != "none":  # overlapped: the landing's time is not the next phase's compute

@@ -217,6 +217,8 @@ class OuterStepMonitor(L.Callback):
         names = report.peer_ids or tuple(str(p) for p in report.peers)
         if not names:
             met = "nobody"
+        elif report.alone:  # the elastic replica's own line says why
+            met = f"nobody (taken alone, without {', '.join(names)})"
         else:
             met = ("replica " if len(names) == 1 else "replicas ") + ", ".join(names)
         return f"outer step {report.outer_step}: replica {replica} met {met}"

@@ -43,6 +43,9 @@ class OuterStepReport:
     compute_seconds: Optional[float] = None  # its compute: wall time since the previous round, rounds' time left out
     compute_share: Optional[float] = None  # compute_seconds / (compute_seconds + seconds): 1 when nobody is waited for
     fragment: int = 0  # which of the optimizer's fragments the round moved (lightning_loco.fragments)
+    # The transport finished the round without the peers the schedule gave it (an elastic replica whose
+    # exchange failed or whose partner was late): ``peers`` are whom it was to meet, and it met nobody.
+    alone: bool = False
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:

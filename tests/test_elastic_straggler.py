@@ -78,6 +78,12 @@ def test_a_late_partner_is_left_out_of_one_round_and_both_take_it_alone(caplog):
     assert [(x["outer_step"], x["peers"], x["gave_up"]) for x in a.driver.transport.late] == [(1, ["b"], True)]
     assert [(x["outer_step"], x["peers"], x["gave_up"]) for x in b.driver.transport.late] == [(1, ["a"], False)]
     assert [r.peer_ids for r in a.driver.reports] == [("b",), ("b",), ("b",)]
+    # the report, and so the monitor's line, says that round 1 met nobody, as the replica's own line does
+    assert [r.alone for r in a.driver.reports] == [False, True, False]
+    from lightning_loco.monitoring import OuterStepMonitor
+
+    assert OuterStepMonitor._peer_text(a.driver.reports[1], "a") == \
+        "outer step 1: replica a met nobody (taken alone, without b)"
     messages = [r.getMessage() for r in caplog.records]
     assert any("outer step 1 taken alone" in m and "not at the exchange within straggler_timeout=1 s" in m
                for m in messages)

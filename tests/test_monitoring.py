@@ -132,6 +132,9 @@ def test_peer_text_names_the_replicas_met():
     assert OuterStepMonitor._peer_text(dataclasses.replace(report, peers=()), 1) == "outer step 3: replica 1 met nobody"
     elastic = dataclasses.replace(report, peers=(1,), peer_ids=("site-b",))  # the index moves with the membership
     assert OuterStepMonitor._peer_text(elastic, "site-a") == "outer step 3: replica site-a met replica site-b"
+    alone = dataclasses.replace(elastic, peers=(1, 2), peer_ids=("site-b", "site-c"), alone=True)
+    assert OuterStepMonitor._peer_text(alone, "site-a") == \
+        "outer step 3: replica site-a met nobody (taken alone, without site-b, site-c)"
     assert not any("peer" in k and "distance" not in k for k in OuterStepMonitor._metrics(report, num_optimizers=1))
 
 
