@@ -16,7 +16,7 @@ optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
@@ -102,9 +102,11 @@ def broadcast_whole(module: nn.Module, device: torch.device) -> None:
 def auto_shard(module: nn.Module, mesh: Any, config: FSDPConfig) -> None:
     """The automatic policy, for a module whose ``configure_model`` shards nothing: ``fully_shard``
     every submodule of a class in ``config.blocks`` (innermost first), then every direct child of
-    ``module`` that still holds parameters of its own. Parameters held by ``module`` itself are
-    refused: it is not called as a module (Lightning calls ``training_step``), so FSDP2 could not
-    gather them."""
+    ``module`` that still holds parameters of its own; a child that is an ``nn.Sequential`` is not one
+    unit but its layers are (recursively), because a Sequential may end in a view (``Flatten``), whose
+    pre-backward hook FSDP2 would drop, while a layer that holds parameters returns a new tensor.
+    Parameters held by ``module`` itself are refused: it is not called as a module (Lightning calls
+    ``training_step``), so FSDP2 could not gather them."""
     from torch.distributed.fsdp import fully_shard
 
     own = [name for name, _ in module.named_parameters(recurse=False)]
@@ -116,9 +118,20 @@ def auto_shard(module: nn.Module, mesh: Any, config: FSDPConfig) -> None:
     for sub in reversed(list(module.modules())):  # descendants before their ancestors
         if sub is not module and _is_block(sub, config.blocks):
             fully_shard(sub, mesh=mesh, **config.kwargs)
+    for unit in _units(module):
+        fully_shard(unit, mesh=mesh, **config.kwargs)
+
+
+def _units(module: nn.Module) -> Iterator[nn.Module]:
+    """The automatic policy's units below ``module``: its children that hold unsharded parameters, with an
+    ``nn.Sequential`` opened into its own children."""
     for child in module.children():
-        if any(not isinstance(p, DTensor) for p in child.parameters()):
-            fully_shard(child, mesh=mesh, **config.kwargs)
+        if not any(not isinstance(p, DTensor) for p in child.parameters()):
+            continue
+        if isinstance(child, nn.Sequential) and not any(True for _ in child.parameters(recurse=False)):
+            yield from _units(child)
+        else:
+            yield child
 
 
 def reshard(module: nn.Module) -> None:

@@ -331,3 +331,53 @@ def test_sharded_memory_benchmark_quick(tmp_path):
         k = row["ranks_per_replica"]
         assert row["state_vs_ddp"] <= 1.15 / k and row["met"]
         assert row["mb_sent_per_rank"] == pytest.approx(model_mb / k, rel=1e-6)
+
+
+class _ViewEnds(nn.Module):
+    """A module whose first child is a block ending in a view (Flatten), as a CNN's feature extractor is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Unflatten(1, (2, 3)), nn.Flatten())
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _view_worker(rank: int, port: int, out_dir: str) -> None:
+    import warnings
+
+    from lightning_loco import sharding
+    from lightning_loco.options import FSDPConfig
+
+    init_gloo(rank, 2, port=port, timeout_s=30)
+    try:
+        mesh = sharding.replica_mesh("cpu", 2, "gloo", None).mesh
+        torch.manual_seed(0)
+        model, whole = _ViewEnds(), _ViewEnds()
+        whole.load_state_dict(model.state_dict())
+        sharding.auto_shard(model, mesh["data_parallel"], FSDPConfig())
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+        whole(x).sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out = {"warnings": [str(w.message) for w in caught],
+               "grads": all(torch.allclose(grads[n], p.grad, atol=1e-6) for n, p in whole.named_parameters())}
+        torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_automatic_policy_never_hooks_a_view_so_no_gradient_is_lost(tmp_path):
+    """A direct child that is an nn.Sequential ending in a view (Flatten) would make FSDP2 warn that it "will
+    silently drop the pre-backward hook": the automatic policy shards a Sequential's parameter-holding layers
+    instead, whose outputs are new tensors. No such warning, and the gradients are the unsharded module's."""
+    start_ranks(_view_worker, 2, args=(free_port(), str(tmp_path)), start_method="spawn")
+    for r in range(2):
+        out = torch.load(tmp_path / f"{r}.pt")
+        assert not [w for w in out["warnings"] if "view" in w], out["warnings"]
+        assert out["grads"]
