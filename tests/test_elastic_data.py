@@ -77,3 +77,11 @@ def test_the_strategy_hands_lightning_the_replicas_part():
     kwargs = strategy.distributed_sampler_kwargs
     assert kwargs == {"num_replicas": 2, "rank": 1, "seed": 0}
     assert order(kwargs) == order({"num_replicas": 2, "rank": 1, "seed": 0})
+
+
+def test_an_elastic_replica_has_no_consensus_state_dict():
+    from lightning_loco import NoLoCoStrategy
+
+    strategy = NoLoCoStrategy(elastic=ElasticConfig(lighthouse="127.0.0.1:29510", replica_id="site-1"))
+    with pytest.raises(RuntimeError, match="elastic replicas have no collective over each other; save this"):
+        strategy.consensus_state_dict()

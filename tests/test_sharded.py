@@ -66,7 +66,7 @@ def test_noloco_on_local_shards_equals_ddp_inside(tmp_path):
     closed form's; each rank sends and keeps only its own shards."""
     h, steps = 3, 9
     ddp, fsdp = run_pair(tmp_path, "noloco", {"sync_every": h, **PAPERS}, max_steps=steps,
-                         sharded_only={"model_parallel": True})
+                         sharded_only={"model_parallel": True}, record_consensus=True)
     assert_close_runs(ddp, fsdp)
     expected = reference(2, steps, h, noloco_outer(0.5, 0.7, 0.7, 2), ranks_per_replica=2)
     whole = ddp[0]["outer_states"][0]["numel"]
@@ -95,6 +95,16 @@ def test_noloco_on_local_shards_equals_ddp_inside(tmp_path):
     after = [torch.load(tmp_path / mode / "out" / f"after_fit{r}.pt")["weights"] for mode in ("ddp", "fsdp")
              for r in range(4)]
     assert all(torch.allclose(w, after[0], atol=1e-6) for w in after)
+    # after fit the sharded module's parameters are still DTensor shards; consensus_state_dict() gives the full
+    # average as plain tensors, on global rank 0 (every rank with DDP inside), ready for torch.save
+    assert sorted(p.name for p in (tmp_path / "fsdp" / "out").glob("consensus*.pt")) == ["consensus0.pt"]
+    assert len(list((tmp_path / "ddp" / "out").glob("consensus*.pt"))) == 4
+    full = torch.load(tmp_path / "fsdp" / "out" / "consensus0.pt")
+    plain = torch.load(tmp_path / "ddp" / "out" / "consensus0.pt")
+    assert full.keys() == plain.keys() and all(type(v) is torch.Tensor for v in full.values())
+    assert all(torch.allclose(full[k], plain[k], atol=1e-6) for k in full)
+    assert torch.allclose(torch.cat([full[k].reshape(-1) for k in full if "weight" in k or "bias" in k]).sum(),
+                          after[0].sum(), atol=1e-5)
 
 
 def test_every_rank_of_a_sharded_replica_starts_from_global_rank_0s_full_weights(tmp_path):

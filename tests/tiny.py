@@ -274,6 +274,11 @@ class Recorder(L.Callback):
         strategy = trainer.strategy
         if hasattr(strategy, "outer_step_reports"):
             self._record_after_fit(trainer, pl_module)
+        if self.record.get("record_consensus"):  # the one call for the full consensus state dict (collective)
+            consensus = strategy.consensus_state_dict()
+            if consensus is not None:
+                os.makedirs(self.out_dir, exist_ok=True)
+                torch.save(consensus, os.path.join(self.out_dir, f"consensus{trainer.global_rank}.pt"))
         # saves after fit, on every rank (collective), after the strategy's end of fit and teardown
         if "save_to" in self.record:
             trainer.save_checkpoint(self.record["save_to"])
@@ -442,8 +447,8 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         strategy = cls(timeout=timeout, start_method=start_method, **kwargs)
     recorder = Recorder(out_dir, log)
     callbacks: list[L.Callback] = [recorder]
-    for key in ("fail_at_step", "ready_at_step", "step_sleep_s", "step_sleep_s_by_rank", "track_release", "save_to",
-                "interrupted_save_to", "save_at_step"):
+    for key in ("record_consensus", "fail_at_step", "ready_at_step", "step_sleep_s", "step_sleep_s_by_rank",
+                "track_release", "save_to", "interrupted_save_to", "save_at_step"):
         if key in config:
             recorder.record[key] = config[key]
     if not isinstance(strategy, str):

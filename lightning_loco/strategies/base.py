@@ -366,6 +366,19 @@ class OuterStepStrategy(ReplicaCheckpoints):
             consensus.average_into(tensors, self.comm_device(), group)
         self.layout.weights_changed()
 
+    def consensus_state_dict(self) -> Optional[dict[str, Any]]:
+        """The replicas' average as a plain state dict of full tensors, for ``torch.save`` or another model's
+        ``load_state_dict`` (with FSDP2 inside a replica the module's own ``state_dict()`` holds ``DTensor``
+        shards). Floating-point entries are averaged over the replicas, others are this replica's. A
+        collective: every rank must call it; with sharded replicas global rank 0 gets the dict and the others
+        None, else every rank gets it. Elastic replicas have no collective over each other: refused."""
+        if self.elastic is not None:
+            raise RuntimeError(
+                "consensus_state_dict() averages over every replica, and elastic replicas have no collective over "
+                "each other; save this replica's own weights (its checkpoint) instead."
+            )
+        return self.layout.checkpoint_consensus(self.module.state_dict())
+
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:
         """Swaps the replicas' average into the model, and this replica's own weights back afterwards
