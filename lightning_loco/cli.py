@@ -77,7 +77,12 @@ def export(argv: list[str]) -> None:
 
 class LocoArgumentParser(LightningArgumentParser):
     """Lightning's parser, whose errors are a few lines (``cli_errors.short_message``) instead of the
-    usage and jsonargparse's account of every type it tried."""
+    usage and jsonargparse's account of every type it tried, and which takes no abbreviation of an option
+    (argparse's prefix matching would read ``--trainer.max_step=10`` as ``--trainer.max_steps=10``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def add_subcommands(self, *args: Any, **kwargs: Any) -> Any:
         self.subcommands_action = super().add_subcommands(*args, **kwargs)

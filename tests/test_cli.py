@@ -453,6 +453,9 @@ def short_error(capsys, argv):
       "run it from the folder that holds 'notinstalled', or add that folder to PYTHONPATH"]),
     ("noloco", ["--trainer.max_stepz=3"],
      ["unrecognized argument --trainer.max_stepz=3", "Did you mean --trainer.max_steps?"]),
+    # a prefix is no abbreviation: argparse would have read it as --trainer.max_steps=10
+    ("noloco", ["--trainer.max_step=10"],
+     ["unrecognized argument --trainer.max_step=10", "Did you mean --trainer.max_steps?"]),
     ("noloco", ["--model.n_layr=3"],
      ["--model.n_layr=3", "GPT takes no argument 'n_layr'", "Did you mean 'n_layer'?"]),
 ])
