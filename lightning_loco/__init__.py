@@ -7,6 +7,7 @@ Importing the package registers the strategy names ``"noloco"``, ``"diloco"`` an
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.batchnorm_update import BatchNormUpdate
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.options import FSDPConfig, PacingConfig, WireConfig
 from lightning_loco.outer_checkpoint import OuterStepCheckpoint
@@ -26,6 +27,7 @@ for _strategy in (NoLoCoStrategy, DiLoCoStrategy, GASLoCStrategy):
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "BatchNormUpdate",
     "DiLoCo",
     "DiLoCoStrategy",
     "ElasticConfig",

@@ -443,6 +443,15 @@ def test_b6_merge_quick(tmp_path):
     assert all(0 < p["val_loss"] < 6 for run in runs.values() for p in run["curve"])  # real losses
 
 
+def test_batchnorm_consensus_quick(tmp_path):
+    out = bench(tmp_path, "batchnorm_consensus", timeout=120)
+    result = json.loads((tmp_path / "batchnorm_consensus.json").read_text())
+    assert [r["split"] for r in result["rows"]] == ["iid", "shifted"] and "re-estimated / averaged" in out
+    for run in result["runs"]:
+        assert all(0 < run[k] < 100 for k in ("init", "averaged", "reestimated"))
+        assert run["init"] != run["averaged"] != run["reestimated"]  # three sets of statistics, three losses
+
+
 @pytest.mark.slow
 def test_elastic_heal_quick(tmp_path):
     out = bench(tmp_path, "elastic_heal")

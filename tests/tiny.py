@@ -457,6 +457,10 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
             strategy.pacing_clock = VirtualClock(config["virtual_step_seconds"])
     if "checkpoint" in config:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(**config["checkpoint"]))
+    if "batchnorm_update" in config:
+        from lightning_loco import BatchNormUpdate
+
+        callbacks.insert(0, BatchNormUpdate(**config["batchnorm_update"]))  # before the Recorder reads the end
     if "outer_checkpoint" in config:
         from lightning_loco import OuterStepCheckpoint
 
