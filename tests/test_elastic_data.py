@@ -85,3 +85,14 @@ def test_an_elastic_replica_has_no_consensus_state_dict():
     strategy = NoLoCoStrategy(elastic=ElasticConfig(lighthouse="127.0.0.1:29510", replica_id="site-1"))
     with pytest.raises(RuntimeError, match="elastic replicas have no collective over each other; save this"):
         strategy.consensus_state_dict()
+
+
+def test_batchnorm_update_is_refused_for_elastic_replicas():
+    from types import SimpleNamespace
+
+    from lightning_loco import BatchNormUpdate, NoLoCoStrategy
+
+    strategy = NoLoCoStrategy(elastic=ElasticConfig(lighthouse="127.0.0.1:29510", replica_id="site-1"))
+    with pytest.raises(ValueError, match="BatchNormUpdate re-estimates the statistics of the replicas' consensus"):
+        BatchNormUpdate().setup(SimpleNamespace(strategy=strategy), None, "fit")
+    BatchNormUpdate().setup(SimpleNamespace(strategy=NoLoCoStrategy()), None, "fit")  # a static launch: fine
