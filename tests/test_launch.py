@@ -103,3 +103,25 @@ def test_a_lighthouse_on_a_free_port_serves_until_closed() -> None:
     assert lighthouse.proc.returncode == 0  # it answered SIGTERM by shutting down
     with pytest.raises(RuntimeError, match=r"(?s)ended \(exit code 2\).*min_replicas must be an integer >= 1, got 0"):
         Lighthouse(min_replicas=0)
+
+
+def _threads_in_a_forked_child() -> None:
+    torch.set_num_threads(4)  # as the GPU quality run asks: a forked child must not start OpenMP threads
+    x = torch.arange(1_000_000).long() * 2  # a parallel op, which hung in a forked child with more threads
+    print(torch.get_num_threads(), int(x[-1]))
+
+
+def test_a_forked_child_stays_on_one_thread_whatever_it_asks_for(tmp_path: Path) -> None:
+    from lightning_loco.testing.launch import finish_forked, fork_call
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.arange(1_000_000).float().sum()  # this process's OpenMP threads exist now
+        streams = {1: tmp_path / "out.txt", 2: tmp_path / "err.txt"}
+        proc = finish_forked(fork_call(_threads_in_a_forked_child, streams, {}), streams, 60, ["child"])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["1", "1999998"]
+        assert torch.get_num_threads() == 2  # the parent's own setting is its own
+    finally:
+        torch.set_num_threads(before)

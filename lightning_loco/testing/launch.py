@@ -222,6 +222,10 @@ def _stop(proc: Any) -> bool:
 # would: its own output files, its warnings and log records printed there, its own exit status.
 
 
+def _one_thread_only(threads: int) -> None:
+    """``torch.set_num_threads`` in a forked child: it stays at one (see :func:`fork_call`)."""
+
+
 def fork_call(run: Callable[[], Any], streams: dict[int, Path], env: dict[str, str]) -> int:
     """Forks a child that calls ``run()`` on one thread, with ``env`` added to its environment and its output in
     ``streams`` (file descriptor → file; see :func:`print_to_files`), and ends with status 0, or 1 after printing
@@ -237,8 +241,11 @@ def fork_call(run: Callable[[], Any], streams: dict[int, Path], env: dict[str, s
     try:
         # One thread: GNU OpenMP is not fork-safe. A child's parallel region waits at a barrier for the
         # parent's OpenMP threads, which a fork does not copy, and hangs (seen in the GPU quality dry run's
-        # first parallel op after this process had run others); with one thread torch starts none.
+        # first parallel op after this process had run others); with one thread torch starts none. So the
+        # child stays on one thread whatever the code it runs asks for (the GPU quality run and B5's
+        # processes part ask for two or more, which hung the dry run's child in its first conversion).
         torch.set_num_threads(1)
+        torch.set_num_threads = _one_thread_only  # type: ignore[assignment]
         print_to_files(streams)
         os.environ.update(env)
         run()
