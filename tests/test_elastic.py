@@ -555,6 +555,56 @@ def test_a_lighthouse_that_died_fails_the_next_switch_naming_what_happened() -> 
             proc.wait()
 
 
+class _HeldClient:
+    """A Lighthouse client whose quorum calls wait for ``release`` before they go to the Lighthouse."""
+
+    def __init__(self, client: Any) -> None:
+        import threading
+
+        self.client, self.release, self.asked = client, threading.Event(), threading.Event()
+
+    def quorum(self, **kwargs: Any) -> Any:
+        self.asked.set()
+        self.release.wait()
+        return self.client.quorum(**kwargs)
+
+
+@pytest.mark.slow
+def test_close_waits_for_the_membership_asked_ahead_and_shuts_its_group() -> None:
+    """A replica that ends with the next membership still in flight (asked for at its last switch) closes only
+    once that request is out of torchft, and shuts down the group it set up: a torchft call that returns while
+    the interpreter exits aborts the process ('FATAL: exception not rethrown'; seen when three CLI replicas
+    ended together on a loaded machine)."""
+    import threading
+
+    from lightning_loco.elastic.config import ElasticConfig
+    from lightning_loco.elastic.membership import Membership
+
+    with Lighthouse(min_replicas=1) as lighthouse:
+        membership = Membership(ElasticConfig(lighthouse=lighthouse.address, replica_id="solo"))
+        nothing = {"driver": [], "weights": []}
+        assert membership.at_switch(0, lambda: nothing, lambda state, heal: 0) == 0
+        request = membership._request  # the next membership, asked for in the background
+        assert request is not None
+        held = membership._client = _HeldClient(membership._client)
+        # the request in flight may have reached the Lighthouse already; the next one is held for certain
+        membership._request = None
+        membership._ask(1, current=True)
+        request = membership._request
+        assert held.asked.wait(60)
+        closed = threading.Event()
+        closer = threading.Thread(target=lambda: (membership.close(), closed.set()), daemon=True)
+        closer.start()
+        assert not closed.wait(1.0)  # held inside the quorum call: close waits for it
+        held.release.set()
+        assert closed.wait(60)
+        assert not request.thread.is_alive()
+        assert request.error is None and request.result is not None
+        plan, pg = request.result
+        assert plan.members == ("solo",) and pg is not None
+        assert pg._pg is None  # torchft's shutdown() lets go of the group it wraps
+
+
 @pytest.mark.slow
 def test_sigterm_stops_a_replica_still_waiting_for_the_lighthouse(tmp_path: Path) -> None:
     """A Lighthouse address that accepts connections and never answers (a socket of this test): the replica's

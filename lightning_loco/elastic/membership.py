@@ -57,6 +57,7 @@ from lightning_loco.elastic.waiting import GRACE_S, in_thread, no_stop, wait_in_
 
 log = logging.getLogger("lightning_loco")
 HEARTBEAT_EVERY_S, HEARTBEAT_TIMEOUT_S = 0.2, 2.0
+CLOSE_WAIT_S = 10.0  # how long close() waits for a membership request in flight (see close)
 
 
 @dataclass
@@ -354,11 +355,25 @@ class Membership:
                     log.debug("abort failed: %s", err)
 
     def close(self) -> None:
-        """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group. Waits for
-        the heartbeat thread (at most its call's timeout): returning from torchft during interpreter exit aborts."""
+        """Stops the heartbeats (the Lighthouse then counts this replica as gone) and drops the group.
+
+        A thread that returns from torchft while the interpreter exits aborts the process ('FATAL: exception not
+        rethrown'), so close waits for the heartbeat thread (at most its call's timeout) and for a membership
+        request still in flight (the one asked for ahead, at the last switch): when every member ends together,
+        as at ``max_steps``, its quorum and group come within moments. It waits at most ``CLOSE_WAIT_S`` for
+        it, then shuts down the group it set up."""
         self._stop.set()
         if self._beats.is_alive():
             self._beats.join(HEARTBEAT_TIMEOUT_S + 1.0)
+        request, self._request = self._request, None
+        if request is not None and request.thread.is_alive():
+            request.thread.join(CLOSE_WAIT_S)
+            if request.thread.is_alive():
+                log.debug("Replica %r closes with its membership request still %s.", self.replica_id, request.doing)
+        if request is not None and request.result is not None:
+            pg = request.result[1]
+            if pg is not None and (self.view is None or pg is not self.view.pg):
+                pg.shutdown()
         if self.view is not None:
             self.info("Replica %r left membership %d.", self.replica_id, self.view.quorum_id)
             if self.view.pg is not None:
