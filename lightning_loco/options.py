@@ -317,7 +317,10 @@ class Options:
     @property
     def pacing_text(self) -> str:
         """How messages name the pacing: ``sync_seconds=2`` or ``sync_seconds='auto'``."""
-        return "" if self.pacing is None else f"sync_seconds={self.pacing.sync_seconds!r}"
+        if self.pacing is None:
+            return ""
+        t = self.pacing.sync_seconds
+        return f"sync_seconds={t!r}" if isinstance(t, str) else f"sync_seconds={t:g}"
 
     @property
     def merge(self) -> str:

@@ -76,10 +76,10 @@ class OuterStepStrategy(ReplicaCheckpoints):
         ranks_per_replica: k consecutive ranks form one replica (DDP or FSDP2 inside). docs/launching.md.
         replica_sharding: FSDP2 inside each replica: "fsdp" or an FSDPConfig (None: DDP inside).
         average_at_end: end fit on the replicas' average (None: unless elastic).
-        final_outer_step: the last round lands as "average" or "outer" (docs/checkpoints.md).
+        final_outer_step: how the last round lands (docs/checkpoints.md).
         wire: the payloads' format (or a WireConfig). docs/compression.md.
-        outer_state_device: where the float32 outer state lives: None (the model's device) or "cpu".
-        transport_factory: builds the outer steps' transport (network models and tests).
+        outer_state_device: where the float32 outer state lives ("cpu"; None: the model's device).
+        transport_factory: builds the rounds' transport (network models, tests).
         elastic: an ElasticConfig: this Trainer is one replica of an elastic run on torchft's Lighthouse.
             docs/elastic.md.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
