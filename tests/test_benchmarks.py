@@ -16,9 +16,10 @@ ROOT = Path(__file__).parent.parent
 
 def bench(tmp_path, module, *args, timeout=400):
     """``python -m benchmarks.<module> --quick *args``, forked from this process (see
-    ``lightning_loco.testing.launch.run_module_forked``), its results written under ``tmp_path``."""
+    ``lightning_loco.testing.launch.run_module_forked``), its results written under ``tmp_path``; its workers on
+    loopback or the modelled network are forked too (``benchmarks.netem.launch``)."""
     proc = run_module_forked(f"benchmarks.{module}", ["--quick", *args], tmp_path / "bench-output",
-                             {"LOCO_BENCH_RESULTS": str(tmp_path)}, timeout, cwd=ROOT)
+                             {"LOCO_BENCH_RESULTS": str(tmp_path), "LOCO_BENCH_FORK_WORKERS": "1"}, timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 

@@ -94,12 +94,14 @@ def main() -> None:
         if len(fidelity) == len(args.parts):
             print(f"B5 took {time.perf_counter() - started:.0f} s")
             return
-    todo = [j for j in jobs_for(settings, args.quick) if j.part in args.parts and not (runs_dir / f"{j.name}.json").exists()]
+    todo = [j for j in jobs_for(settings, args.quick)
+            if j.part in args.parts and not (runs_dir / f"{j.name}.json").exists()]
     print(f"B5 on {machine()}: {len(todo)} runs to do, {args.workers} at a time", flush=True)
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
         run_all(pool, todo, settings, runs_dir, started)
         if "tuning" in args.parts:
-            extra = [j for j in best_tuning_jobs(runs_dir, settings, args.quick) if not (runs_dir / f"{j.name}.json").exists()]
+            extra = [j for j in best_tuning_jobs(runs_dir, settings, args.quick)
+                     if not (runs_dir / f"{j.name}.json").exists()]
             run_all(pool, extra, settings, runs_dir, started)
     process_rows: list[dict[str, Any]] = []
     process_file = runs_dir / "processes.json"

@@ -33,8 +33,10 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         method = r["method"] if r["part"] != "codecs" else f"{r['method']}:{r.get('wire', 'float32')}"
         groups.setdefault((r["part"], r["replicas"], r["split"], r["sync_every"], method), []).append(r)
     rows = []
-    for (part, n, split, h, method), runs in sorted(groups.items(), key=lambda kv: (*kv[0][:4], MAIN_ORDER.get(kv[0][4], 99))):
-        spread_lr = [correlation([p["spread"] for p in r["curve"][1:]], [p["lr"] for p in r["curve"][1:]]) for r in runs]
+    ordered = sorted(groups.items(), key=lambda kv: (*kv[0][:4], MAIN_ORDER.get(kv[0][4], 99)))
+    for (part, n, split, h, method), runs in ordered:
+        spread_lr = [correlation([p["spread"] for p in r["curve"][1:]], [p["lr"] for p in r["curve"][1:]])
+                     for r in runs]
         peer_lr = [correlation([p["peer_distance"] for p in r["peer_distance"]], [p["lr"] for p in r["peer_distance"]])
                    for r in runs]
         rows.append({
@@ -76,8 +78,9 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             noise = indep[key]["half_range"] + r[key]["half_range"]
             verdict = "beats" if gain > noise else ("loses to" if -gain > noise else "ties")
             lines.append(
-                f"N={n} {split} {method} ({key}): {verdict} independent by {gain:+.3f} (seed half-ranges sum {noise:.3f}); "
-                f"trails DDP by {r[key]['mean'] - ddp[key]['mean']:+.3f} ({100 * (r[key]['mean'] / ddp[key]['mean'] - 1):+.1f} %)"
+                f"N={n} {split} {method} ({key}): {verdict} independent by {gain:+.3f} "
+                f"(seed half-ranges sum {noise:.3f}); trails DDP by {r[key]['mean'] - ddp[key]['mean']:+.3f} "
+                f"({100 * (r[key]['mean'] / ddp[key]['mean'] - 1):+.1f} %)"
             )
     for (part, n, split, h, method), r in sorted(index.items()):
         if method == "noloco" and (part, n, split, h, "diloco") in index:
@@ -93,7 +96,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                     diff = g[key]["mean"] - r[key]["mean"]
                     noise = g[key]["half_range"] + r[key]["half_range"]
                     verdict = "beats" if diff > noise else ("loses to" if -diff > noise else "ties")
-                    lines.append(f"H=1 N={n} {method} ({key}): {verdict} plain gossip by {diff:+.3f} (noise {noise:.3f})")
+                    lines.append(f"H=1 N={n} {method} ({key}): {verdict} plain gossip by {diff:+.3f} "
+                                 f"(noise {noise:.3f})")
     return lines
 
 
@@ -171,7 +175,8 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
              "replica_mean": r["mean_replica"]["mean"], "replica_pm": r["mean_replica"]["half_range"],
              "outer_consensus_mean": r["outer_consensus"]["mean"]} for r in rows]
     print(table(flat, [
-        ("part", "part", "s"), ("replicas", "N", "d"), ("split", "split", "s"), ("H", "H", "d"), ("method", "method", "s"),
+        ("part", "part", "s"), ("replicas", "N", "d"), ("split", "split", "s"), ("H", "H", "d"),
+        ("method", "method", "s"),
         ("seeds", "seeds", "d"), ("consensus_mean", "consensus", ".3f"), ("consensus_pm", "±", ".3f"),
         ("replica_mean", "mean replica", ".3f"), ("replica_pm", "±", ".3f"),
         ("outer_consensus_mean", "consensus (plain outer end)", ".3f"), ("spread", "spread", ".3f"),
@@ -183,8 +188,10 @@ def report(folder: Path, runs_dir: Path, settings: Settings, quick: bool, proces
     if process_rows:
         print(table(process_rows, [
             ("method", "method", "s"), ("replicas", "N", "d"),
-            ("processes_consensus", "processes: consensus", ".3f"), ("simulator_consensus", "simulator: consensus", ".3f"),
-            ("processes_mean_replica", "processes: replica", ".3f"), ("simulator_mean_replica", "simulator: replica", ".3f"),
+            ("processes_consensus", "processes: consensus", ".3f"),
+            ("simulator_consensus", "simulator: consensus", ".3f"),
+            ("processes_mean_replica", "processes: replica", ".3f"),
+            ("simulator_mean_replica", "simulator: replica", ".3f"),
             ("processes_s_per_step", "processes s/step", ".3f"), ("simulator_s_per_step", "simulator s/step", ".3f"),
             ("time_ratio", "processes/simulator", ".2f"),
         ]))

@@ -221,7 +221,8 @@ def forms_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) 
     if checks:
         print(table(checks, [("H", "H", "d"), ("method", "baseline", "s"), ("seed", "seed", "d"),
                              ("here", "consensus here", ".5f"), ("published", "published", ".5f")]))
-    summary = {"settings": asdict(settings), "quick": quick, "grid": grid, "best": {f"H={h} {f}": m for (h, f), m in best.items()},
+    summary = {"settings": asdict(settings), "quick": quick, "grid": grid,
+               "best": {f"H={h} {f}": m for (h, f), m in best.items()},
                "rows": rows, "form_gaps": gaps, "finals": finals, "reproduced": checks, "runs": len(records)}
     write_json("b5_forms.json", summary, folder)
     print(f"wrote {folder / 'b5_forms.json'}")
@@ -285,7 +286,8 @@ def long_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -
     gaps = _long_gaps(records)
     flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"], "m": r["mean_replica"]["mean"],
              "mpm": r["mean_replica"]["half_range"]} for r in rows]
-    print(table(flat, [("method", "method", "s"), ("seeds", "seeds", "d"), ("c", "consensus", ".3f"), ("cpm", "±", ".3f"),
+    print(table(flat, [("method", "method", "s"), ("seeds", "seeds", "d"), ("c", "consensus", ".3f"),
+                       ("cpm", "±", ".3f"),
                        ("m", "mean replica", ".3f"), ("mpm", "±", ".3f"), ("mbytes_per_replica", "MB/replica", ".1f")]))
     print(table(gaps, [("method", "method", "s"), ("outer_steps", "outer steps", "d"),
                        ("consensus_vs_independent", "indep. replica − consensus", "+.3f"),

@@ -43,10 +43,12 @@ QUICK = Settings(steps=24, sync_every=4, batch_size=4, block_size=32, n_layer=1,
 PARTS = ("main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "processes")
 DEFAULT_PARTS = ("main", "h1", "large", "processes")
 MAIN_METHODS = ("ddp", "independent", "diloco", "noloco", "gasloc_pairs", "gasloc_ring", "gossip_pairs")
-LARGE_METHODS = {16: ("ddp", "independent", "diloco", "noloco", "gasloc_pairs"), 64: ("diloco", "noloco", "gasloc_pairs")}
+LARGE_METHODS = {16: ("ddp", "independent", "diloco", "noloco", "gasloc_pairs"),
+                 64: ("diloco", "noloco", "gasloc_pairs")}
 # At H = 1, also GASLoC with gossip's η = 1 and α = ½: then only the outer momentum γ differs from
 # plain gossip, the paper's claim of momentum as gossip acceleration in isolation.
-H1_METHODS = ("gasloc_ring", "gossip_ring", "gasloc_pairs", "gossip_pairs", "gasloc_ring_matched", "gasloc_pairs_matched")
+H1_METHODS = ("gasloc_ring", "gossip_ring", "gasloc_pairs", "gossip_pairs", "gasloc_ring_matched",
+              "gasloc_pairs_matched")
 
 
 # The tuning part: every method gets the same 3 x 3 grid of outer learning rate and outer momentum

@@ -230,7 +230,8 @@ def processes_part(settings: Settings, quick: bool, folder: Path) -> list[dict[s
         saved, wall = harness.run_lightning_processes("benchmarks.b5_convergence", config, out, n,
                                                       what=f"the {method} run")
         losses = [probe_loss(s["state"]) for s in saved]
-        consensus = probe_loss({k: torch.stack([s["state"][k].float() for s in saved]).mean(0) for k in saved[0]["state"]})
+        consensus = probe_loss({k: torch.stack([s["state"][k].float() for s in saved]).mean(0)
+                                for k in saved[0]["state"]})
         # the simulator on the same configuration, in this process (both threads, as the processes share them)
         job = Job(method, n, "iid", 0, settings.sync_every, "processes")
         sim_record = run_job(job, settings, str(out / "simulator.json"), threads=2)

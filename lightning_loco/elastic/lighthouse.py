@@ -4,6 +4,10 @@
 the address the replicas give as ``lighthouse=HOST:PORT``. Tests, benchmarks and the demo run that command
 on a free port through ``lightning_loco.testing.elastic.Lighthouse``; :func:`start_lighthouse` starts one
 in this process.
+
+Nothing of the package is imported at the top of this module, so that a process can serve a Lighthouse from
+this file alone (``python lightning_loco/elastic/lighthouse.py --min-replicas 2``) without the seconds that
+importing Lightning costs: the test helper starts many.
 """
 
 from __future__ import annotations
@@ -13,8 +17,6 @@ import signal
 import sys
 import threading
 from typing import Any, Optional
-
-from lightning_loco.elastic.config import require_torchft
 
 # torchft's own defaults are 60 s to wait for stragglers and 5 s of silence before a replica counts as
 # dead; ours are the same except where noted in the CLI help.
@@ -35,8 +37,13 @@ def start_lighthouse(
             f"min_replicas must be an integer >= 1, got {min_replicas!r}: the fewest live replicas that may go on "
             "training. 2 lets any pair continue."
         )
-    require_torchft()
-    from torchft.coordination import LighthouseServer
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError:
+        from lightning_loco.elastic.config import require_torchft
+
+        require_torchft()  # raises, naming the extra to install
+        raise
 
     return LighthouseServer(
         bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
@@ -59,7 +66,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-loco lighthouse",
         description="Run torchft's Lighthouse, which agrees on the live replicas of an elastic run. Each replica "
-        "then runs with --trainer.strategy.init_args.lighthouse=HOST:PORT (printed at start).",
+        "then runs with --trainer.strategy.init_args.elastic.lighthouse=HOST:PORT (printed at start).",
     )
     parser.add_argument("--min-replicas", type=int, required=True,
                         help="the fewest live replicas that may form a membership and go on training")
@@ -81,3 +88,7 @@ def main(argv: list[str]) -> None:
     stop.wait()
     server.shutdown()
     sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

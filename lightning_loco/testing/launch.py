@@ -280,26 +280,32 @@ def run_module_forked(module: str, argv: list[str], out: Path, env: dict[str, st
                       cwd: Path) -> subprocess.CompletedProcess:
     """``python -m module *argv`` (in ``cwd``, with ``env`` added to the environment) as a child forked from
     this process: the same run without a new interpreter's start-up. Its output goes to ``out``."""
-    import runpy
-
     out.mkdir(parents=True, exist_ok=True)
     streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
+    pid = fork_call(module_runner(module, argv, cwd), streams, env)
+    return finish_forked(pid, streams, timeout, [sys.executable, "-m", module, *argv])
+
+
+def module_runner(module: str, argv: Sequence[str], cwd: Path) -> Callable[[], None]:
+    """What a forked child calls to run ``python -m module *argv`` in ``cwd``: the module's top-level package is
+    imported afresh, as a new interpreter would (its module-level settings, read from the environment at
+    import, see the child's); torch and Lightning stay imported. An exit status of 0 is a normal end."""
+    import runpy
 
     def run() -> None:
         os.chdir(cwd)
         sys.path.insert(0, str(cwd))
         sys.argv = [module, *argv]
-        package = module.split(".")[0]  # imported afresh, as a new interpreter would: its module-level
+        package = module.split(".")[0]
         for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
-            del sys.modules[name]  # settings (read from the environment at import) see ``env``
+            del sys.modules[name]
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as stop:
             if stop.code not in (None, 0):
                 raise
 
-    pid = fork_call(run, streams, env)
-    return finish_forked(pid, streams, timeout, [sys.executable, "-m", module, *argv])
+    return run
 
 
 RANK_GRACE_S = 30.0  # how long the other ranks of a forked launch have to end on their own after one failed
