@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import grouped_bars, machine, results_dir, skip_final_collection
+from lightning_loco.testing.elastic import child_env
 
 CONFIGS = {  # (strategy's name, devices, its arguments besides sync_every)
     "plain": ("auto", 1, {}),
@@ -142,7 +143,7 @@ def main() -> None:
                "--steps", str(args.steps), "--sync-every", str(args.sync_every)]
         # Lightning's launchers set torch's thread count to cores/N unless OMP_NUM_THREADS is set:
         # pin one thread per process so every configuration computes alike.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = child_env(OMP_NUM_THREADS="1")  # and no rendezvous variables: each configuration picks its own port
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 cwd=Path(__file__).parent.parent)
 

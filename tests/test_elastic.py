@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy
-from lightning_loco.testing.elastic import Lighthouse, Replicas
+from lightning_loco.testing.elastic import Lighthouse, Replicas, child_env
 
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
 
@@ -757,7 +757,7 @@ def test_three_elastic_replicas_from_the_cli_recipe_read_disjoint_parts_of_the_d
     with Lighthouse(min_replicas=3) as lighthouse:
         config = tmp_path / "replica.yaml"
         config.write_text(DATA_CONFIG.format(out=tmp_path / "batches", lighthouse=lighthouse.address))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+        env = child_env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))  # no inherited MASTER_PORT
         procs = [subprocess.Popen([sys.executable, "-m", "lightning_loco.cli", "fit", "--config", str(config),
                                    f"--trainer.strategy.init_args.elastic.replica_id=site-{r}"],
                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
