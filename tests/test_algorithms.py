@@ -161,6 +161,20 @@ def test_diloco_default_is_nesterov_sgd_by_hand():
     assert new[0].item() == pytest.approx(1.33 + 0.7 * 2.71)
 
 
+def test_diloco_heavy_ball_is_the_noloco_authors_baseline_by_hand():
+    """The NoLoCo authors' DiLoCo baseline (gensyn-ai/noloco, pipeline_diloco_optimizer.py) steps
+    m ← μ·m − lr·g, φ ← φ + m with g = φ − mean θ: heavy ball. DiLoCo(nesterov=False) is that update."""
+    lr, mu = 0.7, 0.3
+    sim = ReplicaSimulator(DiLoCo(outer_lr=lr, outer_momentum=mu, nesterov=False), [torch.tensor([0.0])] * 2)
+    phi, m = 0.0, 0.0
+    for deltas in ((0.5, 1.5), (2.0, -1.0), (0.25, 0.75)):
+        new = sim.step([torch.tensor([phi + d]) for d in deltas])
+        g = phi - (phi + sum(deltas) / 2)
+        m = mu * m - lr * g
+        phi = phi + m
+        assert new[0].item() == pytest.approx(phi) and new[1].item() == pytest.approx(phi)
+
+
 def test_diloco_accepts_any_outer_optimizer_with_per_parameter_shapes():
     shapes = [torch.Size([2, 3]), torch.Size([4])]
     adam = functools.partial(torch.optim.Adam, lr=0.1)

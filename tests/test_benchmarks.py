@@ -364,9 +364,10 @@ def test_b5_quick(tmp_path):
 
 @pytest.mark.slow
 def test_b5_fidelity_parts_quick(tmp_path):
-    """The forms part (both forms over the same grid, each form's best against the baselines) and the
-    long part (the curve of gaps to independent replicas and DDP), each with its own summary."""
-    bench(tmp_path, "b5_convergence", "--parts", "forms", "long")
+    """The forms part (both forms over the same grid, each form's best against the baselines), the
+    long part (the curve of gaps to independent replicas and DDP), the paper part (NoLoCo against DiLoCo as
+    NoLoCo's code runs it, also at equal bytes) and the scale part, each with its own summary."""
+    bench(tmp_path, "b5_convergence", "--parts", "forms", "long", "paper", "scale")
     assert not (tmp_path / "b5_convergence.json").exists()  # the other parts' summary is left alone
     forms = json.loads((tmp_path / "b5_forms.json").read_text())
     assert {(g["H"], g["form"]) for g in forms["grid"]} == {(1, "mixed"), (1, "sent"), (4, "mixed"), (4, "sent")}
@@ -383,6 +384,41 @@ def test_b5_fidelity_parts_quick(tmp_path):
     steps = sorted({g["outer_steps"] for g in long["gaps"] if g["method"] == "noloco"})
     assert steps == [2, 4, 6, 8]  # every measuring point, by outer steps so far
     assert all(abs(g["consensus_vs_independent"]) < 6 for g in long["gaps"])
+    paper = json.loads((tmp_path / "b5_paper.json").read_text())
+    from benchmarks.b5_convergence.protocol import DILOCO_CODE
+
+    rows = {(r["split"], r["method"]): r for r in paper["rows"]}
+    assert set(rows) == {("iid", "noloco"), ("iid", DILOCO_CODE), ("non_iid", "noloco"), ("non_iid", DILOCO_CODE),
+                         ("iid", "diloco"), ("iid", "gasloc_pairs")}
+    assert rows[("iid", DILOCO_CODE)]["H"] == 2 * rows[("iid", "noloco")]["H"]  # the code's DiLoCo syncs half as often
+    assert paper["settings"]["inner"] == "adam"
+    for split in ("iid", "non_iid"):
+        (pair,) = [p for p in paper["paired"] if p["split"] == split]
+        assert pair["consensus"] == pytest.approx(rows[(split, "noloco")]["consensus"]["mean"]
+                                                  - rows[(split, DILOCO_CODE)]["consensus"]["mean"])
+    # at equal bytes: every method of a split at every budget, the largest budget being the least any sent
+    budgets = {(e["split"], e["method"]) for e in paper["equal_bytes"] if e["mbytes"] == max(
+        x["mbytes"] for x in paper["equal_bytes"] if x["split"] == e["split"])}
+    assert budgets == set(rows)
+    assert (tmp_path / "b5_paper_bytes.png").exists()
+    scale = json.loads((tmp_path / "b5_scale.json").read_text())
+    assert [(r["size"], r["replicas"]) for r in scale["rows"]] == [("small", 2), ("wide", 2)]
+    assert scale["rows"][1]["m_params"] > 4 * scale["rows"][0]["m_params"]
+    assert all(0 < r[m] < 6 for r in scale["rows"] for m in ("ddp", "noloco", DILOCO_CODE))
+
+
+def test_b5_paper_reads_losses_at_equal_bytes_and_builds_the_codes_diloco():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.b5_convergence.grid import make_algorithm
+    from benchmarks.b5_convergence.protocol import DILOCO_CODE, at_bytes
+
+    curve = [{"bytes_per_replica": 0, "consensus": 5.0}, {"bytes_per_replica": 2e6, "consensus": 3.0},
+             {"bytes_per_replica": 4e6, "consensus": 2.0}]
+    assert at_bytes(curve, 1.0) == 4.0 and at_bytes(curve, 3.0) == 2.5 and at_bytes(curve, 4.0) == 2.0
+    assert at_bytes(curve, 4.5) is None  # beyond what the run sent
+    code = make_algorithm(DILOCO_CODE)
+    assert (code.outer_lr, code.outer_momentum, code.nesterov) == (0.7, 0.3, False)
+    assert make_algorithm("diloco@lr=0.7,m=0.9").nesterov  # Nesterov unless the name says otherwise
 
 
 @pytest.mark.slow

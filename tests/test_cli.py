@@ -220,6 +220,18 @@ def in_process(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning-loco"])
 
 
+def test_diloco_takes_heavy_ball_momentum_from_the_command_line(in_process, capsys):
+    """The NoLoCo authors' DiLoCo baseline (heavy ball, momentum 0.3) from the command line, as from Python."""
+    from lightning_loco import DiLoCoStrategy
+
+    algorithm = DiLoCoStrategy(sync_every=100, outer_momentum=0.3, nesterov=False).algorithm
+    assert (algorithm.outer_lr, algorithm.outer_momentum, algorithm.nesterov) == (0.7, 0.3, False)
+    printed = run_in_process(capsys, "fit", "--print_config", "--config", CONFIGS / "diloco.yaml",
+                             "--trainer.strategy.init_args.outer_momentum=0.3",
+                             "--trainer.strategy.init_args.nesterov=false").out
+    assert "outer_momentum: 0.3" in printed and "nesterov: false" in printed
+
+
 @pytest.mark.parametrize("argument, message", [
     ("sync_every=0", "sync_every (H) must be an integer >= 1, got 0."),
     ("outer_lr=-1", "outer_lr (β) must be > 0, got -1.0."),

@@ -6,6 +6,8 @@
     python -m benchmarks.b5_convergence --parts codecs          # wire formats: 45 runs, ~40 min on 2 cores
     python -m benchmarks.b5_convergence --parts forms           # GASLoC's two forms: ~1 h on shared cores
     python -m benchmarks.b5_convergence --parts long            # H = 50, 60 outer steps, N = 8: 15 runs
+    python -m benchmarks.b5_convergence --parts paper           # NoLoCo's own protocol: its DiLoCo, equal bytes
+    python -m benchmarks.b5_convergence --parts scale           # the NoLoCo − DiLoCo and DDP gaps as N and size grow
 
 Every method trains the same byte-level GPT on Shakespeare from the same start, with the same
 inner optimizer (AdamW, warmup then cosine), the same batch per replica and the same number of
@@ -37,7 +39,9 @@ tables and PNGs.
 
 The ``forms`` and ``long`` parts (:mod:`.fidelity`) compare GASLoC's ``momentum_on`` forms at
 H = 1 and 10, and run the papers' H = 50 for 60 outer steps; each writes its own summary
-(``b5_forms.json``, ``b5_long.json``). ``--seeds`` runs more seeds of the long part alongside.
+(``b5_forms.json``, ``b5_long.json``). ``--seeds`` runs more seeds of the long part alongside. The ``paper``
+and ``scale`` parts (:mod:`.protocol`) run the NoLoCo paper's comparison as its authors configured it, at
+equal bytes too, and the gaps at larger N and model size (``b5_paper.json``, ``b5_scale.json``).
 
 Modules: :mod:`.grid` (settings, methods and the jobs of every part), :mod:`.runs` (one run in the
 simulator, and the ``processes`` part through :mod:`benchmarks.harness`), :mod:`.analysis` (tables

@@ -22,6 +22,16 @@ from benchmarks.b5_convergence.fidelity import (
     long_report,
 )
 from benchmarks.b5_convergence.grid import DEFAULT_PARTS, FULL, PARTS, QUICK, Job, Settings, best_tuning_jobs, jobs_for
+from benchmarks.b5_convergence.protocol import (
+    PAPER,
+    PAPER_QUICK,
+    SCALE,
+    SCALE_QUICK,
+    paper_jobs,
+    paper_report,
+    scale_jobs,
+    scale_report,
+)
 from benchmarks.b5_convergence.runs import lightning_run, processes_part, run_job
 from benchmarks.common import machine, results_dir
 
@@ -35,12 +45,13 @@ def run_all(pool: Any, jobs: list[Job], settings: Settings, runs_dir: Path, star
               f"mean replica {record['final']['mean_replica']:.3f} ({record['seconds']:.0f} s)", flush=True)
 
 
-FIDELITY_PARTS = ("forms", "long")
+FIDELITY_PARTS = ("forms", "long", "paper", "scale")
 
 
 def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, runs_dir: Path, started: float,
                    seeds: Optional[list[int]] = None) -> None:
-    """The ``forms`` and ``long`` parts (:mod:`.fidelity`), each with its own settings and summary."""
+    """The ``forms`` and ``long`` parts (:mod:`.fidelity`) and the ``paper`` and ``scale`` parts (:mod:`.protocol`),
+    each with its own settings and summary."""
     forms_settings, long_settings = (QUICK, LONG_QUICK) if quick else (FULL, LONG)
 
     def missing(jobs: list[Job]) -> list[Job]:
@@ -58,6 +69,15 @@ def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, ru
             print(f"B5 long on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
             run_all(pool, todo, long_settings, runs_dir, started)
             long_report(folder, runs_dir, long_settings, quick)
+        for part, (settings, jobs_of, report_of) in (("paper", ((PAPER_QUICK if quick else PAPER), paper_jobs,
+                                                                  paper_report)),
+                                                       ("scale", ((SCALE_QUICK if quick else SCALE), scale_jobs,
+                                                                  scale_report))):
+            if part in parts:
+                todo = missing(jobs_of(settings, quick))
+                print(f"B5 {part} on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
+                run_all(pool, todo, settings, runs_dir, started)
+                report_of(folder, runs_dir, settings, quick)
 
 
 def main() -> None:

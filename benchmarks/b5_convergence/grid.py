@@ -25,6 +25,9 @@ class Settings:
     eval_every: int
     eval_batches: int  # 16 sequences each, spread evenly over the validation set; every eval_every steps
     final_eval_batches: int
+    # the inner optimizer: "adamw" (the example GPT's: AdamW, betas 0.9/0.95, its weight decay) or "adam" (the
+    # NoLoCo authors' runs: torch's Adam with its defaults, no weight decay); the same warm-up and cosine to lr/10
+    inner: str = "adamw"
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
@@ -109,8 +112,8 @@ def make_algorithm(method: str) -> Any:
         base, spec = method.split("@")
         values = dict(item.split("=") for item in spec.split(","))
         lr, momentum = float(values["lr"]), float(values["m"])
-        if base == "diloco":
-            return DiLoCo(outer_lr=lr, outer_momentum=momentum)
+        if base == "diloco":  # "nesterov=0": heavy ball, as the NoLoCo authors' DiLoCo baseline steps
+            return DiLoCo(outer_lr=lr, outer_momentum=momentum, nesterov=values.get("nesterov", "1") != "0")
         if base == "noloco":
             return NoLoCo(outer_lr=lr, outer_momentum=momentum)
         return GASLoC(outer_lr=lr, outer_momentum=momentum, gossip_step=float(values.get("a", 0.25)),
@@ -145,16 +148,27 @@ class Job:
     split: str
     seed: int
     sync_every: int
-    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "forms" or "long"
+    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "forms", "long", "paper" or "scale"
     wire: str = "float32"  # a key of CODECS
     fragments: int = 1  # F, streaming fragments (the fragments part)
+    model: str = ""  # "" (the settings' model) or "wide" (see model_settings; the scale part)
 
     @property
     def name(self) -> str:
         wire = "" if self.part != "codecs" else f"-{self.wire}"
         fragments = "" if self.part != "fragments" else f"-f{self.fragments}"
-        return (f"{self.part}-{self.method}{wire}{fragments}-n{self.replicas}-{self.split}-h{self.sync_every}"
+        model = f"-{self.model}" if self.model else ""
+        return (f"{self.part}-{self.method}{wire}{fragments}{model}-n{self.replicas}-{self.split}-h{self.sync_every}"
                 f"-s{self.seed}")
+
+
+def model_settings(model: str, settings: Settings) -> Settings:
+    """A job's settings for its ``model``: "" the settings' own; "wide" twice the width and heads and 4 layers."""
+    if not model:
+        return settings
+    if model != "wide":
+        raise ValueError(f"model must be '' or 'wide', got {model!r}")
+    return replace(settings, n_layer=4, n_embd=2 * settings.n_embd, n_head=2 * settings.n_head)
 
 
 def jobs_for(settings: Settings, quick: bool) -> list[Job]:

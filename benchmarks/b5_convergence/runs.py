@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.b5_convergence.grid import CODECS, Job, Settings, fragment_settings, make_algorithm
+from benchmarks.b5_convergence.grid import CODECS, Job, Settings, fragment_settings, make_algorithm, model_settings
 
 # ----------------------------------------------------------------------------------------- data
 
@@ -76,6 +76,25 @@ class OnDevice:
         return ((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in self.loader)
 
 
+def inner_optimizer(settings: Settings) -> Any:
+    """``settings.inner``'s optimizer and schedule for the simulator (None: the module's own, AdamW)."""
+    if settings.inner == "adamw":
+        return None
+    if settings.inner != "adam":
+        raise ValueError(f"inner must be 'adamw' or 'adam', got {settings.inner!r}")
+
+    def adam(module: Any) -> dict[str, Any]:
+        import torch
+
+        from lightning_loco.examples.gpt import warmup_cosine
+
+        optimizer = torch.optim.Adam(module.parameters(), lr=settings.lr)  # torch's defaults, no weight decay
+        scheduler = warmup_cosine(optimizer, settings.warmup_steps, settings.steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return adam
+
+
 def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = "cpu",
             precision: str = "32-true") -> dict[str, Any]:
     """Trains one configuration in the simulator and writes its record to ``out``. ``device`` and
@@ -97,6 +116,7 @@ def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = 
     streaming = job.part == "fragments"
     if streaming:
         settings = fragment_settings(settings)
+    settings = model_settings(job.model, settings)
     shards = shards_for(job, settings, parts)
     if device != "cpu":
         probe, final_probe = ([(x.to(device), y.to(device)) for x, y in b] for b in (probe, final_probe))
@@ -104,7 +124,7 @@ def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = 
     torch.manual_seed(job.seed)
     model = GPT(**settings.model_kwargs).to(device)
     sim = TrainingSimulator(
-        model, shards, make_algorithm(job.method), sync_every=job.sync_every,
+        model, shards, make_algorithm(job.method), sync_every=job.sync_every, optimizers=inner_optimizer(settings),
         loss=gpt_loss, gradient_clip_val=1.0, gradient_averaging=job.method == "ddp",
         wire=CODECS[job.wire], precision=precision,
         fragments=job.fragments, max_steps=settings.steps if streaming else None,
@@ -171,6 +191,7 @@ def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = 
                   "tokens": settings.steps * tokens_per_step},
         "compression_error_norm": statistics.mean(e for e, _ in errors) if errors else None,
         "compression_error_ratio": statistics.mean(e / g for e, g in errors) if errors else None,
+        "m_params": sum(p.numel() for p in model.parameters()) / 1e6,
         "batched": sim.batched, "seconds": time.perf_counter() - started,
         "peak_bytes": max((r.bytes_sent for d in sim.drivers for r in d.reports), default=0),
         "mean_spread": statistics.mean(spreads) if spreads else None,
