@@ -372,6 +372,7 @@ class Facts:
     options: Options
     launch: Optional[Launch] = None
     fit: Optional[Fit] = None
+    loop: Literal["trainer", "fabric"] = "trainer"  # whose training loop: Lightning's Trainer, or a Fabric loop
 
 
 # ---------------------------------------------------------------- the table of rules
@@ -679,6 +680,40 @@ def _elastic_no_average(f: Facts) -> Optional[str]:
     return ("average_at_end=True with elastic replicas: each elastic replica is a run of its own, with no collective "
             "over the others to average with at the end. Leave average_at_end=None: each replica ends with its own "
             "weights, as its checkpoint holds them (DiLoCo's final round leaves the live replicas identical).")
+
+
+# -- a Fabric loop
+
+
+@rule("fabric-not-paced", "build", ("pacing", "Fabric"), "`pacing` under Fabric",
+      "the Trainer's strategies (`Trainer(strategy=...)`), or `pacing=None`",
+      example={"strategy": "fabric:noloco", "pacing": 1.0})
+def _fabric_not_paced(f: Facts) -> Optional[str]:
+    if f.loop != "fabric" or f.options.pacing is None:
+        return None
+    return (f"pacing ({f.options.pacing_text}) under Fabric: a paced replica takes its own number of steps per round "
+            "and the run ends on a round, which only the Trainer's loop lets the strategy decide. Use the Trainer's "
+            "strategy of the same name, or pacing=None with Fabric.")
+
+
+@rule("fabric-not-elastic", "build", ("elastic", "Fabric"), "`elastic` under Fabric",
+      "the Trainer's strategies (`Trainer(strategy=...)`)",
+      example={"strategy": "fabric:noloco", "elastic": _ELASTIC})
+def _fabric_not_elastic(f: Facts) -> Optional[str]:
+    if f.loop != "fabric" or f.options.elastic is None:
+        return None
+    return ("elastic replicas under Fabric: a replica that heals takes its donor's loop counters and data position, "
+            "which only the Trainer's loop exposes. Use the Trainer's strategy of the same name for elastic replicas.")
+
+
+@rule("fabric-not-sharded", "build", ("replica_sharding", "Fabric"), "`replica_sharding` under Fabric",
+      "`ranks_per_replica=k` with DDP inside, or the Trainer's strategies",
+      example={"strategy": "fabric:noloco", "replica_sharding": "fsdp", "ranks_per_replica": 2})
+def _fabric_not_sharded(f: Facts) -> Optional[str]:
+    if f.loop != "fabric" or f.options.replica_sharding is None:
+        return None
+    return ("replica_sharding='fsdp' under Fabric is not supported yet. Use ranks_per_replica=k with DDP inside each "
+            "replica (replica_sharding=None), or the Trainer's strategy of the same name for FSDP2 inside replicas.")
 
 
 # -- the outer step's own arguments

@@ -8,7 +8,24 @@ from lightning_loco.algorithms.diloco import DiLoCo, OuterOptimizerFactory
 from lightning_loco.strategies.base import OuterStepStrategy
 
 
-class DiLoCoStrategy(OuterStepStrategy):
+class DiLoCoArguments:
+    """DiLoCo's own arguments, for the Trainer's strategy and Fabric's alike (see :class:`DiLoCoStrategy`)."""
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_optimizer: Optional[OuterOptimizerFactory] = None,
+        **kwargs: Any,
+    ) -> None:
+        algorithm = DiLoCo(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                           outer_optimizer=outer_optimizer)
+        super().__init__(algorithm, sync_every, **kwargs)  # type: ignore[call-arg]
+
+
+class DiLoCoStrategy(DiLoCoArguments, OuterStepStrategy):
     """DiLoCo (Douillard et al., arXiv 2311.08105): the all-reduce baseline.
 
     Every ``sync_every`` inner optimizer steps the replicas all-reduce their pseudo-gradients
@@ -27,16 +44,3 @@ class DiLoCoStrategy(OuterStepStrategy):
 
     strategy_name = "diloco"
     description = "DiLoCo: H local steps, then an all-reduce of pseudo-gradients and an outer optimizer step"
-
-    def __init__(
-        self,
-        sync_every: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        outer_optimizer: Optional[OuterOptimizerFactory] = None,
-        **kwargs: Any,
-    ) -> None:
-        algorithm = DiLoCo(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                           outer_optimizer=outer_optimizer)
-        super().__init__(algorithm, sync_every, **kwargs)

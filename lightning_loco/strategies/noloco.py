@@ -11,7 +11,32 @@ from lightning_loco.algorithms.noloco import NoLoCo, stability_interval
 from lightning_loco.strategies.base import OuterStepStrategy
 
 
-class NoLoCoStrategy(OuterStepStrategy):
+class NoLoCoArguments:
+    """NoLoCo's own arguments, for the Trainer's strategy and Fabric's alike (see :class:`NoLoCoStrategy`)."""
+
+    def __init__(
+        self,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.5,
+        averaging_rate: Optional[float] = None,
+        group_size: int = 2,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        algorithm = NoLoCo(outer_lr=outer_lr, outer_momentum=outer_momentum, averaging_rate=averaging_rate,
+                           group_size=group_size, seed=seed)
+        low, high = stability_interval(algorithm.outer_momentum)
+        if not low < algorithm.averaging_rate < high:
+            rank_zero_warn(
+                f"NoLoCo's averaging_rate γ={algorithm.averaging_rate} is outside the stability interval "
+                f"α < γ < √(2 + α²) = ({low:.3g}, {high:.3g}) for outer_momentum α={algorithm.outer_momentum}; "
+                "replicas may drift apart. Use averaging_rate=None (γ = outer_lr) or a value inside it."
+            )
+        super().__init__(algorithm, sync_every, **kwargs)  # type: ignore[call-arg]
+
+
+class NoLoCoStrategy(NoLoCoArguments, OuterStepStrategy):
     """NoLoCo (Kolehmainen et al., arXiv 2506.10911): no collective at all while training.
 
     Every ``sync_every`` inner optimizer steps the replicas split into random groups of
@@ -34,27 +59,6 @@ class NoLoCoStrategy(OuterStepStrategy):
 
     strategy_name = "noloco"
     description = "NoLoCo: H local steps, then partial averaging with one random peer (no collective)"
-
-    def __init__(
-        self,
-        sync_every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.5,
-        averaging_rate: Optional[float] = None,
-        group_size: int = 2,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        algorithm = NoLoCo(outer_lr=outer_lr, outer_momentum=outer_momentum, averaging_rate=averaging_rate,
-                           group_size=group_size, seed=seed)
-        low, high = stability_interval(algorithm.outer_momentum)
-        if not low < algorithm.averaging_rate < high:
-            rank_zero_warn(
-                f"NoLoCo's averaging_rate γ={algorithm.averaging_rate} is outside the stability interval "
-                f"α < γ < √(2 + α²) = ({low:.3g}, {high:.3g}) for outer_momentum α={algorithm.outer_momentum}; "
-                "replicas may drift apart. Use averaging_rate=None (γ = outer_lr) or a value inside it."
-            )
-        super().__init__(algorithm, sync_every, **kwargs)
 
     @override
     def on_train_start(self) -> None:

@@ -83,14 +83,18 @@ def init_gloo_from_env(timeout_s: float = 30.0) -> tuple[int, int]:
 
 def strategy_class(name: str) -> type:
     """The strategy class registered under ``name`` in Lightning's ``StrategyRegistry`` (ours after
-    ``import lightning_loco``). Raises ``ValueError`` naming the registered names."""
+    ``import lightning_loco``), or with ``"fabric:"`` before the name in Fabric's registry. Raises
+    ``ValueError`` naming the registered names."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import lightning_loco  # noqa: F401  (registers noloco, gasloc, diloco)
+    import lightning_loco  # noqa: F401  (registers noloco, gasloc, diloco with both)
 
-    if name not in StrategyRegistry:
-        raise ValueError(f"No strategy is registered as {name!r}; registered: {sorted(StrategyRegistry)}")
-    return StrategyRegistry[name]["strategy"]
+    registry, key = (STRATEGY_REGISTRY, name.split(":", 1)[1]) if name.startswith("fabric:") else (StrategyRegistry,
+                                                                                                    name)
+    if key not in registry:
+        raise ValueError(f"No strategy is registered as {name!r}; registered: {sorted(registry)}")
+    return registry[key]["strategy"]
 
 
 _TRACEBACK_CHARS = 8000  # of a failed rank's traceback, its end: well under a pipe's buffer

@@ -1,0 +1,404 @@
+"""The outer-step strategies for Lightning Fabric: a Fabric loop's ``optimizer.step()`` is the inner step.
+
+:class:`FabricOuterStepStrategy` is Fabric's ``DDPStrategy`` without the wrapper between replicas (with
+``ranks_per_replica`` = k > 1, torch's ``DistributedDataParallel`` over the replica's own k ranks), and the same
+:class:`~lightning_loco.replica.ReplicaRun` as the Trainer's strategies: the same options, rules, driver,
+algorithm and transport, so that a Fabric loop and a ``Trainer.fit`` of the same module and batches take the
+same rounds, bit for bit (``tests/test_fabric.py``).
+
+What the Fabric loop owns, the strategy is told or asked:
+
+* the run's length: ``max_steps`` (the loop's optimizer steps): the last one ends training as the Trainer's
+  ``max_steps`` does (a round that lands then lands on the average, and the replicas are averaged at the end
+  unless ``average_at_end=False``). Without it, call :meth:`FabricOuterStepStrategy.finish` after the loop;
+* checkpoints: ``fabric.save(path, state)`` writes every replica's own file (its model and optimizer states as
+  given, and its outer state) and a main file whose modules are the replicas' average; ``fabric.load(path,
+  state)`` restores each replica's own, the outer state included, exactly;
+* the consensus model: :meth:`FabricOuterStepStrategy.consensus_state_dict`.
+
+Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.options` refuse them when the strategy is
+built): ``pacing`` and ``elastic`` replicas, which need the Trainer's loop to end a run on a round and to take a
+healed replica's step counts, and ``replica_sharding``.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_loco import checkpoints, consensus
+from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.elastic.config import ElasticConfig
+from lightning_loco.modes import run_mode
+from lightning_loco.options import (
+    Facts,
+    FSDPConfig,
+    Launch,
+    Options,
+    PacingConfig,
+    WireConfig,
+    WireFormatName,
+    check_int,
+    check_rules,
+)
+from lightning_loco.process_groups import ProcessGroups
+from lightning_loco.replica import ReplicaRun
+from lightning_loco.reports import OuterStepReport
+from lightning_loco.short_runs import warn_if_short
+from lightning_loco.strategies.layout import ReplicaLayout
+
+
+class FabricOuterStepStrategy(DDPStrategy):
+    """Replicas that train apart and meet every ``sync_every`` optimizer steps, in a Fabric loop. Each
+    algorithm's strategy passes its ``algorithm`` and ``sync_every``; the other arguments are the Trainer
+    strategies' (docs/options.md), and:
+
+    Args:
+        max_steps: the loop's number of optimizer steps (per optimizer), when known: its last step ends
+            training (see the module docstring). None: call :meth:`finish` after the loop.
+        precision, and accelerator, parallel_devices, cluster_environment, checkpoint_io,
+            process_group_backend, timeout, start_method: as in Fabric's ``DDPStrategy``.
+    """
+
+    strategy_name = ""  # the name for Fabric(strategy=...), set by each algorithm's strategy
+    description = ""
+    abandon_timeout_s: float = 10.0
+
+    def __init__(
+        self,
+        algorithm: OuterAlgorithm,
+        sync_every: int,
+        *,
+        overlap_steps: Union[int, Literal["auto"]] = 0,
+        overlap_merge: Literal["predict_correct", "delayed"] = "predict_correct",
+        fragments: int = 1,
+        pacing: Union[None, float, Literal["auto"], PacingConfig] = None,
+        ranks_per_replica: int = 1,
+        replica_sharding: Union[None, Literal["fsdp"], FSDPConfig] = None,
+        average_at_end: Optional[bool] = None,
+        final_outer_step: Literal["average", "outer"] = "average",
+        wire: Union[WireFormatName, WireConfig] = "float32",
+        outer_state_device: Optional[str] = None,
+        transport_factory: Optional[Callable[..., Any]] = None,
+        elastic: Optional[ElasticConfig] = None,
+        max_steps: Optional[int] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.options = Options.build(
+            algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge, fragments=fragments,
+            pacing=pacing, ranks_per_replica=ranks_per_replica, replica_sharding=replica_sharding,
+            average_at_end=average_at_end, final_outer_step=final_outer_step, wire=wire,
+            outer_state_device=outer_state_device, transport_factory=transport_factory, elastic=elastic,
+            start_method=start_method,
+        )
+        check_rules("build", Facts(self.options, loop="fabric"))
+        if max_steps is not None:
+            check_int("max_steps", max_steps, "It is the loop's number of optimizer steps (None: call finish()).")
+        self.max_steps = max_steps
+        self.mode = run_mode(None)
+        # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which only wraps inside a replica.
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
+            timeout=timeout, start_method=start_method,
+        )
+        self.layout = ReplicaLayout(self)
+        self.transport_factory = self.mode.transport_factory(transport_factory)
+        self.run: Optional[ReplicaRun] = None  # from the first optimizer step to finish()
+        self.finished = False  # finish() ran: training ended
+        self._groups: Optional[ProcessGroups] = None
+        self._module: Optional[weakref.ReferenceType] = None
+        self._optimizers: list[Optimizer] = []
+        self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from fabric.load, until the run starts
+        self.outer_step_reports: list[OuterStepReport] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.description, override=True)
+
+    # ------------------------------------------------------------------ what the run and its layout read
+
+    @property
+    def algorithm(self) -> OuterAlgorithm:
+        return self.options.algorithm
+
+    @property
+    def sync_every(self) -> int:
+        return self.options.sync_every
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.options.ranks_per_replica
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.ranks_per_replica
+
+    @property
+    def replica_index(self) -> int:
+        return self.global_rank // self.ranks_per_replica
+
+    @property
+    def outer_state_device(self) -> torch.device:
+        device = self.options.outer_state_device
+        return device if device is not None else self.root_device
+
+    @property
+    def lightning_module(self) -> Optional[nn.Module]:
+        """The module given to ``fabric.setup`` (unwrapped), as the replica's layout reads it."""
+        return self._module() if self._module is not None else None
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        return self.lightning_module
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self.precision
+
+    @property
+    def driver(self) -> Any:
+        """The replica's :class:`~lightning_loco.driver.OuterStepDriver` once training started (None before)."""
+        return self.run.driver if self.run is not None else None
+
+    @property
+    def outer_steps(self) -> int:
+        """Rounds started by the first optimizer (resumed ones included; 0 before training)."""
+        return self.driver.slots[0].outer_steps if self.driver is not None and self.driver.slots else 0
+
+    @override
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank of the world its own part of the data (``fabric.setup_dataloaders``), as the Trainer's."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def comm_device(self) -> torch.device:
+        """Where buffers cross the network: the accelerator with NCCL, else the CPU."""
+        return self.root_device if self._get_process_group_backend() == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ launch and set-up
+
+    @override
+    def _configure_launcher(self) -> None:
+        check_rules("launch", Facts(self.options, launch=Launch(self.num_nodes, self.num_processes), loop="fabric"))
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._groups = ProcessGroups(self.ranks_per_replica, self._get_process_group_backend(), self._timeout)
+        self._groups.create_replica_groups()
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # DDP inside a replica only
+        """Every replica starts from global rank 0's weights (parameters and buffers, one broadcast); no wrapper
+        between replicas, torch's ``DistributedDataParallel`` over the replica's own ranks with k > 1."""
+        self._module = weakref.ref(module)
+        self.layout.sync_initial_weights()
+        if self.ranks_per_replica == 1:
+            return module
+        assert self._groups is not None
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=self._groups.replica)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Each optimizer given to ``fabric.setup`` gets its own outer state when training starts (in that order)."""
+        if self.run is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: an optimizer was set up after training started; set up every optimizer "
+                "(fabric.setup(model, *optimizers)) before the first optimizer.step()."
+            )
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    # ------------------------------------------------------------------ training
+
+    def _start(self) -> None:
+        """At the first optimizer step, before it: the outer state starts at the weights every replica shares."""
+        if self.lightning_module is None or not self._optimizers:
+            raise RuntimeError(f"{type(self).__name__}: set up the model and its optimizers with fabric.setup(model, "
+                               "optimizer) before stepping.")
+        assert self._groups is not None
+        params = [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
+        check_rules("fit", Facts(self.options, fit=_fit(self._optimizers, self.max_steps, self.root_device),
+                                 loop="fabric"))
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"{type(self).__name__}: a parameter belongs to two optimizers; give each parameter to "
+                             "one optimizer (each keeps its own outer state).")
+        self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self._groups, self.layout,
+                              self.comm_device(), label=f"Replica {self.replica_index}")
+        self.run.start(self._optimizers, self._resumed_outer, None,
+                       self.max_steps if self.max_steps is not None else -1)
+        self._resumed_outer = None
+        self.outer_step_reports = self.run.driver.reports
+        if self.max_steps is not None and self.is_global_zero:
+            warn_if_short(self.algorithm, self.max_steps, self.sync_every, rank_zero_warn)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The inner step (Fabric's precision plugin steps the optimizer), then the driver's turn: rounds start
+        and land when due, and the last of ``max_steps`` ends training."""
+        if self.finished:
+            raise RuntimeError(f"{type(self).__name__}: training ended (finish() ran, or max_steps={self.max_steps} "
+                               "was reached); a new run needs a new Fabric.")
+        if self.run is None:
+            self._start()
+        assert self.run is not None
+        output = super().optimizer_step(optimizer, **kwargs)
+        index = next((i for i, o in enumerate(self._optimizers) if o is optimizer), None)
+        if index is None:
+            raise RuntimeError(f"{type(self).__name__} has no outer state for this optimizer: step the optimizers "
+                               "returned by fabric.setup.")
+        max_steps = self.max_steps if self.max_steps is not None else -1
+        driver = self.run.driver
+        self.run.after_step(index, optimizer, max_steps, lambda: max_steps >= 0 and driver.last_step(index, max_steps),
+                            type(self).__name__)
+        if max_steps >= 0 and all(s.inner_steps >= max_steps for s in (d[0] for d in driver.optimizer_slots)):
+            self.finish()
+        return output
+
+    def finish(self) -> None:
+        """Training ended: a round still in flight lands now (as the final round), and with ``average_at_end``
+        (None: yes) every replica takes the replicas' average. Collective: every rank calls it, once the loop ends
+        (the last of ``max_steps`` calls it by itself). Checkpoints can still be saved afterwards."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.run is not None:
+            self.run.end()
+        if self.options.averages_at_end and self.lightning_module is not None:
+            self.average_replicas()
+
+    @override
+    def teardown(self) -> None:
+        if self.run is not None:
+            lingering = self.run.close(self.abandon_timeout_s)
+            self.run = None
+        else:
+            lingering = []
+        if self._groups is not None:
+            self._groups.destroy(lingering)
+            self._groups = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ the consensus (global collectives)
+
+    def average_replicas(self) -> None:
+        """Sets every replica to the replicas' average: parameters and floating-point buffers, one all-reduce.
+        Collective: every rank must call it."""
+        for tensors, group in self.layout.consensus_parts():
+            consensus.average_into(tensors, self.comm_device(), group)
+
+    def consensus_state_dict(self) -> dict[str, Any]:
+        """The replicas' average as a plain state dict (floating-point entries averaged, others this replica's),
+        for ``torch.save`` or another model's ``load_state_dict``. Collective: every rank must call it."""
+        module = self.lightning_module
+        assert module is not None, "set up the model with fabric.setup first"
+        return consensus.state_dict(module.state_dict(), self.comm_device())
+
+    # ------------------------------------------------------------------ checkpoints (collective)
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Every replica's own file (the state as ``fabric.save`` was given it, and the outer state), then the main
+        file on global rank 0: the same state with each module's weights the replicas' average. Collective."""
+        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        save_id = self.broadcast(uuid.uuid4().hex[:12])
+        averaged = {key: consensus.state_dict(value, self.comm_device()) if isinstance(state[key], nn.Module) else value
+                    for key, value in converted.items()}
+        outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
+        replica = checkpoints.replica_payload({"state_dict": converted}, save_id, self.replica_index, self.num_replicas,
+                                              self.algorithm.name, outer)
+        sidecar_dir = checkpoints.sidecar_dir(path, save_id)
+        if self.global_rank % self.ranks_per_replica == 0:
+            checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
+        self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
+        if self.is_global_zero:
+            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas)
+            step = {"global_step": self.driver.slots[0].inner_steps if self.driver is not None else -1}
+            checkpoints.write_manifest(sidecar_dir, path, step, meta)  # the save is complete
+            self.checkpoint_io.save_checkpoint({**averaged, checkpoints.META_KEY: meta}, path,
+                                               storage_options=storage_options)
+            checkpoints.remove_sidecars(path, keep=sidecar_dir)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restores ``state`` from this replica's own file, and the outer state (taken up at the next optimizer
+        step); a checkpoint of another number of replicas restores every replica from the main file's average,
+        with fresh outer state. Collective."""
+        if self.run is not None:
+            raise RuntimeError(f"{type(self).__name__}: load checkpoints before training starts (before the first "
+                               "optimizer.step()), so that the outer state starts from them.")
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        payload = checkpoints.read_own_replica(checkpoint, path, self.replica_index, self.num_replicas,
+                                               self.algorithm.name, agree=consensus.first_error)
+        checkpoint.pop(checkpoints.META_KEY, None)
+        self._resumed_outer = None
+        if payload is not None:
+            checkpoint = dict(payload["state_dict"])
+            self._resumed_outer = payload["outer"]
+        if not state:
+            return checkpoint
+        if isinstance(state, (nn.Module, Optimizer)):
+            raise TypeError(f"{type(self).__name__} loads a checkpoint into a dict of objects, as fabric.save was "
+                            "given one: fabric.load(path, {'model': model, 'optimizer': optimizer, ...}).")
+        return _restore(self, state, checkpoint, strict)
+
+
+def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
+    """What the ``fit`` rules look at, as a Fabric loop tells it."""
+    from lightning_loco.options import Fit
+
+    return Fit(parameters=tuple(sum(len(g["params"]) for g in o.param_groups) for o in optimizers),
+               max_steps=max_steps if max_steps is not None else -1, model_device=device.type)
+
+
+def _restore(strategy: FabricOuterStepStrategy, state: dict[str, Any], checkpoint: dict[str, Any],
+             strict: bool) -> dict[str, Any]:
+    """Fabric's restore of ``state``'s objects from ``checkpoint`` (modules, optimizers, stateful objects; other
+    values replaced); returns what ``state`` did not ask for."""
+    from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+    from lightning.fabric.utilities.types import _Stateful
+
+    _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+    for name, obj in state.copy().items():
+        if name not in checkpoint:
+            continue
+        if isinstance(obj, nn.Module):
+            strategy.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
+        elif isinstance(obj, _Stateful):
+            obj.load_state_dict(checkpoint.pop(name))
+        else:
+            state[name] = checkpoint.pop(name)
+    return checkpoint

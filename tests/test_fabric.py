@@ -1,0 +1,189 @@
+"""The strategies under Lightning Fabric (``lightning_loco.fabric``): the names resolve, bad arguments are
+refused when the strategy is built, and in real forked ranks a Fabric loop takes the Trainer's rounds bit for
+bit (NoLoCo, GASLoC and DiLoCo; one and two ranks per replica), resumes exactly from ``fabric.save``, and
+issues no global collective while it trains.
+
+Each rank is a child forked from the test's process as torchrun starts ranks
+(:func:`lightning_loco.testing.launch.fork_ranks`): Fabric and the Trainer both find their processes there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_loco import (
+    DiLoCoFabricStrategy,
+    DiLoCoStrategy,
+    ElasticConfig,
+    GASLoCFabricStrategy,
+    GASLoCStrategy,
+    NoLoCoFabricStrategy,
+    NoLoCoStrategy,
+)
+from lightning_loco.options import RefusedOptions
+from lightning_loco.testing.launch import fork_ranks
+
+import tiny
+
+FABRIC = {"noloco": NoLoCoFabricStrategy, "gasloc": GASLoCFabricStrategy, "diloco": DiLoCoFabricStrategy}
+TRAINER = {"noloco": NoLoCoStrategy, "gasloc": GASLoCStrategy, "diloco": DiLoCoStrategy}
+H, STEPS, BATCH = 2, 8, 4  # four rounds; each rank's 24 samples are 6 batches, so the run crosses an epoch
+
+
+# ---------------------------------------------------------------- without processes
+
+
+@pytest.mark.parametrize("name", list(FABRIC))
+def test_the_names_resolve_to_the_fabric_strategies(name):
+    fabric = L.Fabric(strategy=name, accelerator="cpu", devices=2)
+    assert type(fabric.strategy) is FABRIC[name]
+    assert fabric.strategy.sync_every == TRAINER[name]().sync_every  # the same defaults as the Trainer's
+
+
+def test_fabric_takes_the_trainers_options_and_max_steps():
+    import inspect
+
+    from lightning_loco import FabricOuterStepStrategy, OuterStepStrategy
+
+    def arguments(fn: Any) -> set[str]:
+        return set(inspect.signature(fn).parameters) - {"self", "kwargs"}
+
+    trainer = arguments(OuterStepStrategy.__init__) - {"precision_plugin"}
+    assert arguments(FabricOuterStepStrategy.__init__) - {"precision", "max_steps"} == trainer
+    for name in FABRIC:  # the algorithms' own arguments: one mixin for both
+        assert arguments(FABRIC[name].__init__) == arguments(TRAINER[name].__init__)
+
+
+@pytest.mark.parametrize("kwargs, rule", [
+    ({"pacing": 2.0}, "fabric-not-paced"),
+    ({"elastic": ElasticConfig("localhost:29510")}, "fabric-not-elastic"),
+    ({"replica_sharding": "fsdp", "ranks_per_replica": 2}, "fabric-not-sharded"),
+    ({"overlap_steps": 4, "sync_every": 4}, "overlap-within-round"),  # the Trainer's rules hold here too
+])
+def test_what_fabric_cannot_run_is_refused_when_the_strategy_is_built(kwargs, rule):
+    with pytest.raises(RefusedOptions) as refused:
+        NoLoCoFabricStrategy(**kwargs)
+    assert rule in refused.value.rules
+    assert "Use" in str(refused.value)  # the message says what to do instead
+
+
+@pytest.mark.parametrize("max_steps", [0, -1, 2.5, True])
+def test_max_steps_must_be_a_positive_integer(max_steps):
+    with pytest.raises(ValueError, match="max_steps must be an integer >= 1"):
+        NoLoCoFabricStrategy(max_steps=max_steps)
+
+
+# ---------------------------------------------------------------- in forked ranks
+
+
+def _strategy_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    return {"sync_every": H, "ranks_per_replica": config.get("k", 1), **config.get("strategy", {})}
+
+
+def trainer_rank(out: Path, config: dict[str, Any], rank: int) -> None:
+    """``Trainer.fit`` of the tiny regressor for STEPS steps; this rank's final weights."""
+    model = tiny.TinyRegressor(lr=0.05)
+    trainer = L.Trainer(strategy=TRAINER[config["name"]](**_strategy_kwargs(config)), accelerator="cpu",
+                        devices=config["world"], max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        num_sanity_val_steps=0)
+    trainer.fit(model)
+    torch.save({"final": tiny.flat(model)}, out / f"trainer{rank}.pt")
+
+
+def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
+    """The same training as a Fabric loop, written as LitGPT's pretraining loop is: ``fabric.setup``, the data
+    loader set up by Fabric, forward, ``fabric.backward``, ``optimizer.step()``. With ``save_at``, a checkpoint
+    at that step; with ``resume``, the run starts from that checkpoint; with ``count``, every torch.distributed
+    call of the training steps is recorded."""
+    calls = tiny.CallLog()
+    if config.get("count"):
+        calls.install()
+    strategy = FABRIC[config["name"]](max_steps=STEPS, **_strategy_kwargs(config))
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=config["world"])
+    fabric.launch()
+    model = tiny.TinyRegressor(lr=0.05)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = fabric.setup(model, optimizer)
+    # shuffled by the distributed sampler, epoch by epoch, as the Trainer's training data is
+    loader = fabric.setup_dataloaders(DataLoader(tiny.dataset(), batch_size=BATCH, shuffle=True))
+    step = 0
+    if config.get("resume"):
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(config["resume"], state)
+        step = state["step"]
+    calls.active = True
+    per_step = []
+    while step < STEPS:
+        loader.sampler.set_epoch(step // len(loader))
+        for k, (x, y) in enumerate(loader):
+            if k < step % len(loader):
+                continue  # a resumed run picks up mid-epoch
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            per_step.append(calls.take())
+            if step == config.get("save_at"):
+                calls.active = False
+                fabric.save(config["checkpoint"], {"model": model, "optimizer": optimizer, "step": step})
+                calls.active = True
+            if step == STEPS:
+                break
+    calls.active = False
+    torch.save({"final": tiny.flat(model), "calls": per_step, "outer_steps": fabric.strategy.outer_steps,
+                "finished": fabric.strategy.finished}, out / f"fabric{rank}.pt")
+
+
+def run(tmp_path: Path, kind: str, **config: Any) -> list[dict[str, Any]]:
+    out = tmp_path / kind
+    fn = {"trainer": trainer_rank, "fabric": fabric_rank}[kind]
+    proc = fork_ranks(lambda rank: fn(out, config, rank), config["world"], out, 240, [kind, json.dumps(config)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [torch.load(out / f"{kind}{r}.pt") for r in range(config["world"])]
+
+
+@pytest.mark.parametrize("name, world, k", [("noloco", 2, 1), ("gasloc", 2, 1), ("diloco", 2, 1),
+                                            ("noloco", 4, 2)])
+def test_a_fabric_loop_takes_the_trainers_rounds_bit_for_bit(tmp_path, name, world, k):
+    trainer = run(tmp_path, "trainer", name=name, world=world, k=k)
+    fabric = run(tmp_path, "fabric", name=name, world=world, k=k)
+    for rank in range(world):
+        assert torch.equal(fabric[rank]["final"], trainer[rank]["final"]), rank
+        assert fabric[rank]["outer_steps"] == STEPS // H and fabric[rank]["finished"]
+    # every replica ends on the replicas' average (average_at_end), as the Trainer's do
+    assert all(torch.equal(f["final"], fabric[0]["final"]) for f in fabric)
+    untrained = tiny.flat(tiny.TinyRegressor())
+    assert not torch.equal(fabric[0]["final"], untrained)
+
+
+def test_a_fabric_run_resumes_exactly_from_fabric_save(tmp_path):
+    checkpoint = tmp_path / "ckpt" / "step3.ckpt"  # mid-round: H = 2, so the outer state is in the middle
+    whole = run(tmp_path, "fabric", name="noloco", world=2, save_at=3, checkpoint=str(checkpoint))
+    resumed = run(tmp_path / "again", "fabric", name="noloco", world=2, resume=str(checkpoint))
+    for rank in range(2):
+        assert torch.equal(resumed[rank]["final"], whole[rank]["final"]), rank
+    # the main file holds the replicas' average as the model: what a plain load gives
+    main = torch.load(checkpoint, weights_only=False)
+    assert set(main) >= {"model", "optimizer", "step", "lightning_loco"} and main["step"] == 3
+
+
+def test_a_fabric_loop_issues_no_global_collective_while_it_trains(tmp_path):
+    """NoLoCo's rounds are pair exchanges (batch_isend_irecv with the one peer); nothing else is called while
+    training, until the last step's average at the end (average_at_end: one all-reduce, opt-out)."""
+    records = run(tmp_path, "fabric", name="noloco", world=2, count=True)
+    for record in records:
+        calls = record["calls"]
+        training, last = calls[:-1], calls[-1]
+        names = [c[0] for step in training for c in step]
+        assert set(names) == {"batch_isend_irecv"}, names
+        assert [k for k, step in enumerate(training, 1) if step] == [H, 2 * H, 3 * H]  # one exchange per round
+        assert [c[0] for c in last] == ["batch_isend_irecv", "all_reduce"]  # the last round, then the average
