@@ -41,15 +41,13 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.b2_time_to_loss import time_to
-from benchmarks.common import ROOT, machine, results_dir, table, write_json
+from benchmarks.common import ROOT, machine, results_dir, run_python, table, write_json
 
 ALGORITHMS = ("noloco", "gasloc", "diloco")
 LONG = 4  # the third mode: own H_i for 4× the rounds, to compare losses at the fixed-H run's wall time
@@ -217,8 +215,7 @@ def run(algorithm: str, sync_seconds: Optional[float], seed: int, quick: bool, s
                 "rounds": rounds, "slowdown": list(SPEEDS), "model": model_kwargs(quick), "out": tmp,
                 "batch_size": batch_size, "val_batches": 2 if quick else 8}
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.b6_heterogeneous", "--worker", json.dumps(spec)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        proc = run_python(["-m", "benchmarks.b6_heterogeneous", "--worker", json.dumps(spec)], env=env, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"{algorithm} (sync_seconds={sync_seconds}) failed:\n{proc.stderr[-4000:]}")
         return {"ranks": [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(len(SPEEDS))]}

@@ -37,12 +37,11 @@ import statistics
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from typing import Any, Callable, Optional
 
 from benchmarks.b2_time_to_loss import time_to
 from benchmarks.b6_heterogeneous import loss_by  # the processes' part reads its curves the same way
-from benchmarks.common import machine, results_dir, table, write_json
+from benchmarks.common import machine, pool_context, results_dir, table, write_json
 from lightning_loco.options import PacingConfig
 
 ALGORITHMS = ("noloco", "gasloc", "diloco")
@@ -120,7 +119,7 @@ def run_in_pool(run: Callable[..., dict[str, Any]], jobs: list[tuple[str, str, i
                 workers: int, line: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
     """``run(algorithm, variant, seed, settings)`` for every job, in ``workers`` spawned processes; the runs in
     the jobs' order, each announced with ``line(run)`` as it comes in."""
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
         futures = [pool.submit(run, a, m, s, settings) for a, m, s in jobs]
         runs = []
         for future in futures:

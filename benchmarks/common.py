@@ -1,4 +1,11 @@
-"""Helpers shared by the benchmark scripts: where results go, what machine ran them, tables."""
+"""Helpers shared by the benchmark scripts: where results go, what machine ran them, tables, and how their
+helper processes start.
+
+With ``LOCO_BENCH_FORK_WORKERS=1`` (the test suite's smoke runs set it) a benchmark's helper processes on this
+machine (``python -m`` runs, a pool's workers, loopback or modelled-network workers) are children forked from the
+benchmark's process instead of new interpreters: the same runs, without the seconds each new interpreter spends
+importing torch and Lightning on a 2-core machine. Measured runs keep new interpreters (the variable unset).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,59 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
+from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).parent.parent
 # LOCO_BENCH_RESULTS redirects the output (the tests' smoke runs use it to keep the committed results).
 RESULTS = Path(os.environ.get("LOCO_BENCH_RESULTS", ROOT / "benchmarks" / "results"))
+
+
+FORK_ENV = "LOCO_BENCH_FORK_WORKERS"
+
+
+def forking() -> bool:
+    """Whether helper processes are forked from this one (see the module docstring)."""
+    return os.environ.get(FORK_ENV) == "1"
+
+
+def pool_context() -> Any:
+    """The multiprocessing context of a benchmark's process pool: "spawn" (fresh workers), "fork" when forking."""
+    return get_context("fork" if forking() else "spawn")
+
+
+def run_python(args: Sequence[str], env: Optional[dict[str, str]] = None, timeout: Optional[float] = None,
+               cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python *args`` (``-m module ...`` or ``script.py ...``) to its end, its output captured: a new
+    interpreter, or when forking a child of this process that runs the same module or script."""
+    if not forking():
+        return subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    import runpy
+
+    from lightning_loco.testing.launch import finish_forked, fork_call, module_runner
+
+    args = list(args)
+    if args[0] == "-m":
+        run = module_runner(args[1], args[2:], cwd)
+    else:
+        def run() -> None:
+            os.chdir(cwd)
+            sys.argv = args
+            try:
+                runpy.run_path(args[0], run_name="__main__")
+            except SystemExit as stop:
+                if stop.code not in (None, 0):
+                    raise
+    with tempfile.TemporaryDirectory() as out:
+        streams = {1: Path(out) / "stdout.txt", 2: Path(out) / "stderr.txt"}
+        added = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
+        pid = fork_call(run, streams, added)
+        return finish_forked(pid, streams, timeout if timeout is not None else 3600.0, [sys.executable, *args])
 
 
 def results_dir(quick: bool) -> Path:

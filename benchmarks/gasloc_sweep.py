@@ -16,20 +16,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, results_dir
+from benchmarks.common import ROOT, results_dir, run_python
 
 
 def run(strategy: str, kwargs: dict, args: argparse.Namespace, tmp: str, seed: int = 0) -> dict:
     out = Path(tmp) / "result.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--strategy", strategy,
+    cmd = [str(ROOT / "examples" / "quickstart.py"), "--strategy", strategy,
            "--strategy-args", json.dumps(kwargs), "--steps", str(args.steps), "--devices", str(args.devices),
            "--sync-every", str(args.sync_every), "--seed", str(seed), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_python(cmd)
     if proc.returncode != 0:
         return {"strategy": strategy, "strategy_args": kwargs, "val_loss": float("nan"), "error": proc.stderr[-2000:]}
     return json.loads(out.read_text())

@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT
+from benchmarks.common import run_python
 from lightning_loco.testing.launch import free_port, strategy_class
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
@@ -112,8 +110,7 @@ def run_lightning_processes(module: str, config: dict[str, Any], out: Path, rank
 
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, "--lightning-run", json.dumps(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    proc = run_python(["-m", module, "--lightning-run", json.dumps(config)], env=env, timeout=timeout_s)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"{what or 'the run of ' + module} with {ranks} processes failed:\n"

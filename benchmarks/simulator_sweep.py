@@ -17,10 +17,9 @@ import argparse
 import itertools
 import time
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 from benchmarks.b5_convergence import Job, Settings, run_job, tuned
-from benchmarks.common import machine, results_dir, table, write_json
+from benchmarks.common import machine, pool_context, results_dir, table, write_json
 
 SETTINGS = Settings(steps=300, sync_every=10, batch_size=4, block_size=32, n_layer=1, n_embd=32, n_head=2, lr=3e-3,
                     warmup_steps=20, eval_every=60, eval_batches=4, final_eval_batches=32)
@@ -46,7 +45,7 @@ def main() -> None:
     jobs = [Job(tuned("noloco", b, a), n, "iid", 0, h, "sweep") for h, b, a in grid]
     print(f"simulator sweep on {machine()}: NoLoCo, N={n}, {len(jobs)} configurations", flush=True)
     started = time.perf_counter()
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(args.workers, mp_context=pool_context()) as pool:
         futures = [pool.submit(run_job, j, settings, str(runs / f"{j.name}.json"), 1) for j in jobs]
         records = [f.result() for f in futures]
     rows = []

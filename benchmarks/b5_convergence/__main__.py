@@ -6,7 +6,6 @@ import argparse
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,7 +32,7 @@ from benchmarks.b5_convergence.protocol import (
     scale_report,
 )
 from benchmarks.b5_convergence.runs import lightning_run, processes_part, run_job
-from benchmarks.common import machine, results_dir
+from benchmarks.common import machine, pool_context, results_dir
 
 
 def run_all(pool: Any, jobs: list[Job], settings: Settings, runs_dir: Path, started: float) -> None:
@@ -57,7 +56,7 @@ def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, ru
     def missing(jobs: list[Job]) -> list[Job]:
         return [j for j in jobs if not (runs_dir / f"{j.name}.json").exists()]
 
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
         if "forms" in parts:
             todo = missing(forms_jobs(forms_settings, quick))
             print(f"B5 forms on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
@@ -117,7 +116,7 @@ def main() -> None:
     todo = [j for j in jobs_for(settings, args.quick)
             if j.part in args.parts and not (runs_dir / f"{j.name}.json").exists()]
     print(f"B5 on {machine()}: {len(todo)} runs to do, {args.workers} at a time", flush=True)
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(args.workers, mp_context=pool_context()) as pool:
         run_all(pool, todo, settings, runs_dir, started)
         if "tuning" in args.parts:
             extra = [j for j in best_tuning_jobs(runs_dir, settings, args.quick)

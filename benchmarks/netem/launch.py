@@ -5,10 +5,8 @@
 :mod:`benchmarks.netem.tun`; needs root). Workers find each other with torch.distributed's ``env://``
 variables, set as torchrun would for ``nnodes = N, nproc_per_node = 1`` (Lightning reads them too).
 
-With ``LOCO_BENCH_FORK_WORKERS=1`` (the test suite's smoke runs set it) a worker of ``-m module`` on loopback or
-the modelled network is a child forked from this process instead of a new interpreter: the same run, without
-the seconds each interpreter spends importing torch and Lightning on a 2-core machine. Measured runs keep new
-interpreters (the variable unset), as packet-level emulation always does.
+With ``LOCO_BENCH_FORK_WORKERS=1`` (:mod:`benchmarks.common`) a worker of ``-m module`` on loopback or the
+modelled network is a child forked from this process; packet-level emulation always starts new interpreters.
 """
 
 from __future__ import annotations
@@ -23,13 +21,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, forking
 from benchmarks.netem import links
 from benchmarks.netem.links import Network
 from lightning_loco.testing.launch import fork_ranks, free_port, module_runner
 
 MODES = ("loopback", "modelled", "emulated")
-FORK_ENV = "LOCO_BENCH_FORK_WORKERS"
 
 
 def run_workers(
@@ -73,7 +70,7 @@ def run_workers(
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
         else:
             extra = {links.ENV: links.to_env(network)} if mode == "modelled" else {}
-            if os.environ.get(FORK_ENV) == "1":
+            if forking():
                 _fork_workers(n, argv, lambda i: {**base, **extra, "RANK": str(i), "GROUP_RANK": str(i),
                                                   "NODE_RANK": str(i), "MASTER_ADDR": "127.0.0.1"}, timeout)
                 return time.perf_counter() - start
@@ -107,7 +104,7 @@ def _fork_workers(n: int, argv: Callable[[int], Sequence[str]], env: Callable[[i
     def run_node(i: int) -> None:
         args = list(argv(i))
         if args[:1] != ["-m"]:
-            raise ValueError(f"{FORK_ENV}=1 forks workers of '-m module' only, got {args[:2]}")
+            raise ValueError(f"forked workers run '-m module' only, got {args[:2]}")
         os.environ.update(env(i))  # this node's variables over the ones fork_ranks sets for one machine
         module_runner(args[1], args[2:], ROOT)()
 
