@@ -498,10 +498,17 @@ def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse:
     all-reduce failed are dropped alike on both, the memberships leave out r2 and r3, and losses fall."""
     # gloo's ring all-reduce may not notice a dead member before its timeout: a short one keeps the test short
     launcher = replicas(tmp_path, lighthouse, algorithm="diloco", max_steps=40, sync_every=2, step_sleep=0.05,
-                        outer_step_timeout=5.0)
+                        outer_step_timeout=5.0, hold_at=0)
     try:
         procs = {rid: launcher.start(rid, **({"die_in_exchange_at": 4} if rid == "r2" else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
+        # all four ask for their first membership together (on a loaded machine a replica slow to start could
+        # otherwise miss both deaths, or the survivors could), and r3 is killed in a membership with a survivor
+        for rid, proc in procs.items():
+            launcher.wait_until_held(rid, proc)
+        for rid in procs:
+            launcher.release(rid)
+        launcher.wait_for_log("r3.0", r"membership \d+ from outer step \d+: \[[^]]*'r[01]'", procs["r3"])
         launcher.wait_for_step("r3", 7, procs["r3"])
         launcher.kill(procs["r3"])
         codes = {rid: launcher.wait(p) for rid, p in procs.items()}
@@ -513,8 +520,7 @@ def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse:
     common = {r["outer_step"] for r in r0["rounds"]} & {r["outer_step"] for r in r1["rounds"]}
     assert [(r["outer_step"], r["dropped"]) for r in r0["rounds"] if r["outer_step"] in common] == \
         [(r["outer_step"], r["dropped"]) for r in r1["rounds"] if r["outer_step"] in common]
-    # a round was dropped on the survivors that were in it; which of them were depends on start-up order: on a
-    # loaded machine one survivor's start can outlast the others' first rounds, and it joins after both deaths
+    # a round was dropped on the survivors: r3 died in one of their memberships
     assert any(r["dropped"] for rec in (r0, r1) for r in rec["rounds"])
     assert r0["memberships"][-1]["members"] == ["r0", "r1"] == r1["memberships"][-1]["members"]
     # one of them, or both, may have joined a round or two late and healed: each is held to the fresh model's
@@ -667,7 +673,9 @@ def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by
         launcher = replicas(tmp_path, server.address, algorithm=algorithm, max_steps=max_steps, sync_every=2,
                             step_sleep=0.2, outer_step_timeout=timeout, sharding=sharding)
         try:
-            a = launcher.start_ranks("A", 2)
+            # A waits before step 80 until the restarted B asks to join: however long B's restart takes, A
+            # has 20 rounds left to answer (a B that asked after A ended would wait for A's state in vain)
+            a = launcher.start_ranks("A", 2, hold_at=max_steps - 40)
             b = launcher.start_ranks("B", 2)
             launcher.wait_for_step("B", 11, b[0])  # B's ranks step together (DDP): in an inner phase
             assert launcher.kill(b[killed_rank]) == -signal.SIGKILL
@@ -677,6 +685,8 @@ def test_a_replica_of_two_ranks_loses_a_rank_leaves_as_a_whole_and_heals_rank_by
             # after its heartbeat timeout: a restart before that would find B still a member)
             launcher.wait_for_log("A.0.r0", r"left: \['B'\]", a[0])
             restarted = launcher.start_ranks("B", 2)
+            launcher.wait_for_log("B.1.r0", "asks the Lighthouse", restarted[0])
+            launcher.release("A")
             codes = [launcher.wait(p) for p in [*a, *restarted]]
         finally:
             launcher.close()

@@ -51,6 +51,35 @@ def shard(replica_id: str, size: int = 512) -> TensorDataset:
     return TensorDataset(x, x @ w + 0.05 * torch.randn(size, 1, generator=g))
 
 
+class HoldAt(L.Callback):
+    """Before step ``at`` (0: before the first membership is asked for) writes the file ``held`` and waits
+    until the file ``release`` exists (at most ``limit_s``): a launcher lines replicas up on events, not on
+    times (``Replicas.wait_until_held`` and ``Replicas.release``)."""
+
+    def __init__(self, at: int, held: Path, release: Path, limit_s: float = 120.0) -> None:
+        self.at, self.held, self.release, self.limit_s, self.done = at, held, release, limit_s, False
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.at == 0:
+            self.hold()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.at and trainer.global_step == self.at:
+            self.hold()
+
+    def hold(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.held.write_text("held")
+        deadline = time.monotonic() + self.limit_s
+        while not self.release.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"held before step {self.at} and not released within {self.limit_s:g} s "
+                                   f"(no file {self.release})")
+            time.sleep(0.02)
+
+
 class Regressor(L.LightningModule):
     def __init__(self, replica_id: str, step_sleep: float, progress: Path, optimizer: str = "sgd",
                  max_steps: int = 60) -> None:
@@ -141,6 +170,8 @@ def main() -> None:
     parser.add_argument("--no-heal", action="store_true", help="take only the step count when joining")
     parser.add_argument("--straggler-timeout", type=float, default=None,
                         help="seconds an exchange waits for a live partner that is late (default: off)")
+    parser.add_argument("--hold-at", type=int, default=None,
+                        help="before this step (0: before joining), wait until the file OUT/ID.release exists")
     parser.add_argument("--slow-at", type=int, default=None, help="sleep --slow-seconds before this outer step")
     parser.add_argument("--slow-seconds", type=float, default=0.0)
     parser.add_argument("--wire", choices=["float32", "bfloat16", "float16", "int8"], default="float32")
@@ -169,6 +200,8 @@ def main() -> None:
     callbacks: list[L.Callback] = []
     if args.die_in_exchange_at is not None:
         callbacks.append(DieInExchange(args.die_in_exchange_at))
+    if args.hold_at is not None:
+        callbacks.append(HoldAt(args.hold_at, args.out / f"{name}.held", args.out / f"{args.replica_id}.release"))
     if args.slow_at is not None:
         callbacks.append(SlowAt(args.slow_at, args.slow_seconds))
     logger: Any = False

@@ -248,6 +248,9 @@ class Membership:
         if not self.due(next_round):
             return next_round
         if self._request is None:  # the first switch, or every switch of a synchronous membership (DiLoCo)
+            if self.view is None:
+                self.info("Replica %r asks the Lighthouse at %s for a membership (waiting at most join_timeout=%g s).",
+                          self.replica_id, self.config.url, self.config.join_timeout)
             self._ask(next_round, current=self.view is not None, committed=committed)
         request = self._request
         assert request is not None

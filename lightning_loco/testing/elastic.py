@@ -162,7 +162,8 @@ class Replicas:
 
     def _start(self, replica_id: str, flags: dict[str, Any], envs: list[dict[str, str]]) -> list[subprocess.Popen]:
         self.out.mkdir(parents=True, exist_ok=True)
-        for old in [self.out / f"{replica_id}.progress", *self.out.glob(f"{replica_id}.rank*.progress")]:
+        for old in [self.out / f"{replica_id}.progress", *self.out.glob(f"{replica_id}.rank*.progress"),
+                    self.out / f"{replica_id}.held", *self.out.glob(f"{replica_id}.rank*.held")]:
             old.unlink(missing_ok=True)
         cmd = [sys.executable, str(self.script), "--lighthouse", self.lighthouse, "--replica-id", replica_id,
                "--out", str(self.out), "--launched-at", repr(time.time())]
@@ -204,6 +205,20 @@ class Replicas:
             if self._left() <= 0:
                 raise RuntimeError(f"{replica_id} did not reach step {step} within {self.limit_s:g} s:\n{self.logs()}")
             time.sleep(0.02)
+
+    def wait_until_held(self, replica_id: str, proc: subprocess.Popen) -> None:
+        """Returns once ``replica_id`` (started with ``hold_at=N``) waits before step N; raises
+        ``RuntimeError`` (with the logs) if ``proc`` ends first or the launcher's time limit passes."""
+        while not (self.out / f"{replica_id}.held").exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self._name(proc)} ended (code {proc.returncode}) before it held:\n{self.logs()}")
+            if self._left() <= 0:
+                raise RuntimeError(f"{replica_id} did not hold within {self.limit_s:g} s:\n{self.logs()}")
+            time.sleep(0.02)
+
+    def release(self, replica_id: str) -> None:
+        """Lets ``replica_id`` (every rank, and every later start) go on past its ``hold_at`` step."""
+        (self.out / f"{replica_id}.release").touch()
 
     def wait_for_log(self, log: str, pattern: str, proc: subprocess.Popen) -> None:
         """Returns once the log ``log`` (e.g. ``"A.0.r0"``) holds a line matching the regular expression
