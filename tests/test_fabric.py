@@ -93,7 +93,7 @@ def trainer_rank(out: Path, config: dict[str, Any], rank: int) -> None:
     trainer = L.Trainer(strategy=TRAINER[config["name"]](**_strategy_kwargs(config)), accelerator="cpu",
                         devices=config["world"], max_steps=STEPS, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0)
+                        num_sanity_val_steps=0, accumulate_grad_batches=config.get("accumulate", 1))
     trainer.fit(model)
     torch.save({"final": tiny.flat(model)}, out / f"trainer{rank}.pt")
 
@@ -121,6 +121,21 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
         step = state["step"]
     calls.active = True
     per_step = []
+    accumulate = config.get("accumulate", 1)
+    epoch = 0
+    while accumulate > 1 and step < STEPS:  # gradient accumulation, as the Trainer's accumulate_grad_batches
+        loader.sampler.set_epoch(epoch)
+        epoch += 1
+        for k, (x, y) in enumerate(loader):
+            last = (k + 1) % accumulate == 0 or k + 1 == len(loader)  # the Trainer steps at an epoch's end too
+            with fabric.no_backward_sync(model, enabled=not last):
+                fabric.backward(torch.nn.functional.mse_loss(model(x).float(), y.float()) / accumulate)
+            if last:
+                optimizer.step()
+                optimizer.zero_grad()
+                step += 1
+                if step == STEPS:
+                    break
     while step < STEPS:
         loader.sampler.set_epoch(step // len(loader))
         for k, (x, y) in enumerate(loader):
@@ -163,6 +178,19 @@ def test_a_fabric_loop_takes_the_trainers_rounds_bit_for_bit(tmp_path, name, wor
     assert all(torch.equal(f["final"], fabric[0]["final"]) for f in fabric)
     untrained = tiny.flat(tiny.TinyRegressor())
     assert not torch.equal(fabric[0]["final"], untrained)
+
+
+@pytest.mark.parametrize("world, k", [(2, 1), (4, 2)])
+def test_gradient_accumulation_with_no_backward_sync_takes_the_trainers_rounds(tmp_path, world, k):
+    """``fabric.no_backward_sync`` holds DDP's all-reduce back inside a replica of two ranks (and is a no-op with
+    one rank per replica): two batches per optimizer step end bitwise as ``accumulate_grad_batches=2`` does."""
+    trainer = run(tmp_path, "trainer", name="noloco", world=world, k=k, accumulate=2)
+    fabric = run(tmp_path, "fabric", name="noloco", world=world, k=k, accumulate=2)
+    for rank in range(world):
+        assert torch.equal(fabric[rank]["final"], trainer[rank]["final"]), rank
+        assert fabric[rank]["outer_steps"] == STEPS // H
+    plain = run(tmp_path / "plain", "fabric", name="noloco", world=world, k=k)
+    assert not torch.equal(plain[0]["final"], fabric[0]["final"])  # two batches a step: another run
 
 
 def test_a_fabric_run_resumes_exactly_from_fabric_save(tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import uuid
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -34,6 +35,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -123,6 +125,7 @@ class FabricOuterStepStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
             timeout=timeout, start_method=start_method,
         )
+        self._backward_sync_control = _ReplicaBackwardSync()
         self.layout = ReplicaLayout(self)
         self.transport_factory = self.mode.transport_factory(transport_factory)
         self.run: Optional[ReplicaRun] = None  # from the first optimizer step to finish()
@@ -374,6 +377,17 @@ class FabricOuterStepStrategy(DDPStrategy):
             raise TypeError(f"{type(self).__name__} loads a checkpoint into a dict of objects, as fabric.save was "
                             "given one: fabric.load(path, {'model': model, 'optimizer': optimizer, ...}).")
         return _restore(self, state, checkpoint, strict)
+
+
+class _ReplicaBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)`` (gradient accumulation): DDP's ``no_sync`` inside a replica of several
+    ranks; with one rank per replica no gradient is synchronised anyway, so there is nothing to hold back."""
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return nullcontext()
 
 
 def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
