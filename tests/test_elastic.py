@@ -343,12 +343,18 @@ def test_kill_in_inner_phase_and_in_exchange_then_rejoin(tmp_path: Path, lightho
     launcher = replicas(tmp_path, lighthouse, max_steps=MAX_STEPS, sync_every=2, step_sleep=0.1, optimizer="adamw",
                         csv=True)
     try:
+        # r0 and r1 wait before step 60 until the restarted r3 asks to join: they have 15 rounds left to take
+        # it in, however long its restart takes on a loaded machine
         procs = {rid: launcher.start(rid, save_ckpt=tmp_path / f"{rid}.ckpt",
-                                     **({"die_in_exchange_at": 10} if rid == "r2" else {}))
+                                     **({"die_in_exchange_at": 10} if rid == "r2" else {}),
+                                     **({"hold_at": 60} if rid in ("r0", "r1") else {}))
                  for rid in ("r0", "r1", "r2", "r3")}
         launcher.wait_for_step("r3", 11, procs["r3"])  # step 11 of H = 2: in the inner phase of outer step 5
         assert launcher.kill(procs["r3"]) == -signal.SIGKILL
         restarted = launcher.start("r3", save_ckpt=tmp_path / "r3.ckpt")  # its progress file goes first
+        launcher.wait_for_log("r3.1", "asks the Lighthouse", restarted)
+        launcher.release("r0")
+        launcher.release("r1")
         codes = {rid: launcher.wait(p) for rid, p in [*procs.items(), ("r3'", restarted)] if rid != "r3"}
     finally:
         launcher.close()
