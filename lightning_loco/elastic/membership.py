@@ -249,7 +249,7 @@ class Membership:
             return next_round
         if self._request is None:  # the first switch, or every switch of a synchronous membership (DiLoCo)
             if self.view is None:
-                self.info("Replica %r asks the Lighthouse at %s for a membership (waiting at most join_timeout=%g s).",
+                self.info("Replica %r asks the Lighthouse at %s for a membership (and waits at most %g s).",
                           self.replica_id, self.config.url, self.config.join_timeout)
             self._ask(next_round, current=self.view is not None, committed=committed)
         request = self._request
