@@ -254,3 +254,19 @@ def test_a_batchnorm_models_consensus_is_the_strategies_with_its_running_statist
         torch.testing.assert_close(consensus[name], value, atol=1e-6, rtol=1e-5)
         assert not torch.allclose(value, dict(module.named_buffers())[name])  # moved from the module's init
     assert consensus["norm.num_batches_tracked"] == steps  # an integer buffer is replica 0's, not averaged
+
+
+def test_a_replica_that_raises_in_a_round_stops_its_peers_waits_at_once(monkeypatch):
+    """A replica's error in its round (here: as it posts its exchange) is raised as it is, at once: its peers,
+    waiting for what it never posts, fail then instead of at the in-process network's timeout."""
+    sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 3, 4), NoLoCo(), sync_every=2)
+    assert sim.network is not None
+    sim.network.timeout = 120.0  # without the early stop: a PeerError after this, and the test fails
+
+    def broken(*args, **kwargs):
+        raise ValueError("replica 1 could not post")
+
+    monkeypatch.setattr(sim.drivers[1].transport, "start_group_sum", broken)
+    with pytest.raises(ValueError, match="replica 1 could not post"):
+        sim.run(2)
+    assert 1 in sim.network._failed

@@ -6,7 +6,8 @@ import copy
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from lightning_loco.simulator.context import (
 from lightning_loco.simulator.data import Batch, Shard
 from lightning_loco.simulator.measure import Evaluation, LossFn, Measurements
 from lightning_loco.simulator.timing import ModelledTime, PacedRounds, check_modelled_time
+from lightning_loco.transport.base import PeerError
 from lightning_loco.transport.in_process import InProcessNetwork
 
 __all__ = ["Evaluation", "TrainingSimulator"]
@@ -332,8 +334,25 @@ class TrainingSimulator(Measurements, PacedRounds):
         thread, as the replicas wait for their groups."""
         if self.time is not None:
             self.time.arrive()
-        for future in [self._pool.submit(d.after_inner_step, 0, end) for d, end in zip(self.drivers, last)]:
-            future.result()
+        self._in_threads([partial(d.after_inner_step, 0, end) for d, end in zip(self.drivers, last)])
+
+    def _in_threads(self, calls: list[Callable[[], Any]]) -> None:
+        """Replica i's ``calls[i]``, each in its own thread. A replica whose call raises stops on the wire at
+        once, so that its peers' waits for it fail now instead of at the network's timeout; the first
+        error is raised."""
+        assert self.network is not None
+        futures = {self._pool.submit(call): i for i, call in enumerate(calls)}
+        pending = set(futures)
+        errors: list[BaseException] = []
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                error = future.exception()
+                if error is not None:
+                    self.network.fail(futures[future])
+                    errors.append(error)
+        if errors:  # the cause, not a peer's error about it
+            raise next((e for e in errors if not isinstance(e, PeerError)), errors[0])
 
     def run(self, steps: int, every: int = 0, callback: Callable[[TrainingSimulator], None] | None = None) -> None:
         """``steps`` optimizer steps; ``callback(self)`` after every ``every``-th one (0: never)."""
@@ -349,6 +368,5 @@ class TrainingSimulator(Measurements, PacedRounds):
             context.end_epoch()
         if not self.drivers:
             return
-        for future in [self._pool.submit(driver.land_all) for driver in self.drivers]:
-            future.result()
+        self._in_threads([driver.land_all for driver in self.drivers])
         self._pool.shutdown()
