@@ -22,7 +22,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning  # noqa: F401  # see below
 import pytest
+
+# pytest-xdist's controller rebuilds each warning a worker reports by importing the module of its category,
+# in that worker's own receiving thread: two of Lightning's warnings arriving at once from two workers made two
+# threads import Lightning for the first time together, and its circular imports deadlocked (the controller
+# stopped with _DeadlockError on lightning.pytorch.strategies). Imported here once, before any worker starts.
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
