@@ -34,13 +34,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine, results_dir, skip_final_collection, table, write_json
+from benchmarks.common import forking, machine, results_dir, run_python, skip_final_collection, table, write_json
 
 # (k, replicas, mode): the configurations, in order
 CONFIGS = ((2, 2, "ddp"), (2, 2, "fsdp"), (4, 1, "ddp"), (4, 2, "fsdp"))
@@ -134,18 +133,21 @@ def worker(mode: str, k: int, width: int, depth: int, steps: int, out: str) -> N
                 outer=tensor_bytes(outer),
                 outer_seconds=[r.seconds for r in strategy.outer_step_reports],
                 bytes_sent=[r.bytes_sent for r in strategy.outer_step_reports],
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # kilobytes on Linux
             )
+            with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:  # on every rank
+                json.dump(measured, f)
 
     kwargs = {"replica_sharding": "fsdp"} if mode == "fsdp" else {}
-    strategy = NoLoCoStrategy(sync_every=2, ranks_per_replica=k, average_at_end=False, **kwargs)
+    # the ranks are new interpreters (Lightning's popen launcher), or forked children in the suite's smoke run
+    # (DDP inside only: a sharded model is never launched by fork)
+    start = "fork" if forking() and mode == "ddp" else "popen"
+    strategy = NoLoCoStrategy(sync_every=2, ranks_per_replica=k, average_at_end=False, start_method=start, **kwargs)
     x = torch.randn(64, width, generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["BENCH_WORLD"]), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Measure()])
     trainer.fit(make_module(width, depth), DataLoader(TensorDataset(x), batch_size=4))
-    measured["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump(measured, f)
 
 
 def measure(mode: str, k: int, replicas: int, width: int, depth: int, steps: int) -> dict[str, Any]:
@@ -154,7 +156,7 @@ def measure(mode: str, k: int, replicas: int, width: int, depth: int, steps: int
         command = [sys.executable, "-m", "benchmarks.sharded_memory", "--worker", mode, str(k), str(width), str(depth),
                    str(steps), out]
         env = {**os.environ, "BENCH_WORLD": str(world)}
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+        proc = run_python(command[1:], env=env, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} k={k}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]

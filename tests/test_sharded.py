@@ -330,7 +330,7 @@ def test_gpu_sharded_dry_run(tmp_path):
 def test_sharded_memory_benchmark_quick(tmp_path):
     """The memory benchmark's quick mode: each rank's parameters, inner optimizer and outer state are
     within 1.15/k of DDP inside's, and each rank sends 1/k of the model (tracked bytes, not time)."""
-    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "LOCO_BENCH_RESULTS": str(tmp_path), "PYTHONPATH": str(ROOT), "LOCO_BENCH_FORK_WORKERS": "1"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_memory", "--quick"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
