@@ -41,7 +41,7 @@ from __future__ import annotations
 import io
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -184,6 +184,16 @@ def _bytes_of(t: Tensor) -> Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _post(what: str, post: Callable[..., Any], *args: Any) -> Any:
+    """A send or receive posted; gloo may fail it at once (the peer's connection already closed): an error
+    naming the message, as a failed wait's is."""
+    try:
+        return post(*args)
+    except Exception as err:
+        raise RuntimeError(f"{what} failed as it was posted: "
+                           f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from err
+
+
 def _wait(work: Any, timeout: float, what: str) -> None:
     started = time.perf_counter()
     try:
@@ -224,7 +234,8 @@ class Outgoing:
         for m, segments in enumerate(self.messages):
             data = self._message(segments)
             for dst in dsts:
-                posted.append((pg.send([data], dst, TAG_BASE + m), f"message {m + 1} of {total} to rank {dst}", data))
+                what = f"message {m + 1} of {total} to rank {dst}"
+                posted.append((_post(what, pg.send, [data], dst, TAG_BASE + m), what, data))
             while len(posted) > IN_FLIGHT * len(dsts):
                 work, what, _ = posted.popleft()
                 _wait(work, timeout, what)
@@ -315,8 +326,8 @@ class Incoming:
                 data = views[i][a:b]  # received in place
             else:
                 data = torch.empty(sum(b - a for _, a, b in segments), dtype=torch.uint8)
-            posted.append((pg.recv([data], src, TAG_BASE + m), f"message {m + 1} of {total} from rank {src}", data,
-                           segments))
+            what = f"message {m + 1} of {total} from rank {src}"
+            posted.append((_post(what, pg.recv, [data], src, TAG_BASE + m), what, data, segments))
             while len(posted) > IN_FLIGHT:
                 land(*posted.popleft())
         while posted:
