@@ -5,6 +5,11 @@ posted; r0 takes that round alone and aborts the group. Its next round's partner
 posts to r0 afterwards: it must fail on the closed connection, not wait for the group's timeout. gloo
 keeps a group's connections open while any of its works is referenced, so this holds only if nothing of
 the failed round (its works, or errors holding their frames) outlives the abort.
+
+The members order these events through the store (r2 dies once r0 has posted; r1 posts once r0 has
+aborted), not by sleeping. They are spawned, not forked: a child forked from a test process inherits the
+locks its threads held at that instant (the store's server thread among them), and one such child once
+never reached the group's rendezvous.
 """
 
 from __future__ import annotations
@@ -40,29 +45,33 @@ class FixedMembership:
         pass
 
 
-def _member(rank: int, address: str, conn: Any) -> None:
+def _member(rank: int, port: int, conn: Any) -> None:
     try:
         from torchft.process_group import ProcessGroupGloo
 
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=TIMEOUT_S))
-        pg.configure(f"{address}/pg", IDS[rank], rank, len(IDS))
+        timeout = timedelta(seconds=TIMEOUT_S)
+        events = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        pg = ProcessGroupGloo(timeout=timeout)
+        pg.configure(f"127.0.0.1:{port}/pg", IDS[rank], rank, len(IDS))
         config = ElasticConfig(lighthouse="127.0.0.1:1", replica_id=IDS[rank], outer_step_timeout=TIMEOUT_S)
         transport = ElasticTransport(config, membership=FixedMembership(pg, rank))
         payload = torch.full((1000,), float(rank))
         if rank == 2:
-            time.sleep(1.0)  # r0's round with it is posted by now
-            os._exit(0)
+            events.wait(["r0 posted"])
+            os._exit(0)  # with r0's round with it posted
         if rank == 0:
             transport.outer_step = 0
             first = transport.start_group_sum(payload, (0, 2))  # r2 dies with this round posted
+            events.set("r0 posted", "1")
             first.wait()
             transport.outer_step = 1
             second = transport.start_group_sum(payload, (0, 1))  # the group is closed: alone, nothing posted
             second.wait()
+            events.set("r0 aborted", "1")
             conn.send(("r0", first.alone, second.alone, [f["peers"] for f in transport.failures]))
             time.sleep(TIMEOUT_S + 5)  # alive: its connections close by the abort, not by its exit
         else:
-            time.sleep(2.5)  # r0 has failed and aborted by now
+            events.wait(["r0 aborted"])
             transport.outer_step = 1
             pending = transport.start_group_sum(payload, (0, 1))
             pending.wait()
@@ -78,16 +87,23 @@ def test_a_member_that_posts_to_a_replica_that_aborted_fails_at_once() -> None:
     pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                        timeout=timedelta(seconds=TIMEOUT_S))
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in IDS]
-    procs = [ctx.Process(target=_member, args=(r, f"127.0.0.1:{store.port}", pipes[r][1]), daemon=True)
-             for r in range(len(IDS))]
+    procs = [ctx.Process(target=_member, args=(r, store.port, pipes[r][1]), daemon=True) for r in range(len(IDS))]
     for proc in procs:
         proc.start()
     for _, sending in pipes:
-        sending.close()
+        sending.close()  # a child that dies without reporting closes its pipe: EOF here
+
+    def report(r: int, wait_s: float) -> Any:
+        try:
+            return pipes[r][0].recv() if pipes[r][0].poll(wait_s) else ("silent",)
+        except EOFError:
+            return ("exited without a report",)
+
     try:
-        got = [pipes[r][0].recv() if pipes[r][0].poll(2 * TIMEOUT_S) else ("silent",) for r in (0, 1)]
+        got = [report(0, 3 * TIMEOUT_S), report(1, 3 * TIMEOUT_S)]
+        got.append(report(2, 0))  # r2 reports only if it crashed
     finally:
         for proc in procs:
             proc.kill()

@@ -1,6 +1,8 @@
 """Healing's transfer (:mod:`lightning_loco.elastic.state_transfer`): a header through the store, the tensors point to
 point in bounded messages. In process over the fake wire of ``elastic_fakes`` (several joiners, a donor
-that dies mid-transfer), and over torchft's real gloo process group between forked processes."""
+that dies mid-transfer), and over torchft's real gloo process group between two spawned processes (not
+forked: a child forked from a test process inherits the locks its threads held at that instant, the store's
+server thread among them)."""
 
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ def test_a_donor_that_dies_mid_transfer_is_an_error_on_the_joiner() -> None:
 
 
 def _peer(rank: int, address: str, dies_after: int, conn: Any) -> None:
-    """One forked process: rank 0 sends mixed_state() in small messages (dying after ``dies_after`` of them,
+    """One process: rank 0 sends mixed_state() in small messages (dying after ``dies_after`` of them,
     if set), rank 1 receives it and reports whether it is bitwise the state, or the error it got."""
     try:
         from torchft.process_group import ProcessGroupGloo, create_store_client
@@ -230,7 +232,7 @@ def _peer(rank: int, address: str, dies_after: int, conn: Any) -> None:
 def run_pair(dies_after: int = 0) -> tuple[Any, Any]:
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                        timeout=timedelta(seconds=60))
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
     procs = [ctx.Process(target=_peer, args=(r, f"127.0.0.1:{store.port}", dies_after, pipes[r][1]), daemon=True)
              for r in range(2)]
