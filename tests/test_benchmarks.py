@@ -86,6 +86,33 @@ def test_b1_fragments_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_b7_torchft_quick(tmp_path):
+    # torchft's DiLoCo (its defaults and bucketed) turn by turn with ours, blocking and with overlap (N = 2, 0.1 M)
+    pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
+    out = bench(tmp_path, "b7_torchft", "--sync-every", "8", "--overlap", "0", "1")
+    result = json.loads((tmp_path / "b7_torchft.json").read_text())
+    assert "MODELLED" in out and result["torchft"] and result["uptime_before"] and result["uptime_after"]
+    assert [(r["mode"], r["replicas"], r["params"], r["sync_every"], r["overlap_steps"]) for r in result["rows"]] == [
+        ("loopback", 2, 100_000, 8, 0), ("loopback", 2, 100_000, 8, 1)]
+    for row in result["rows"]:
+        methods = ("torchft", "torchft_buckets", "diloco", "noloco", "gasloc")
+        assert set(row["runs"]) == {f"{m} F={F}" for m in methods for F in (1, 4)}
+        for run in row["runs"].values():
+            F = run["fragments"]
+            assert run["rounds_per_turn"] == [F]  # every fragment synced (torchft: committed) once per turn
+            assert (run["step_seconds"] > 0) == (row["overlap_steps"] > 0)  # compute is modelled only to be hidden
+            for measure in ("wall_s", "exposed_s"):
+                assert 0 <= run[measure]["min"] <= run[measure]["median"] <= run[measure]["max"]
+            if run["method"].startswith("torchft"):
+                assert run["quorum_s"]["median"] > 0 and "over_torchft" not in run
+            else:
+                for reference in ("torchft", "torchft_buckets"):
+                    ratio = run[f"over_{reference}"]["exposed_s"]
+                    assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert "÷ bucketed" in out
+
+
+@pytest.mark.slow
 def test_b1_fragments_refuses_what_it_cannot_measure(tmp_path):
     results = tmp_path / "results"
     for n, (args, message) in enumerate(((["--methods", "ddp"], "DDP has no outer step"),
