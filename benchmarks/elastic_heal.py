@@ -23,6 +23,10 @@ Per repeat, interleaved (the machine's load drifts alike over all four):
   every heal did before the weights equal to the anchor travelled once;
 * ``without the optimizer``: the heal of a donor with ``heal_optimizer=False`` (AdamW's moments left out:
   the outer state, 2 × N float32);
+* ``torchft``: the same state through torchft's own recovery path, the checkpoint transport its ``Manager``
+  uses by default (``torchft.checkpointing.HTTPTransport``, ``num_chunks=0``): the donor stages the state
+  (``send_checkpoint``), the joiner fetches it over HTTP and loads it (``recv_checkpoint``), all into fresh
+  memory, as a restarted torchft replica does;
 * ``store`` (the path healing took before, up to ``--store-max`` parameters): the donor ``torch.save``s the
   whole state into one store value, the joiner ``get``s and loads it. The membership's store (torch's
   default ``TCPStore``, libuv) refuses values above 8 MiB, so that path failed for any state above about
@@ -97,6 +101,12 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
     pg.configure(f"{address}/pg", f"r{rank}", rank, 2)
     store = create_store_client(f"{address}/heal", timedelta(seconds=600))
     whole_store = create_store_client(f"{whole_address}/whole", timedelta(seconds=600))
+    from torchft.checkpointing import HTTPTransport
+
+    http = HTTPTransport(timeout=timedelta(seconds=600), num_chunks=0)  # torchft's Manager's default
+    if rank == 0:  # its address names this host; the joiner is on the same one
+        store.set("torchft", "http://127.0.0.1:" + http.metadata().split("://", 1)[1].split(":", 1)[1])
+    torchft_url = store.get("torchft").decode()
 
     def barrier() -> None:
         options = dist.AllreduceOptions()
@@ -141,6 +151,18 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
                     row[f"{name}_s"] = time.perf_counter() - started
                     row[f"{name}_bytes"] = incoming.nbytes
                     del healed, incoming
+            barrier()
+            step = 1000 * sizes.index(label) + repeat
+            started = time.perf_counter()
+            if rank == 0:
+                http.send_checkpoint([1], step, state, timedelta(seconds=600))
+            else:
+                received = http.recv_checkpoint(0, torchft_url, step, timedelta(seconds=600))
+                row["torchft_s"] = time.perf_counter() - started
+                del received
+            barrier()
+            if rank == 0:
+                http.disallow_checkpoint()  # as the Manager does after a quorum: the next step's is staged anew
             if n <= store_max:
                 barrier()
                 started = time.perf_counter()
@@ -154,6 +176,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
             results.append(row)
         del state, weights, own
     barrier()
+    http.shutdown(wait=False)
     if rank == 1:
         conn.send(results)
     conn.close()
@@ -216,6 +239,8 @@ def main() -> None:
             "lean": spread([r["lean_s"] for r in mine]), "lean_mb": mine[0]["lean_bytes"] / 1e6,
             "lean_ratio": statistics.median([r["lean_s"] for r in mine]) / statistics.median(once),
             "lean_ratios": spread([r["lean_s"] / r["once_s"] for r in mine]),
+            "torchft": spread([r["torchft_s"] for r in mine]),
+            "torchft_vs_heal": spread([r["torchft_s"] / r["heal_s"] for r in mine]),
         })
     flat = [{**r, "once_s": r["once"]["median"], "once_range": f"{r['once']['min']:.3f}-{r['once']['max']:.3f}",
              "fresh_s": r["fresh"]["median"], "heal_s": r["heal"]["median"],
@@ -223,7 +248,9 @@ def main() -> None:
              "store_s": r["store"]["median"] if r["store"] else None, "apart_s": r["apart"]["median"],
              "vs_apart": r["heal_vs_apart"]["median"], "lean_s": r["lean"]["median"],
              "fresh_heal_s": r["fresh_heal"]["median"], "in_place": r["in_place_vs_fresh"]["median"],
-             "lean_range": f"{r['lean_ratios']['min']:.2f}-{r['lean_ratios']['max']:.2f}"} for r in rows]
+             "lean_range": f"{r['lean_ratios']['min']:.2f}-{r['lean_ratios']['max']:.2f}",
+             "torchft_s": r["torchft"]["median"], "torchft_vs_heal": r["torchft_vs_heal"]["median"],
+             "torchft_range": f"{r['torchft_vs_heal']['min']:.2f}-{r['torchft_vs_heal']['max']:.2f}"} for r in rows]
     print(f"\nhealing over loopback gloo on {machine()}, median of {repeats} repeats (min-max)")
     print(table(flat, [("size", "parameters", ""), ("heal_mb", "healed MB", ".0f"),
                        ("bytes_ratio", "× weights", ".2f"),
@@ -236,7 +263,9 @@ def main() -> None:
                        ("lean_mb", "no optimizer MB", ".0f"), ("lean_s", "no optimizer s", ".3f"),
                        ("lean_ratio", "no optimizer / once", ".2f"), ("lean_range", "per repeat", ""),
                        ("once_gb_s", "once GB/s", ".2f"), ("heal_gb_s", "heal GB/s", ".2f"),
-                       ("store_s", "store path s", ".3f"), ("store_ratio", "store / once", ".2f")]))
+                       ("store_s", "store path s", ".3f"), ("store_ratio", "store / once", ".2f"),
+                       ("torchft_s", "torchft HTTP s", ".3f"), ("torchft_vs_heal", "torchft / heal", ".2f"),
+                       ("torchft_range", "per repeat", "")]))
     path = write_json("elastic_heal.json", {"repeats": repeats, "seconds": round(time.perf_counter() - begun, 1),
                                             "rows": rows, "runs": runs}, folder=results_dir(args.quick))
     print(f"wrote {path}")

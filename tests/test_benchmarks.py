@@ -526,6 +526,8 @@ def test_elastic_heal_quick(tmp_path):
         # plus the small rest of the training state; without the optimizer, the weights and the outer state only
         assert 4.0 <= row["bytes_ratio"] < 4.1, size
         assert row["lean_mb"] == pytest.approx(row["heal_mb"] / 2, rel=0.01), size
+        # the same state through torchft's own recovery path (its HTTP checkpoint transport), timed beside it
+        assert 0 < row["torchft"]["min"] <= row["torchft"]["median"] <= row["torchft"]["max"], size
     assert rows["10M"]["heal_mb"] == pytest.approx(10 * rows["1M"]["heal_mb"], rel=0.01)
 
 
