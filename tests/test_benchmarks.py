@@ -311,6 +311,55 @@ def test_emulator_carries_traffic_between_namespaces_and_removes_them():
 
 
 @pytest.mark.slow
+def test_a_lossy_emulated_link_drops_packets_and_tcp_still_delivers_every_byte():
+    tun = emulator_or_skip()
+    from benchmarks.netem.links import uniform
+
+    try:
+        emu = tun.EmulatedNetwork(uniform(2, mbit=100, one_way_ms=2, loss=0.02))
+    except RuntimeError as err:
+        pytest.skip(f"namespaces cannot be created here: {err}")
+    with emu:
+        server = emu.popen(1, [sys.executable, "-c", (
+            "import hashlib, socket; s = socket.socket(); s.bind(({!r}, 0)); s.listen(1); "
+            "print(s.getsockname()[1], flush=True); c, _ = s.accept(); data = b''\n"
+            "while len(data) < 4_000_000: data += c.recv(1 << 16)\n"
+            "print(hashlib.sha256(data).hexdigest())").format(emu.address(1))], stdout=subprocess.PIPE, text=True)
+        port = int(server.stdout.readline())
+        payload = bytes(range(256)) * (4_000_000 // 256) + bytes(4_000_000 % 256)
+        client = emu.popen(0, [sys.executable, "-c", (
+            "import socket; s = socket.create_connection(({!r}, {}), timeout=60); "
+            "s.sendall(bytes(range(256)) * (4_000_000 // 256) + bytes(4_000_000 % 256)); s.close()"
+        ).format(emu.address(1), port)])
+        client.wait(timeout=120)
+        import hashlib
+
+        assert server.communicate(timeout=120)[0].strip() == hashlib.sha256(payload).hexdigest()
+        assert emu.dropped > 0  # 2 % of several hundred packets: dropped, and sent again by TCP
+
+
+def test_the_modelled_network_refuses_a_lossy_link():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.netem.links import to_env, uniform
+
+    assert "loss" in uniform(2, loss=1e-4).name and uniform(2, loss=1e-4).links[0].loss == pytest.approx(5e-5)
+    with pytest.raises(ValueError, match="no packets to lose"):
+        to_env(uniform(2, loss=1e-4))
+
+
+@pytest.mark.slow
+def test_link_efficiency_quick(tmp_path):
+    emulator_or_skip()
+    out = bench(tmp_path, "link_efficiency")
+    row, = json.loads((tmp_path / "link_efficiency.json").read_text())["rows"]
+    assert set(row["runs"]) == {"tcp×1", "tcp×4", "noloco pair", "diloco all-reduce"}
+    for name, run in row["runs"].items():
+        assert 0 < run["fraction"]["min"] <= run["fraction"]["median"] <= run["fraction"]["max"], name
+    assert max(run["of_best_tcp"] for name, run in row["runs"].items() if name.startswith("tcp")) == 1
+    assert "of TCP" in out
+
+
+@pytest.mark.slow
 def test_emulator_sets_sysctls_in_its_namespaces_only():
     tun = emulator_or_skip()
     from benchmarks.netem.links import uniform

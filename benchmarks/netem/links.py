@@ -1,7 +1,8 @@
 """A network as the benchmarks see it: every node has an access link to a core.
 
 A packet from node i to node j is serialised at i's bandwidth, travels i's one-way delay to the core
-and j's from it, and is serialised again at j's bandwidth (queues are unbounded: nothing is dropped).
+and j's from it, and is serialised again at j's bandwidth (queues are unbounded: nothing is dropped but what a
+link's random ``loss`` drops).
 The one-way latency between i and j is therefore ``delay[i] + delay[j]``.
 
 Nodes may share a *site* (``sites``): nodes of one site reach each other over a fast local link
@@ -25,6 +26,7 @@ class Link:
     mbit: float = 100.0  # bandwidth, both directions
     delay_ms: float = 25.0  # one-way delay to the core
     jitter_ms: float = 0.0  # standard deviation of a per-packet extra delay (log-normal)
+    loss: float = 0.0  # the probability that a packet through this link is dropped (emulated network only)
 
     @property
     def bytes_per_s(self) -> float:
@@ -72,10 +74,13 @@ class Network:
         return out
 
 
-def uniform(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, jitter_ms: float = 0.0) -> Network:
-    """n nodes, every pair ``one_way_ms`` apart at ``mbit``."""
-    link = Link(mbit=mbit, delay_ms=one_way_ms / 2, jitter_ms=jitter_ms)
-    return Network(f"{mbit:g} Mbit/s, {one_way_ms:g} ms one way", (link,) * n)
+def uniform(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, jitter_ms: float = 0.0,
+            loss: float = 0.0) -> Network:
+    """n nodes, every pair ``one_way_ms`` apart at ``mbit``; ``loss``: the probability that a packet between two
+    nodes is dropped (half of it on each end's link)."""
+    link = Link(mbit=mbit, delay_ms=one_way_ms / 2, jitter_ms=jitter_ms, loss=loss / 2)
+    lossy = f", {100 * loss:g} % loss" if loss else ""
+    return Network(f"{mbit:g} Mbit/s, {one_way_ms:g} ms one way{lossy}", (link,) * n)
 
 
 def one_slow(n: int, mbit: float = 100.0, one_way_ms: float = 50.0, slower: float = 10.0,
@@ -98,6 +103,9 @@ ENV = "LOCO_MODELLED_NETWORK"
 
 
 def to_env(network: Network) -> str:
+    if any(link.loss for link in network.links):
+        raise ValueError(f"{network.name}: the modelled network has no packets to lose; run a lossy network "
+                         "emulated (mode 'emulated')")
     return json.dumps(network.describe())
 
 

@@ -5,7 +5,8 @@ with address ``10.<a>.<b>.<i+1>/24`` (a subnet chosen from the process id), brin
 forwarding thread in this process. The thread reads every IPv4 packet a node sends, computes its
 delivery time with the node's and the destination's access links
 (:class:`benchmarks.netem.links.Network`: serialisation at each end, one-way delays, optional
-log-normal jitter that never reorders a flow), and writes it to the destination's TUN at that time.
+log-normal jitter that never reorders a flow), and writes it to the destination's TUN at that time, unless a
+link's random loss drops it.
 
 Only namespaces, devices and addresses of its own are created, nothing is routed anywhere else,
 and ``close()`` (also called on exit, on SIGINT/SIGTERM and by the context manager) deletes the
@@ -90,6 +91,7 @@ class EmulatedNetwork:
         self._closed = False
         self.packets = 0
         self.bytes = 0
+        self.dropped = 0
         self._previous_handlers: dict[int, Any] = {}
         try:
             self._create()
@@ -211,6 +213,10 @@ class EmulatedNetwork:
                             heapq.heappush(queue, (deliver, seq, dst, packet))
                             seq += 1
                             continue
+                        if (links[src].loss or links[dst].loss) and \
+                                self._rng.random() < links[src].loss + links[dst].loss:
+                            self.dropped += 1
+                            continue  # lost on the way: TCP must notice and send it again
                         tx_free[src] = max(now, tx_free[src]) + size / links[src].bytes_per_s
                         at_core = tx_free[src] + links[src].delay_ms / 1000
                         rx_free[dst] = max(at_core, rx_free[dst]) + size / links[dst].bytes_per_s
