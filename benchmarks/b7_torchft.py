@@ -12,10 +12,13 @@ replica group (here one process each) a ``TCPStore``, torchft's ``ProcessGroupGl
 starts from its own seeded weights, as ours do here, so no first-quorum heal enters a timed turn. torchft runs
 twice: with its defaults (``torchft``: one all-reduce per parameter tensor) and with ``use_bucketization=True``
 (``torchft_buckets``: the tensors packed into buckets of ``bucket_cap_mb``, by default 1 GB, so one all-reduce),
-since the flat model's 16 tensors stand for a real model's hundreds. Every sync
-of torchft's is one quorum (an RPC to the Lighthouse through the group's manager server), one all-reduce of
-the pseudo-gradients and one ``should_commit`` RPC; ours is the exchange alone (no membership: the
-torch.distributed transport, as the strategies use outside elastic mode).
+since the flat model's 16 tensors stand for a real model's hundreds (``$TORCHFT_USE_BUCKETIZATION`` is cleared in
+the workers, so that the first stays torchft's default). Every sync
+of torchft's is one quorum (an RPC to the Lighthouse through the group's manager server; it also waits there for
+the slowest replica to reach the sync), the all-reduce of the pseudo-gradients (one per parameter tensor with its
+defaults) and one ``should_commit`` RPC; ours is the exchange alone (no membership: the torch.distributed
+transport, as the strategies use outside elastic mode). The table also gives torchft's exposed time without its
+quorum and commit calls, exchange against exchange.
 
 Each of N processes (one per node: ``benchmarks/netem``, as B1) holds every (method, F) at once, each with its own
 copy of the model, and they take turns round by round, as :mod:`benchmarks.b1_fragments` does: a turn is H
@@ -24,17 +27,22 @@ step's time is up), each followed by the method's own code: our :class:`~lightni
 or torchft's inner ``optimizer.step()``, whose post-hook runs its syncs (the inner optimizer has no gradients,
 so the step itself costs nothing). Exposed time is what that code took from the loop. With ``--overlap`` τ = 0
 every sync blocks and X = 0 (there is nothing to hide). With τ > 0 ours post a round at its step and land it
-τ steps later, and torchft prepares a fragment τ steps before its sync (``fragment_sync_delay`` = τ); X is
-B1's per-method figure (:data:`benchmarks.b1_fragments.STEP_SECONDS_PER_M`, torchft's that of DiLoCo).
-Streaming (F = 4): torchft syncs fragment f at steps f·H/F + kH, with one outer optimizer per fragment (its
-documented form); ours likewise. Each turn holds whole rounds of every fragment, none in flight after it.
+τ steps later, and torchft prepares a fragment τ steps before its sync (``fragment_sync_delay`` = τ). X is the
+same for every method, B1's figure for DiLoCo (:data:`benchmarks.b1_fragments.STEP_SECONDS_PER_M`): compute
+belongs to the model, not to the method. Streaming (F = 4): torchft syncs fragment f at steps (f + 1)·H/F + kH
+of a turn, having prepared it τ steps earlier, with one outer optimizer per fragment (its documented form); ours
+post and land at the same steps. Each turn holds whole rounds of every fragment, and none is in flight after
+it (checked on both sides, and reported).
 
 Reported per (method, F), the slowest replica per round, median [min, max] over the rounds: the turn's wall
 time and exposed seconds, and ours ÷ torchft's round by round for the same F; for torchft also where its exposed
 time went: the quorum (``Manager.start_quorum``) and the commit vote (``Manager.should_commit``), the rest being
 its all-reduce and its copies. Round 0 is a warm-up (no compute, not reported); every pair of
-replicas exchanges 4 MB once before it (B1's ``warm_all_pairs``, on our group; torchft's group is new at
-every quorum and warms in round 0).
+replicas exchanges 4 MB once before it (B1's ``warm_all_pairs``, on our group; torchft builds its group at its
+first quorum, in round 0, and keeps it while the membership stays the same). On the emulated WAN the namespaces
+set ``net.ipv4.tcp_slow_start_after_idle = 0``: torchft's connections idle while the other methods take their
+turns, ours less, and a connection must not restart slow start for that (the congestion control, inherited
+from the host, is recorded).
 
 Limits. torchft's manager server and checkpoint server bind the wildcard address (``[::]``); in emulated
 mode that is inside each node's own namespace, on loopback it is the host's. The modelled network is not
@@ -60,14 +68,15 @@ from benchmarks.b1_fragments import BLOCKS, STEP_SECONDS_PER_M, Turns, key
 from benchmarks.common import load_average, machine, results_dir, skip_final_collection, spread, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
+from benchmarks.netem.tcp import host_congestion
 
 # torchft's DiLoCo with its defaults (one all-reduce per parameter tensor), and with use_bucketization=True
 TORCHFT = ("torchft", "torchft_buckets")
 METHODS = (*TORCHFT, "diloco", "noloco", "gasloc")
 SYNC_EVERY = 20
-# X per M parameters: torchft's DiLoCo gets our DiLoCo's (the same exchange, an all-reduce of the model)
-SECONDS_PER_M = {**STEP_SECONDS_PER_M, **{m: STEP_SECONDS_PER_M["diloco"] for m in TORCHFT}}
+SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
 TIMEOUT_S = 900
+IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the emulated namespaces only
 
 
 def networks(n: int) -> dict[str, Network]:
@@ -110,7 +119,7 @@ class TorchftTurns:
         self.store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world, load_state_dict=None, state_dict=None,
-            replica_id=f"b7_{rank}_f{fragments}{'_buckets' if bucketed else ''}", lighthouse_addr=lighthouse,
+            replica_id=f"b7_f{fragments}{'_buckets' if bucketed else ''}_{rank}", lighthouse_addr=lighthouse,
             hostname=address,
             store_addr=address, store_port=self.store.port, rank=0, world_size=1, use_async_quorum=False,
             init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -152,8 +161,9 @@ class TorchftTurns:
             self.inner.step()
             in_step += time.perf_counter() - before
         wall = time.perf_counter() - start
+        in_flight = self.diloco._local_step != 0 or any(f._allreduce_work for f in self.diloco._fragments)
         return {"wall_s": wall, "exposed_s": in_step, "rounds": self.manager.current_step() - commits,
-                **{what: self.spent[what] - spent[what] for what in spent}}
+                "in_flight_after": int(in_flight), **{what: self.spent[what] - spent[what] for what in spent}}
 
     def close(self) -> None:
         self.diloco.__exit__(None, None, None)
@@ -172,6 +182,7 @@ def worker(options: dict[str, Any]) -> None:
     from lightning_loco.transport import TorchDistributedTransport
 
     torch.set_num_threads(1)
+    os.environ.pop("TORCHFT_USE_BUCKETIZATION", None)  # would make torchft's default run bucketed
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out, mode = options["out"], options["mode"]
     address = node_address(mode, rank)
@@ -221,15 +232,17 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
             overlap: int) -> dict[str, Any]:
     """One configuration; per (method, F) the slowest replica's wall and exposed seconds per round, their spreads,
     and ours ÷ torchft's round by round."""
-    seconds = {m: (SECONDS_PER_M[m] * params / 1e6 if overlap else 0.0) for m in methods}
+    seconds = {m: (SECONDS_PER_M * params / 1e6 if overlap else 0.0) for m in methods}
     network = networks(n)[mode]
     options = {"mode": mode, "params": params, "rounds": rounds, "methods": methods, "fragments": fragments,
                "sync_every": sync_every, "overlap": overlap, "step_seconds": seconds}
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.b7_torchft", "--worker",
-                                                            json.dumps({**options, "out": out})], timeout=3600)
+                                                            json.dumps({**options, "out": out})], timeout=3600,
+                                  sysctls=IDLE_KEEPS_WINDOW if mode == "emulated" else None)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(n)]
     row: dict[str, Any] = {"mode": mode, "network": network.name, "replicas": n, "params": params,
+                           "tcp": host_congestion() if mode == "emulated" else None,
                            "sync_every": sync_every, "overlap_steps": overlap, "wall_s": wall, "runs": {}}
     slowest: dict[str, dict[str, list[float]]] = {}
     for m in methods:
@@ -237,12 +250,16 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
             k = key(m, F)
             turns = [rank[k] for rank in ranks]
             slowest[k] = {q: [max(t[r][q] for t in turns) for r in range(rounds)] for q in ("wall_s", "exposed_s")}
+            if m in TORCHFT:  # exchange against exchange: without its quorum and commit calls
+                slowest[k]["net_s"] = [max(t[r]["exposed_s"] - t[r]["quorum_s"] - t[r]["commit_s"] for t in turns)
+                                       for r in range(rounds)]
             parts = [q for q in ("quorum_s", "commit_s") if q in turns[0][0]]  # torchft's, the slowest replica's
             worst = [max(range(n), key=lambda i: turns[i][r]["exposed_s"]) for r in range(rounds)]
             row["runs"][k] = {"method": m, "fragments": F, "step_seconds": seconds[m],
                               "compute_s": sync_every * seconds[m],
                               **{q: spread(v) for q, v in slowest[k].items()},
                               **{q: spread([turns[i][r][q] for r, i in enumerate(worst)]) for q in parts},
+                              "in_flight_after_turn": max(turn["in_flight_after"] for t in turns for turn in t),
                               "rounds_per_turn": sorted({turn["rounds"] for t in turns for turn in t})}
     for m in methods:
         for F in fragments:
@@ -251,6 +268,8 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
                 if against in slowest:
                     ratios = {q: [a / b if b > 0 else float("inf") for a, b in
                                   zip(slowest[key(m, F)][q], slowest[against][q])] for q in ("wall_s", "exposed_s")}
+                    ratios["net_s"] = [a / b if b > 0 else float("inf") for a, b in
+                                       zip(slowest[key(m, F)]["exposed_s"], slowest[against]["net_s"])]
                     row["runs"][key(m, F)][f"over_{reference}"] = {q: spread(v) for q, v in ratios.items()}
     return row
 
@@ -260,6 +279,7 @@ def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         for run in row["runs"].values():
             ratio = {m: (run.get(f"over_{m}") or {}).get("exposed_s", {}) for m in TORCHFT}
+            net = (run.get("over_torchft_buckets") or {}).get("net_s", {})
             flat.append({
                 "mode": row["mode"], "n": row["replicas"], "params_m": row["params"] / 1e6,
                 "tau": row["overlap_steps"], "method": run["method"], "F": run["fragments"],
@@ -267,6 +287,8 @@ def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "wall": run["wall_s"]["median"], "exposed": run["exposed_s"]["median"],
                 "exposed_min": run["exposed_s"]["min"], "exposed_max": run["exposed_s"]["max"],
                 "quorum": run.get("quorum_s", {}).get("median"), "commit": run.get("commit_s", {}).get("median"),
+                "net": run.get("net_s", {}).get("median"), "net_ratio": net.get("median"),
+                "net_ratio_min": net.get("min"), "net_ratio_max": net.get("max"),
                 **{f"{m}_{q}": ratio[m].get(q) for m in TORCHFT for q in ("median", "min", "max")},
             })
     return flat
@@ -279,15 +301,18 @@ def print_table(rows: list[dict[str, Any]], rounds: int) -> None:
           f"exposed = the time the method's own code took from the loop; ours ÷ torchft (its defaults) and ÷ bucketed "
           f"(torchft with use_bucketization=True): exposed, round by round, the same F "
           f"(rounds = syncs per turn; torchft counts its commits); quorum, commit = torchft's time in "
-          f"start_quorum and should_commit (the slowest replica's); {machine()}")
+          f"start_quorum and should_commit (the slowest replica's), w/o quorum = its exposed time without them; "
+          f"÷ bucketed w/o quorum = ours over that; {machine()}")
     print(table(flat_rows(rows), [
         ("mode", "mode", "s"), ("n", "N", "d"), ("params_m", "M params", "g"), ("tau", "τ", "d"),
         ("method", "method", "s"), ("F", "F", "d"), ("X", "X s", ".3g"), ("rounds", "rounds", "s"),
         ("wall", "wall s", ".3f"), ("exposed", "exposed s", ".3f"), ("exposed_min", "min", ".3f"),
         ("exposed_max", "max", ".3f"), ("quorum", "quorum s", ".3f"), ("commit", "commit s", ".3f"),
+        ("net", "w/o quorum s", ".3f"),
         ("torchft_median", "÷ torchft", ".2f"), ("torchft_min", "min", ".2f"), ("torchft_max", "max", ".2f"),
         ("torchft_buckets_median", "÷ bucketed", ".2f"), ("torchft_buckets_min", "min", ".2f"),
-        ("torchft_buckets_max", "max", ".2f")]))
+        ("torchft_buckets_max", "max", ".2f"), ("net_ratio", "÷ bucketed w/o quorum", ".2f"),
+        ("net_ratio_min", "min", ".2f"), ("net_ratio_max", "max", ".2f")]))
 
 
 def main() -> None:
@@ -326,9 +351,10 @@ def main() -> None:
         parser.error(f"--methods must include {' or '.join(TORCHFT)}: B7 compares with torchft")
     for F in args.fragments:
         for tau in overlaps:
-            if F < 1 or sync_every % F or not 0 <= tau < sync_every // F:
-                parser.error(f"--fragments {F} --overlap {tau}: F must divide H = {sync_every} and τ be below "
-                             f"H/F = {sync_every // max(F, 1)} (torchft's rule, and ours)")
+            if F < 1 or sync_every % F or BLOCKS % F or not 0 <= tau < sync_every // F:
+                parser.error(f"--fragments {F} --overlap {tau}: F must divide H = {sync_every} and the model's "
+                             f"{BLOCKS} tensors, and τ be below H/F = {sync_every // max(F, 1)} (torchft's rule, "
+                             "and ours)")
     if any(p % BLOCKS for p in sizes):
         parser.error(f"--params must be multiples of {BLOCKS} (the model's blocks), got {sizes}")
     results = results_dir(args.quick)

@@ -100,15 +100,17 @@ def test_b7_torchft_quick(tmp_path):
         for run in row["runs"].values():
             F = run["fragments"]
             assert run["rounds_per_turn"] == [F]  # every fragment synced (torchft: committed) once per turn
+            assert run["in_flight_after_turn"] == 0  # and none of them still in flight when the turn ends
             assert (run["step_seconds"] > 0) == (row["overlap_steps"] > 0)  # compute is modelled only to be hidden
             for measure in ("wall_s", "exposed_s"):
                 assert 0 <= run[measure]["min"] <= run[measure]["median"] <= run[measure]["max"]
             if run["method"].startswith("torchft"):
                 assert run["quorum_s"]["median"] > 0 and "over_torchft" not in run
+                assert run["net_s"]["max"] <= run["exposed_s"]["max"]  # without its quorum and commit calls
             else:
                 for reference in ("torchft", "torchft_buckets"):
-                    ratio = run[f"over_{reference}"]["exposed_s"]
-                    assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+                    for ratio in run[f"over_{reference}"].values():
+                        assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
     assert "÷ bucketed" in out
 
 
