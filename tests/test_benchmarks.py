@@ -285,6 +285,28 @@ def namespaces():
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+def test_the_launcher_drains_chatty_workers_and_ends_on_the_first_failure(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import FORK_ENV
+    from benchmarks.netem import launch
+    from benchmarks.netem.links import uniform
+
+    monkeypatch.delenv(FORK_ENV, raising=False)  # new interpreters, as on the emulated network
+    done = tmp_path / "done"
+    # worker 1 writes 1 MB to stderr (far more than a pipe holds) before it is done; worker 0 waits for that
+    chatty = ("import os, sys, time, pathlib; done = pathlib.Path({!r})\n"
+              "if os.environ['RANK'] == '1': sys.stderr.write('x' * (1 << 20)); sys.stderr.flush(); done.touch()\n"
+              "else:\n    while not done.exists(): time.sleep(0.05)").format(str(done))
+    launch.run_workers("loopback", uniform(2), lambda i: ["-c", chatty], timeout=120)
+    assert done.exists()
+    # worker 1 fails at once while worker 0 would run for ten minutes: the run ends naming worker 1's error
+    failing = ("import os, sys, time\n"
+               "if os.environ['RANK'] == '1': sys.exit('worker 1 gives up')\n"
+               "time.sleep(600)")
+    with pytest.raises(RuntimeError, match="worker 1 exited with 1:\n.*worker 1 gives up"):
+        launch.run_workers("loopback", uniform(2), lambda i: ["-c", failing], timeout=300)
+
+
 @pytest.mark.slow
 def test_emulator_carries_traffic_between_namespaces_and_removes_them():
     tun = emulator_or_skip()

@@ -59,6 +59,14 @@ def run_workers(
     with ExitStack() as stack:
         procs = []
         start = time.perf_counter()
+        # each worker's output goes to files, not pipes: a worker that writes more than a pipe holds (torchft
+        # logs every quorum) would block on it while this process waits for another worker, which waits for it
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="loco-workers-")))
+
+        def output(i: int) -> dict:
+            return {"stdout": stack.enter_context(open(logs / f"{i}.out", "w")),
+                    "stderr": stack.enter_context(open(logs / f"{i}.err", "w"))}
+
         if mode == "emulated":
             from benchmarks.netem.tun import EmulatedNetwork
 
@@ -66,8 +74,7 @@ def run_workers(
             for i in range(n):
                 node_env = {**base, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i),
                             "MASTER_ADDR": emu.address(0)}
-                procs.append(emu.popen(i, [sys.executable, *argv(i)], env=node_env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+                procs.append(emu.popen(i, [sys.executable, *argv(i)], env=node_env, cwd=ROOT, **output(i)))
         else:
             extra = {links.ENV: links.to_env(network)} if mode == "modelled" else {}
             if forking():
@@ -77,16 +84,23 @@ def run_workers(
             for i in range(n):
                 node_env = {**os.environ, **base, **extra, "RANK": str(i), "GROUP_RANK": str(i), "NODE_RANK": str(i),
                             "MASTER_ADDR": "127.0.0.1"}
-                procs.append(subprocess.Popen([sys.executable, *argv(i)], env=node_env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, cwd=ROOT))
+                procs.append(subprocess.Popen([sys.executable, *argv(i)], env=node_env, cwd=ROOT, **output(i)))
         failures = []
         try:
-            for i, proc in enumerate(procs):
-                out, err = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))
-                if proc.returncode != 0:
-                    failures.append(f"worker {i} exited with {proc.returncode}:\n{err[-3000:]}")
-        except subprocess.TimeoutExpired:
-            failures.append(f"workers did not finish within {timeout} s")
+            # every worker at once: the first that fails ends the run (the others may wait for it forever)
+            while True:
+                codes = [proc.poll() for proc in procs]
+                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+                if failed:
+                    failures += [f"worker {i} exited with {codes[i]}:\n"
+                                 f"{(logs / f'{i}.err').read_text(errors='replace')[-3000:]}" for i in failed]
+                    break
+                if all(code == 0 for code in codes):
+                    break
+                if time.perf_counter() - start > timeout:
+                    failures.append(f"workers did not finish within {timeout} s")
+                    break
+                time.sleep(0.1)
         finally:
             for proc in procs:
                 if proc.poll() is None:
