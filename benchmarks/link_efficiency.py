@@ -183,17 +183,22 @@ def tcp_settings() -> dict[str, str]:
     return settings
 
 
-def measure(mbit: float, one_way_ms: float, loss: float, params: int, streams: list[int], repeats: int) -> dict:
+def measure(mbit: float, one_way_ms: float, loss: float, params: int, streams: list[int], repeats: int,
+            wmem: str | None = None) -> dict:
     network = uniform(2, mbit=mbit, one_way_ms=one_way_ms, loss=loss)
+    sysctls = {"net.ipv4.tcp_slow_start_after_idle": "0"}
+    if wmem:
+        sysctls["net.ipv4.tcp_wmem"] = wmem
     options = {"params": params, "streams": streams, "repeats": repeats}
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers("emulated", network, lambda i: ["-m", "benchmarks.link_efficiency", "--worker",
                                                                   json.dumps({**options, "out": out})], timeout=3600,
-                                  sysctls={"net.ipv4.tcp_slow_start_after_idle": "0"})
+                                  sysctls=sysctls)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     bits = 32 * params  # per direction
     row: dict[str, Any] = {"network": network.name, "mbit": mbit, "one_way_ms": one_way_ms, "loss": loss,
-                           "params": params, "wall_s": wall, "tcp": tcp_settings(), "runs": {}}
+                           "params": params, "wall_s": wall, "runs": {},
+                           "tcp": {**tcp_settings(), **({"tcp_wmem": wmem} if wmem else {})}}
     for name in ranks[0]:
         slower = [max(a, b) for a, b in zip(ranks[0][name], ranks[1][name])]
         rates = [bits / s / 1e6 for s in slower]
@@ -217,6 +222,10 @@ def main() -> None:
     parser.add_argument("--params", type=float, help="float32 per direction (default 50e6)")
     parser.add_argument("--streams", nargs="+", type=int, help="TCP connections per direction (default 1 4 8)")
     parser.add_argument("--repeats", type=int, help="timed repeats (default 3)")
+    parser.add_argument("--tcp-wmem", help="net.ipv4.tcp_wmem in the namespaces, 'MIN DEFAULT MAX' bytes (default: the "
+                        "host's): a connection's send window is at most MAX, so one connection carries at most "
+                        "MAX per round trip")
+    parser.add_argument("--out", default="link_efficiency", help="the results' name (default link_efficiency)")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
@@ -236,7 +245,7 @@ def main() -> None:
     before = load_average()
     rows = []
     for loss in losses:
-        rows.append(measure(mbit, one_way, loss, params, streams, repeats))
+        rows.append(measure(mbit, one_way, loss, params, streams, repeats, args.tcp_wmem))
         print(f"link: {rows[-1]['network']} done in {rows[-1]['wall_s']:.0f} s", flush=True)
     flat = [{"network": row["network"], "what": name, "seconds": run["seconds"]["median"],
              "s_min": run["seconds"]["min"], "s_max": run["seconds"]["max"], "mbit_s": run["mbit_s"]["median"],
@@ -248,7 +257,7 @@ def main() -> None:
     print(table(flat, [("network", "network", "s"), ("what", "exchange", "s"), ("seconds", "s", ".2f"),
                        ("s_min", "min", ".2f"), ("s_max", "max", ".2f"), ("mbit_s", "Mbit/s", ".0f"),
                        ("fraction", "of link", ".0%"), ("of_tcp", "of TCP", ".0%")]))
-    path = write_json("link_efficiency.json", {"benchmark": "link efficiency", "repeats": repeats, "rows": rows,
+    path = write_json(f"{args.out}.json", {"benchmark": "link efficiency", "repeats": repeats, "rows": rows,
                                                "uptime_before": before, "uptime_after": load_average()},
                       results_dir(args.quick))
     for row in rows:
