@@ -52,6 +52,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,26 @@ def key(method: str, fragments: int) -> str:
 
 
 # ---------------------------------------------------------------- worker
+
+
+def modelled_steps(model: list[Any], steps: int, seconds: float, after_step: Callable[[], None]) -> tuple[float, float]:
+    """``steps`` inner steps of ``seconds`` each (a cheap in-place change of every tensor of ``model``, then
+    sleep until the step's time is up), each followed by ``after_step`` (the method's own code); returns the
+    wall time and the time spent in ``after_step``."""
+    import torch
+
+    start = time.perf_counter()
+    in_hook = 0.0
+    for _ in range(steps):
+        step_end = time.perf_counter() + seconds
+        with torch.no_grad():
+            for p in model:
+                p.mul_(0.999)
+        time.sleep(max(0.0, step_end - time.perf_counter()))
+        before = time.perf_counter()
+        after_step()
+        in_hook += time.perf_counter() - before
+    return time.perf_counter() - start, in_hook
 
 
 class Turns:
@@ -105,23 +126,11 @@ class Turns:
     def turn(self, seconds: float) -> dict[str, Any]:
         """H inner steps of ``seconds`` each (the parameter change, then sleep until the step's time is up),
         each followed by the driver; what they measured."""
-        import torch
         import torch.distributed as dist
 
         dist.barrier()
         reports, sent = len(self.driver.reports), self.transport.stats.bytes_sent
-        start = time.perf_counter()
-        in_driver = 0.0
-        for _ in range(self.sync_every):
-            step_end = time.perf_counter() + seconds
-            with torch.no_grad():
-                for p in self.model:
-                    p.mul_(0.999)
-            time.sleep(max(0.0, step_end - time.perf_counter()))
-            before = time.perf_counter()
-            self.driver.after_inner_step(0)
-            in_driver += time.perf_counter() - before
-        wall = time.perf_counter() - start
+        wall, in_driver = modelled_steps(self.model, self.sync_every, seconds, lambda: self.driver.after_inner_step(0))
         landed = self.driver.reports[reports:]
         return {
             "wall_s": wall, "exposed_s": in_driver, "wait_s": sum(r.comm_seconds for r in landed),
@@ -130,6 +139,18 @@ class Turns:
             "bytes_sent": self.transport.stats.bytes_sent - sent, "exchange_bytes": [r.bytes_sent for r in landed],
             "in_flight_after": sum(slot.in_flight is not None for slot in self.driver.slots),
         }
+
+
+def take_turns(runs: dict[str, Any], rounds: int, path: str) -> None:
+    """Round 0 (a warm-up without modelled compute) and ``rounds`` timed rounds, each run taking its turn in
+    every round; writes every run's timed turns to ``path``."""
+    for r in range(rounds + 1):
+        for run in runs.values():
+            measured = run.turn(run.seconds if r > 0 else 0.0)
+            if r > 0:
+                run.turns.append(measured)
+    with open(path, "w") as f:
+        json.dump({k: run.turns for k, run in runs.items()}, f)
 
 
 def worker(options: dict[str, Any]) -> None:
@@ -155,13 +176,7 @@ def worker(options: dict[str, Any]) -> None:
         runs = {key(m, F): Turns(m, F, options["params"], transport, options["sync_every"], options["overlap"],
                                  options["step_seconds"][m], rank)
                 for m in options["methods"] for F in options["fragments"]}
-        for r in range(options["rounds"] + 1):
-            for run in runs.values():
-                measured = run.turn(run.seconds if r > 0 else 0.0)
-                if r > 0:
-                    run.turns.append(measured)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({k: run.turns for k, run in runs.items()}, f)
+        take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"))
     finally:
         dist.destroy_process_group()
 

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.b1_fragments import BLOCKS, STEP_SECONDS_PER_M, Turns, key
+from benchmarks.b1_fragments import BLOCKS, STEP_SECONDS_PER_M, Turns, key, modelled_steps, take_turns
 from benchmarks.common import load_average, machine, results_dir, skip_final_collection, spread, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import Network, uniform
@@ -144,23 +144,11 @@ class TorchftTurns:
         return timed
 
     def turn(self, seconds: float) -> dict[str, Any]:
-        import torch
         import torch.distributed as dist
 
         dist.barrier()
         commits, spent = self.manager.current_step(), dict(self.spent)
-        start = time.perf_counter()
-        in_step = 0.0
-        for _ in range(self.sync_every):
-            step_end = time.perf_counter() + seconds
-            with torch.no_grad():
-                for p in self.blocks:
-                    p.mul_(0.999)
-            time.sleep(max(0.0, step_end - time.perf_counter()))
-            before = time.perf_counter()
-            self.inner.step()
-            in_step += time.perf_counter() - before
-        wall = time.perf_counter() - start
+        wall, in_step = modelled_steps(self.blocks, self.sync_every, seconds, self.inner.step)
         in_flight = self.diloco._local_step != 0 or any(f._allreduce_work for f in self.diloco._fragments)
         return {"wall_s": wall, "exposed_s": in_step, "rounds": self.manager.current_step() - commits,
                 "in_flight_after": int(in_flight), **{what: self.spent[what] - spent[what] for what in spent}}
@@ -208,13 +196,7 @@ def worker(options: dict[str, Any]) -> None:
                 else:
                     runs[key(m, F)] = Turns(m, F, options["params"], transport, options["sync_every"],
                                             options["overlap"], options["step_seconds"][m], rank)
-        for r in range(options["rounds"] + 1):
-            for run in runs.values():
-                measured = run.turn(run.seconds if r > 0 else 0.0)
-                if r > 0:
-                    run.turns.append(measured)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({k: run.turns for k, run in runs.items()}, f)
+        take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"))
         dist.barrier()  # nobody's Lighthouse or manager goes while another replica may still sync
     finally:
         for run in runs.values():
