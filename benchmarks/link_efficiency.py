@@ -14,7 +14,9 @@ direction at once, since a replica's exchange is two-way:
 * ``noloco pair``: our NoLoCo pair exchange (``TorchDistributedTransport.group_sum`` over the pair: gloo's
   send and receive on one connection);
 * ``diloco all-reduce``: our DiLoCo's all-reduce of the same payload (``all_reduce_sum``; with two replicas
-  each sends the payload once, in halves).
+  each sends the payload once, in halves);
+* ``noloco pair ×s`` and ``diloco all-reduce ×s`` for each s of ``--transport-streams`` (default 4): the same
+  over a transport with ``streams=s``, the payload spread over s process groups, s connections per pair.
 
 Each is timed from a barrier to its end on both nodes (the slower counts; buffers are allocated before the
 barrier), and reported as the rate it reached per direction (payload bits ÷ seconds) and that rate as a fraction
@@ -155,6 +157,10 @@ def worker(options: dict[str, Any]) -> None:
         steps: dict[str, Any] = {f"tcp×{k}": (lambda s=s: s.exchange(raw)) for k, s in streams.items()}
         steps["noloco pair"] = lambda: transport.group_sum(work, (0, 1))
         steps["diloco all-reduce"] = lambda: transport.all_reduce_sum(work)
+        for s in options["transport_streams"]:
+            spread_over = TorchDistributedTransport(torch.device("cpu"), streams=s)
+            steps[f"noloco pair ×{s}"] = lambda t=spread_over: t.group_sum(work, (0, 1))
+            steps[f"diloco all-reduce ×{s}"] = lambda t=spread_over: t.all_reduce_sum(work)
         seconds: dict[str, list[float]] = {name: [] for name in steps}
         for repeat in range(options["repeats"] + 1):  # repeat 0 warms every connection
             for name, step in steps.items():
@@ -184,12 +190,12 @@ def tcp_settings() -> dict[str, str]:
 
 
 def measure(mbit: float, one_way_ms: float, loss: float, params: int, streams: list[int], repeats: int,
-            wmem: str | None = None) -> dict:
+            wmem: str | None = None, transport_streams: tuple[int, ...] = (4,)) -> dict:
     network = uniform(2, mbit=mbit, one_way_ms=one_way_ms, loss=loss)
     sysctls = {"net.ipv4.tcp_slow_start_after_idle": "0"}
     if wmem:
         sysctls["net.ipv4.tcp_wmem"] = wmem
-    options = {"params": params, "streams": streams, "repeats": repeats}
+    options = {"params": params, "streams": streams, "repeats": repeats, "transport_streams": list(transport_streams)}
     with tempfile.TemporaryDirectory() as out:
         wall = launch.run_workers("emulated", network, lambda i: ["-m", "benchmarks.link_efficiency", "--worker",
                                                                   json.dumps({**options, "out": out})], timeout=3600,
@@ -225,6 +231,8 @@ def main() -> None:
     parser.add_argument("--tcp-wmem", help="net.ipv4.tcp_wmem in the namespaces, 'MIN DEFAULT MAX' bytes (default: the "
                         "host's): a connection's send window is at most MAX, so one connection carries at most "
                         "MAX per round trip")
+    parser.add_argument("--transport-streams", nargs="*", type=int, default=[4],
+                        help="s of our transport's streams= to time beside it (default 4; none: leave out)")
     parser.add_argument("--out", default="link_efficiency", help="the results' name (default link_efficiency)")
     args = parser.parse_args()
     if args.worker:
@@ -245,7 +253,8 @@ def main() -> None:
     before = load_average()
     rows = []
     for loss in losses:
-        rows.append(measure(mbit, one_way, loss, params, streams, repeats, args.tcp_wmem))
+        rows.append(measure(mbit, one_way, loss, params, streams, repeats, args.tcp_wmem,
+                            tuple(args.transport_streams)))
         print(f"link: {rows[-1]['network']} done in {rows[-1]['wall_s']:.0f} s", flush=True)
     flat = [{"network": row["network"], "what": name, "seconds": run["seconds"]["median"],
              "s_min": run["seconds"]["min"], "s_max": run["seconds"]["max"], "mbit_s": run["mbit_s"]["median"],

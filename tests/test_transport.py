@@ -60,6 +60,48 @@ def test_group_sum_and_all_reduce_across_four_processes(tmp_path):
         assert res[r]["alone_is_a_copy"]  # even for a group of one: callers update the sum in place
 
 
+def _streams_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port=port, timeout_s=60)
+    try:
+        one = TorchDistributedTransport(torch.device("cpu"))
+        three = TorchDistributedTransport(torch.device("cpu"), streams=3)  # every rank builds it: new_group
+        payload = torch.randn(1001, generator=torch.Generator().manual_seed(rank))  # 1001: uneven pieces
+        group = (0, 1, 2)
+        results = {"one": one.group_sum(payload, group), "three": three.group_sum(payload, group),
+                   "pair_one": one.group_sum(payload, (0, 1)) if rank < 2 else None,
+                   "pair_three": three.group_sum(payload, (0, 1)) if rank < 2 else None,
+                   "all_one": one.all_reduce_sum(payload.clone()), "all_three": three.all_reduce_sum(payload.clone()),
+                   "bytes": (one.stats.bytes_sent, three.stats.bytes_sent), "groups": len(three.stream_groups)}
+        refused = []
+        for kwargs in ({"streams": 0}, {"streams": True}, {"streams": 2, "ranks_per_replica": 3,
+                                                           "replica_group": object(), "slice_group": object()}):
+            try:
+                TorchDistributedTransport(torch.device("cpu"), **kwargs)
+            except ValueError as err:
+                refused.append(str(err))
+        results["refused"] = refused
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_streams_spread_an_exchange_over_several_connections_with_the_same_sums(tmp_path):
+    world = 3
+    start_ranks(_streams_worker, world, args=(world, free_port(), str(tmp_path)), timeout_s=120)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    for r in range(world):
+        assert res[r]["groups"] == 3
+        assert torch.equal(res[r]["three"], res[r]["one"])  # the pieces land in the same buffers: bitwise
+        assert torch.allclose(res[r]["all_three"], res[r]["all_one"], atol=1e-6)  # gloo's order per piece
+        assert torch.equal(res[r]["all_three"], res[0]["all_three"])  # every replica holds the same sum
+        assert res[r]["bytes"][0] == res[r]["bytes"][1]  # the same payload bytes, over more connections
+        assert len(res[r]["refused"]) == 3
+        assert "streams must be an integer >= 1" in res[r]["refused"][0] and "got True" in res[r]["refused"][1]
+        assert "needs replicas of one rank" in res[r]["refused"][2]
+    for r in (0, 1):
+        assert torch.equal(res[r]["pair_three"], res[r]["pair_one"])
+
+
 def test_every_transport_builds_on_the_shared_pending_and_transport():
     from lightning_loco.elastic.transport import ElasticPending, ElasticTransport
 

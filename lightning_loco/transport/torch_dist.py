@@ -23,6 +23,14 @@ training stream wait for it; no thread and no host synchronisation.
 
 With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the exchanges are those of
 :mod:`~lightning_loco.transport.coded`; this module holds the float32 paths.
+
+``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
+(gloo gives every group its own connections): s TCP connections per pair carry one exchange. One connection
+carries at most its send buffer per round trip, and gloo's all-reduce waits a round trip per step, so on a long
+fat pipe a single connection leaves most of the link idle (``benchmarks/link_efficiency.py``). The groups are
+made when the transport is built, by every rank of the world (``dist.new_group`` is collective). Pieces land in
+the same buffers, so a pair exchange's sum is bitwise the same for every s; an all-reduce of the pieces adds
+the same values in the order gloo chooses for each piece.
 """
 
 from __future__ import annotations
@@ -177,6 +185,9 @@ class TorchDistributedTransport(Transport):
         sharded: the k ranks of a replica hold different buffers, each its own shards of the model
             (FSDP2 inside the replica): each rank is its own slice, exchanged whole with its
             counterparts, and the replica's ranks gather nothing.
+        streams: s, the connections per pair one exchange is spread over (see the module docstring;
+            default 1). With s > 1, every rank of the world must build the transport (the s − 1 extra
+            groups are made then); replicas of one rank only.
     """
 
     def __init__(
@@ -187,6 +198,7 @@ class TorchDistributedTransport(Transport):
         replica_group: Optional[Any] = None,
         slice_group: Optional[Any] = None,
         sharded: bool = False,
+        streams: int = 1,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised torch.distributed process group")
@@ -195,6 +207,12 @@ class TorchDistributedTransport(Transport):
             raise ValueError(f"ranks_per_replica={ranks_per_replica} must divide the world size {world}")
         if ranks_per_replica > 1 and (replica_group is None or slice_group is None):
             raise ValueError("ranks_per_replica > 1 needs replica_group and slice_group")
+        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams must be an integer >= 1 (connections per pair), got {streams!r}")
+        if streams > 1 and ranks_per_replica > 1:
+            raise ValueError(f"streams={streams} needs replicas of one rank (ranks_per_replica=1): a replica of "
+                             f"{ranks_per_replica} ranks already spreads its exchange over {ranks_per_replica} "
+                             "connections per pair, one per rank")
         self.device = torch.device(device)
         self.process_group = process_group
         self.ranks_per_replica = k = ranks_per_replica
@@ -207,6 +225,11 @@ class TorchDistributedTransport(Transport):
         self.stats = TransportStats()
         self.staging = StagingPool()  # host buffers for CUDA payloads crossing gloo (pinned with CUDA)
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
+        self.streams = streams
+        self.stream_groups: list[Any] = [process_group]
+        if streams > 1:  # collective: every rank of the world builds its transport, in the same order
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self.stream_groups += [dist.new_group(ranks=ranks) for _ in range(streams - 1)]
 
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
@@ -244,12 +267,23 @@ class TorchDistributedTransport(Transport):
         """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j, in one
         ``batch_isend_irecv``; returns its works. (Messages are matched in posting order: ``round_id``
         tags nothing here.)"""
-        ops = [dist.P2POp(dist.irecv, buf, self.replica_ranks[j], self.process_group) for j, buf in receives.items()]
-        ops += [dist.P2POp(dist.isend, buf, self.replica_ranks[j], self.process_group) for j, buf in sends.items()]
-        try:
-            return dist.batch_isend_irecv(ops) if ops else []
-        except RuntimeError as err:  # gloo may fail at once when a peer is already gone
-            raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
+        works = []
+        for piece, group in enumerate(self.stream_groups):  # with streams = s, piece c of each message on group c
+            ops = [dist.P2POp(dist.irecv, self._piece(buf, piece), self.replica_ranks[j], group)
+                   for j, buf in receives.items()]
+            ops += [dist.P2POp(dist.isend, self._piece(buf, piece), self.replica_ranks[j], group)
+                    for j, buf in sends.items()]
+            try:
+                works += dist.batch_isend_irecv(ops) if ops else []
+            except RuntimeError as err:  # gloo may fail at once when a peer is already gone
+                raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
+        return works
+
+    def _piece(self, buf: Tensor, piece: int) -> Tensor:
+        """Piece ``piece`` of ``streams`` of a contiguous buffer (a view: what lands in it lands in ``buf``)."""
+        if self.streams == 1:
+            return buf
+        return torch.tensor_split(buf.view(-1), self.streams)[piece]
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> PendingSum:
         return PendingSum(self, [], lambda: total, 0, peers).completed_with(total)
@@ -321,8 +355,10 @@ class TorchDistributedTransport(Transport):
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
         n = self.num_replicas
         peers = tuple(j for j in range(n) if j != self.replica)
+        groups = self.stream_groups if self.ranks_per_replica == 1 else [group]
         try:
-            work = dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            works = [dist.all_reduce(self._piece(part, c) if len(groups) > 1 else part, op=dist.ReduceOp.SUM,
+                                     group=g, async_op=True) for c, g in enumerate(groups)]
         except RuntimeError as err:
             raise self.peer_error(peers, err) from err
 
@@ -335,7 +371,7 @@ class TorchDistributedTransport(Transport):
             return payload
 
         nbytes = ring_all_reduce_bytes(part.numel() * part.element_size(), n)
-        return self.pending([work] if work is not None else [], finish, nbytes, peers)
+        return self.pending([w for w in works if w is not None], finish, nbytes, peers)
 
 
 def all_gather_slices(part: Tensor, like: Tensor, k: int, group: Any) -> Tensor:
