@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from multiprocessing import get_context
 from pathlib import Path
@@ -95,6 +96,17 @@ def skip_final_collection() -> None:
     garbage collection, which would otherwise walk all of torch's and Lightning's objects (about
     0.7 s of CPU a process). Nothing else changes: exit handlers run and open files are flushed."""
     gc.freeze()
+
+
+def wait_for_files(paths: Sequence[Path], timeout_s: float = 120.0) -> list[Path]:
+    """Waits until every path exists or ``timeout_s`` passed; returns the ones still missing. Lightning's popen
+    launcher returns with rank 0, and the other ranks end on their own (nothing global at the end of fit), so a
+    rank may still be writing what it measured when rank 0's process has exited: write to a temporary name and
+    rename, and wait here."""
+    deadline = time.monotonic() + timeout_s
+    while not all(Path(p).exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [Path(p) for p in paths if not Path(p).exists()]
 
 
 def write_json(name: str, payload: dict[str, Any], folder: Path = RESULTS) -> Path:

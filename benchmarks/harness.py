@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import run_python
+from benchmarks.common import run_python, wait_for_files
 from lightning_loco.testing.launch import free_port, strategy_class
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
@@ -95,7 +95,9 @@ def save_weights(out: Path) -> Any:
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             seconds = time.perf_counter() - self.started
-            torch.save({"state": pl_module.state_dict(), "seconds": seconds}, out / f"rank{trainer.global_rank}.pt")
+            path = out / f"rank{trainer.global_rank}.pt"
+            torch.save({"state": pl_module.state_dict(), "seconds": seconds}, path.with_suffix(".part"))
+            os.replace(path.with_suffix(".part"), path)  # whole or absent to the reader
 
     return SaveWeights()
 
@@ -115,4 +117,9 @@ def run_lightning_processes(module: str, config: dict[str, Any], out: Path, rank
     if proc.returncode != 0:
         raise RuntimeError(f"{what or 'the run of ' + module} with {ranks} processes failed:\n"
                            f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    return [torch.load(out / f"rank{r}.pt") for r in range(ranks)], wall
+    files = [out / f"rank{r}.pt" for r in range(ranks)]
+    missing = wait_for_files(files)  # the other ranks may end after rank 0's process
+    if missing:
+        raise RuntimeError(f"{what or 'the run of ' + module}: {[f.name for f in missing]} not written within "
+                           f"120 s of rank 0's end:\n{proc.stderr[-4000:]}")
+    return [torch.load(f) for f in files], wall

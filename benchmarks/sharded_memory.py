@@ -39,7 +39,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import forking, machine, results_dir, run_python, skip_final_collection, table, write_json
+from benchmarks.common import (
+    forking,
+    machine,
+    results_dir,
+    run_python,
+    skip_final_collection,
+    table,
+    wait_for_files,
+    write_json,
+)
 
 # (k, replicas, mode): the configurations, in order
 CONFIGS = ((2, 2, "ddp"), (2, 2, "fsdp"), (4, 1, "ddp"), (4, 2, "fsdp"))
@@ -135,8 +144,10 @@ def worker(mode: str, k: int, width: int, depth: int, steps: int, out: str) -> N
                 bytes_sent=[r.bytes_sent for r in strategy.outer_step_reports],
                 peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # kilobytes on Linux
             )
-            with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:  # on every rank
+            path = os.path.join(out, f"rank{trainer.global_rank}.json")  # on every rank
+            with open(path + ".part", "w") as f:
                 json.dump(measured, f)
+            os.replace(path + ".part", path)  # whole or absent to the reader
 
     kwargs = {"replica_sharding": "fsdp"} if mode == "fsdp" else {}
     # the ranks are new interpreters (Lightning's popen launcher), or forked children in the suite's smoke run
@@ -159,7 +170,12 @@ def measure(mode: str, k: int, replicas: int, width: int, depth: int, steps: int
         proc = run_python(command[1:], env=env, timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} k={k}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+        files = [Path(out, f"rank{r}.json") for r in range(world)]
+        missing = wait_for_files(files)  # the other ranks may end after rank 0's process
+        if missing:
+            raise RuntimeError(f"{mode} k={k}: {[f.name for f in missing]} not written within 120 s of rank 0's "
+                               f"end\n{proc.stderr[-3000:]}")
+        ranks = [json.loads(f.read_text()) for f in files]
     worst = max(ranks, key=lambda r: r["params"] + r["inner"] + r["outer"])
     rounds = [max(r["outer_seconds"][i] for r in ranks) for i in range(len(ranks[0]["outer_seconds"]))]
     sent = max(max(r["bytes_sent"], default=0) for r in ranks)
