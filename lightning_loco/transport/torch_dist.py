@@ -357,8 +357,8 @@ class TorchDistributedTransport(Transport):
         peers = tuple(j for j in range(n) if j != self.replica)
         groups = self.stream_groups if self.ranks_per_replica == 1 else [group]
         try:
-            works = [dist.all_reduce(self._piece(part, c) if len(groups) > 1 else part, op=dist.ReduceOp.SUM,
-                                     group=g, async_op=True) for c, g in enumerate(groups)]
+            works = [dist.all_reduce(self._piece(part, c), op=dist.ReduceOp.SUM, group=g, async_op=True)
+                     for c, g in enumerate(groups)]
         except RuntimeError as err:
             raise self.peer_error(peers, err) from err
 
