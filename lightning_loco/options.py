@@ -706,16 +706,6 @@ def _fabric_not_elastic(f: Facts) -> Optional[str]:
             "which only the Trainer's loop exposes. Use the Trainer's strategy of the same name for elastic replicas.")
 
 
-@rule("fabric-not-sharded", "build", ("replica_sharding", "Fabric"), "`replica_sharding` under Fabric",
-      "`ranks_per_replica=k` with DDP inside, or the Trainer's strategies",
-      example={"strategy": "fabric:noloco", "replica_sharding": "fsdp", "ranks_per_replica": 2})
-def _fabric_not_sharded(f: Facts) -> Optional[str]:
-    if f.loop != "fabric" or f.options.replica_sharding is None:
-        return None
-    return ("replica_sharding='fsdp' under Fabric is not supported yet. Use ranks_per_replica=k with DDP inside each "
-            "replica (replica_sharding=None), or the Trainer's strategy of the same name for FSDP2 inside replicas.")
-
-
 # -- the outer step's own arguments
 
 

@@ -99,18 +99,20 @@ def broadcast_whole(module: nn.Module, device: torch.device) -> None:
                 tensor.copy_(moved)
 
 
-def auto_shard(module: nn.Module, mesh: Any, config: FSDPConfig) -> None:
+def auto_shard(module: nn.Module, mesh: Any, config: FSDPConfig, root_is_called: bool = False) -> None:
     """The automatic policy, for a module whose ``configure_model`` shards nothing: ``fully_shard``
     every submodule of a class in ``config.blocks`` (innermost first), then every direct child of
     ``module`` that still holds parameters of its own; a child that is an ``nn.Sequential`` is not one
     unit but its layers are (recursively), because a Sequential may end in a view (``Flatten``), whose
     pre-backward hook FSDP2 would drop, while a layer that holds parameters returns a new tensor.
-    Parameters held by ``module`` itself are refused: it is not called as a module (Lightning calls
-    ``training_step``), so FSDP2 could not gather them."""
+
+    Parameters held by ``module`` itself: with ``root_is_called`` (a Fabric loop calls ``model(x)``)
+    ``module`` becomes the last unit; otherwise they are refused, since Lightning calls
+    ``training_step``, not the module, so FSDP2 could not gather them."""
     from torch.distributed.fsdp import fully_shard
 
     own = [name for name, _ in module.named_parameters(recurse=False)]
-    if own:
+    if own and not root_is_called:
         raise ValueError(
             f"replica_sharding='fsdp': the LightningModule holds parameters itself ({own[:3]}); FSDP2 shards "
             "submodules. Move them into a submodule, or shard them yourself in configure_model."
@@ -120,6 +122,8 @@ def auto_shard(module: nn.Module, mesh: Any, config: FSDPConfig) -> None:
             fully_shard(sub, mesh=mesh, **config.kwargs)
     for unit in _units(module):
         fully_shard(unit, mesh=mesh, **config.kwargs)
+    if own:
+        fully_shard(module, mesh=mesh, **config.kwargs)
 
 
 def _units(module: nn.Module) -> Iterator[nn.Module]:

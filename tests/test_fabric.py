@@ -64,7 +64,6 @@ def test_fabric_takes_the_trainers_options_and_max_steps():
 @pytest.mark.parametrize("kwargs, rule", [
     ({"pacing": 2.0}, "fabric-not-paced"),
     ({"elastic": ElasticConfig("localhost:29510")}, "fabric-not-elastic"),
-    ({"replica_sharding": "fsdp", "ranks_per_replica": 2}, "fabric-not-sharded"),
     ({"overlap_steps": 4, "sync_every": 4}, "overlap-within-round"),  # the Trainer's rules hold here too
 ])
 def test_what_fabric_cannot_run_is_refused_when_the_strategy_is_built(kwargs, rule):
@@ -110,15 +109,26 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=config["world"])
     fabric.launch()
     model = tiny.TinyRegressor(lr=0.05)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = fabric.setup(model, optimizer)
+    refused = None
+    if strategy.layout.sharded:
+        # FSDP2 shards the parameters in place: an optimizer made before is refused, and the model is kept
+        try:
+            fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        except RuntimeError as error:
+            refused = str(error)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model, optimizer = fabric.setup(model, optimizer)
     # shuffled by the distributed sampler, epoch by epoch, as the Trainer's training data is
     loader = fabric.setup_dataloaders(DataLoader(tiny.dataset(), batch_size=BATCH, shuffle=True))
-    step = 0
+    step, loaded = 0, None
     if config.get("resume"):
         state = {"model": model, "optimizer": optimizer, "step": 0}
         fabric.load(config["resume"], state)
         step = state["step"]
+        loaded = tiny.flat(model)
     calls.active = True
     per_step = []
     accumulate = config.get("accumulate", 1)
@@ -136,11 +146,12 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
                 step += 1
                 if step == STEPS:
                     break
+    skip = step  # a resumed run skips the batches it trained on, as LitGPT's loop does
     while step < STEPS:
-        loader.sampler.set_epoch(step // len(loader))
-        for k, (x, y) in enumerate(loader):
-            if k < step % len(loader):
-                continue  # a resumed run picks up mid-epoch
+        for x, y in loader:  # Fabric's loader sets the sampler's epoch at every pass
+            if skip:
+                skip -= 1
+                continue
             loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
             fabric.backward(loss)
             optimizer.step()
@@ -154,8 +165,13 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
             if step == STEPS:
                 break
     calls.active = False
+    from torch.distributed.tensor import DTensor
+
+    sharded = [isinstance(p, DTensor) for p in model.parameters()]
+    consensus = fabric.strategy.consensus_state_dict() if config.get("consensus") else None
     torch.save({"final": tiny.flat(model), "calls": per_step, "outer_steps": fabric.strategy.outer_steps,
-                "finished": fabric.strategy.finished}, out / f"fabric{rank}.pt")
+                "finished": fabric.strategy.finished, "sharded": sharded, "refused": refused,
+                "consensus": consensus, "loaded": loaded}, out / f"fabric{rank}.pt")
 
 
 def run(tmp_path: Path, kind: str, **config: Any) -> list[dict[str, Any]]:
@@ -180,6 +196,49 @@ def test_a_fabric_loop_takes_the_trainers_rounds_bit_for_bit(tmp_path, name, wor
     assert not torch.equal(fabric[0]["final"], untrained)
 
 
+FSDP = {"replica_sharding": "fsdp"}
+
+
+@pytest.mark.parametrize("name", ["noloco", "diloco"])
+def test_fsdp2_inside_a_replica_takes_the_trainers_rounds_bit_for_bit(tmp_path, name):
+    """Two replicas of two ranks, FSDP2 inside each: ``fabric.setup_module`` shards the model as the Trainer's
+    strategy does (the automatic policy), each rank steps and exchanges its own shards, and the run ends bitwise
+    where ``Trainer.fit`` with ``replica_sharding="fsdp"`` ends; the consensus model is the full average."""
+    trainer = run(tmp_path, "trainer", name=name, world=4, k=2, strategy=FSDP)
+    fabric = run(tmp_path, "fabric", name=name, world=4, k=2, strategy=FSDP, consensus=True)
+    for rank in range(4):
+        assert torch.equal(fabric[rank]["final"], trainer[rank]["final"]), rank
+        assert fabric[rank]["outer_steps"] == STEPS // H and fabric[rank]["finished"]
+        assert all(fabric[rank]["sharded"]) and len(fabric[rank]["sharded"]) == 4
+        assert "fabric.setup_module(model)" in fabric[rank]["refused"]  # setup(model, optimizer) was refused first
+    assert not torch.equal(fabric[0]["final"], tiny.flat(tiny.TinyRegressor()))
+    full = fabric[0]["consensus"]  # global rank 0 only; every replica holds the average after the run
+    assert all(f["consensus"] is None for f in fabric[1:])
+    assert torch.equal(torch.cat([full[k].reshape(-1) for k in tiny.TinyRegressor().state_dict()]), fabric[0]["final"])
+    # whole replicas (DDP inside) take the same rounds, up to the order of float additions
+    whole = run(tmp_path / "whole", "fabric", name=name, world=4, k=2)
+    assert torch.allclose(whole[0]["final"], fabric[0]["final"], atol=1e-6)
+
+
+def test_a_sharded_fabric_run_resumes_exactly_from_fabric_save(tmp_path):
+    """Every rank writes its own shards and outer state; the main file holds the full consensus model."""
+    checkpoint = tmp_path / "ckpt" / "step3.ckpt"
+    whole = run(tmp_path, "fabric", name="noloco", world=4, k=2, strategy=FSDP, save_at=3,
+                checkpoint=str(checkpoint))
+    resumed = run(tmp_path / "again", "fabric", name="noloco", world=4, k=2, strategy=FSDP, resume=str(checkpoint))
+    for rank in range(4):
+        assert torch.equal(resumed[rank]["final"], whole[rank]["final"]), rank
+    main = torch.load(checkpoint, weights_only=False)
+    assert "optimizer" not in main and main["lightning_loco"]["shards"] == 2 and main["step"] == 3
+    assert main["model"]["body.weight"].shape == (3, tiny.IN_FEATURES)  # full tensors, not one rank's shard
+    # another number of replicas (one, of two ranks) starts from the main file's consensus model, each rank
+    # taking its part of the full tensors; the inner optimizer starts fresh (a warning says so)
+    one = run(tmp_path / "one", "fabric", name="noloco", world=2, k=2, strategy=FSDP, resume=str(checkpoint))
+    consensus = torch.cat([main["model"][k].reshape(-1) for k in tiny.TinyRegressor().state_dict()])
+    assert all(torch.equal(r["loaded"], consensus) for r in one)
+    assert "start fresh" in (tmp_path / "one" / "fabric" / "stderr0.txt").read_text()
+
+
 @pytest.mark.parametrize("world, k", [(2, 1), (4, 2)])
 def test_gradient_accumulation_with_no_backward_sync_takes_the_trainers_rounds(tmp_path, world, k):
     """``fabric.no_backward_sync`` holds DDP's all-reduce back inside a replica of two ranks (and is a no-op with
@@ -191,6 +250,19 @@ def test_gradient_accumulation_with_no_backward_sync_takes_the_trainers_rounds(t
         assert fabric[rank]["outer_steps"] == STEPS // H
     plain = run(tmp_path / "plain", "fabric", name="noloco", world=world, k=k)
     assert not torch.equal(plain[0]["final"], fabric[0]["final"])  # two batches a step: another run
+
+
+def test_gradient_accumulation_in_a_sharded_replica_holds_fsdp2s_reduce_scatters_back(tmp_path):
+    """``fabric.no_backward_sync`` in a sharded replica is FSDP2's ``set_requires_gradient_sync(False)``: the
+    summed micro-batch gradients are reduce-scattered once, so the run matches DDP inside (which all-reduces the
+    sum once) to float rounding, and the Trainer's sharded run (which reduces every micro-batch) closely."""
+    sharded = run(tmp_path, "fabric", name="noloco", world=4, k=2, accumulate=2, strategy=FSDP)
+    whole = run(tmp_path / "whole", "fabric", name="noloco", world=4, k=2, accumulate=2)
+    trainer = run(tmp_path, "trainer", name="noloco", world=4, k=2, accumulate=2, strategy=FSDP)
+    for rank in range(4):
+        assert torch.allclose(sharded[rank]["final"], whole[rank]["final"], rtol=0, atol=1e-7), rank
+        assert torch.allclose(sharded[rank]["final"], trainer[rank]["final"], rtol=0, atol=1e-6), rank
+        assert sharded[rank]["outer_steps"] == STEPS // H
 
 
 def test_a_fabric_run_resumes_exactly_from_fabric_save(tmp_path):

@@ -16,9 +16,17 @@ What the Fabric loop owns, the strategy is told or asked:
   state)`` restores each replica's own, the outer state included, exactly;
 * the consensus model: :meth:`FabricOuterStepStrategy.consensus_state_dict`.
 
+FSDP2 inside a replica (``replica_sharding="fsdp"`` with ``ranks_per_replica`` = k > 1) is the Trainer's layout
+(:class:`~lightning_loco.strategies.layout.ShardedReplicas`): ``fabric.setup_module(model)`` shards the model over
+the replica's k ranks (the automatic policy, unless the model was already sharded with ``fully_shard(...,
+mesh=fabric.strategy.device_mesh["data_parallel"])``), and the optimizer is created afterwards over the sharded
+parameters and given to ``fabric.setup_optimizers``, as with Fabric's own ``ModelParallelStrategy``. Each rank
+steps, exchanges and saves its own shards; ``fabric.save``'s main file holds the full consensus model and no
+inner optimizer state (its shards are in the replica files).
+
 Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.options` refuse them when the strategy is
 built): ``pacing`` and ``elastic`` replicas, which need the Trainer's loop to end a run on a round and to take a
-healed replica's step counts, and ``replica_sharding``.
+healed replica's step counts.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -61,7 +70,7 @@ from lightning_loco.process_groups import ProcessGroups
 from lightning_loco.replica import ReplicaRun
 from lightning_loco.reports import OuterStepReport
 from lightning_loco.short_runs import warn_if_short
-from lightning_loco.strategies.layout import ReplicaLayout
+from lightning_loco.strategies.layout import replica_layout
 
 
 class FabricOuterStepStrategy(DDPStrategy):
@@ -126,7 +135,7 @@ class FabricOuterStepStrategy(DDPStrategy):
             timeout=timeout, start_method=start_method,
         )
         self._backward_sync_control = _ReplicaBackwardSync()
-        self.layout = ReplicaLayout(self)
+        self.layout = replica_layout(self, self.options.replica_sharding, root_is_called=True)
         self.transport_factory = self.mode.transport_factory(transport_factory)
         self.run: Optional[ReplicaRun] = None  # from the first optimizer step to finish()
         self.finished = False  # finish() ran: training ended
@@ -198,6 +207,13 @@ class FabricOuterStepStrategy(DDPStrategy):
         """Every rank of the world its own part of the data (``fabric.setup_dataloaders``), as the Trainer's."""
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
+    @property
+    def device_mesh(self) -> Any:
+        """With ``replica_sharding``, the replica's ("data_parallel", "tensor_parallel") mesh of shape (k, 1), once
+        the processes started (``fabric.launch()``): a model sharded by hand before ``fabric.setup_module`` uses
+        ``device_mesh["data_parallel"]``."""
+        return self.layout.device_mesh
+
     def comm_device(self) -> torch.device:
         """Where buffers cross the network: the accelerator with NCCL, else the CPU."""
         return self.root_device if self._get_process_group_backend() == "nccl" else torch.device("cpu")
@@ -212,16 +228,22 @@ class FabricOuterStepStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._groups = ProcessGroups(self.ranks_per_replica, self._get_process_group_backend(), self._timeout)
+        backend = self._get_process_group_backend()
+        self._groups = ProcessGroups(self.ranks_per_replica, backend, self._timeout)
         self._groups.create_replica_groups()
+        self.layout.setup_distributed(backend, self._timeout)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # DDP inside a replica only
         """Every replica starts from global rank 0's weights (parameters and buffers, one broadcast); no wrapper
-        between replicas, torch's ``DistributedDataParallel`` over the replica's own ranks with k > 1."""
+        between replicas, torch's ``DistributedDataParallel`` over the replica's own ranks with k > 1, or with
+        ``replica_sharding`` FSDP2's ``fully_shard`` over them (the module is sharded in place)."""
+        if self._module is not None and self._module() is not None:
+            raise RuntimeError(f"{type(self).__name__} trains one model: set up one module per Fabric.")
         self._module = weakref.ref(module)
+        self.layout.prepare_model()  # sharded: every rank takes global rank 0's weights, then FSDP2 shards them
         self.layout.sync_initial_weights()
-        if self.ranks_per_replica == 1:
+        if self.ranks_per_replica == 1 or self.layout.sharded:
             return module
         assert self._groups is not None
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
@@ -229,18 +251,36 @@ class FabricOuterStepStrategy(DDPStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Each optimizer given to ``fabric.setup`` gets its own outer state when training starts (in that order)."""
+        """Each optimizer given to ``fabric.setup`` gets its own outer state when training starts (in that order).
+        With ``replica_sharding`` it must hold the sharded model's parameters (created after
+        ``fabric.setup_module``)."""
         if self.run is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: an optimizer was set up after training started; set up every optimizer "
                 "(fabric.setup(model, *optimizers)) before the first optimizer.step()."
             )
+        if self.layout.sharded:
+            loose = sum(not isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
+            if self.lightning_module is None or loose:
+                raise RuntimeError(
+                    f"{type(self).__name__} with replica_sharding: the optimizer holds {loose} parameter(s) that are "
+                    "not the sharded model's. Set up the model first, then create the optimizer over its sharded "
+                    "parameters: model = fabric.setup_module(model); optimizer = fabric.setup_optimizers("
+                    "torch.optim.AdamW(model.parameters()))."
+                )
         self._optimizers.append(optimizer)
         return optimizer
 
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        if self.layout.sharded and optimizers:  # refused before the module changes: nothing is lost
+            raise RuntimeError(
+                f"{type(self).__name__} with replica_sharding shards the model's parameters in place, so an optimizer "
+                "created before would step the unsharded ones. Set up the model first, then create the optimizer: "
+                "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers("
+                "torch.optim.AdamW(model.parameters()))."
+            )
         return self.setup_module(module), [self.setup_optimizer(o) for o in optimizers], scheduler
 
     # ------------------------------------------------------------------ training
@@ -320,34 +360,44 @@ class FabricOuterStepStrategy(DDPStrategy):
         Collective: every rank must call it."""
         for tensors, group in self.layout.consensus_parts():
             consensus.average_into(tensors, self.comm_device(), group)
+        self.layout.weights_changed()
 
-    def consensus_state_dict(self) -> dict[str, Any]:
-        """The replicas' average as a plain state dict (floating-point entries averaged, others this replica's),
-        for ``torch.save`` or another model's ``load_state_dict``. Collective: every rank must call it."""
+    def consensus_state_dict(self) -> Optional[dict[str, Any]]:
+        """The replicas' average as a plain state dict of full tensors (floating-point entries averaged, others this
+        replica's), for ``torch.save`` or another model's ``load_state_dict``. Collective: every rank must call it;
+        with ``replica_sharding`` global rank 0 gets the dict and the others None, else every rank gets it."""
         module = self.lightning_module
         assert module is not None, "set up the model with fabric.setup first"
-        return consensus.state_dict(module.state_dict(), self.comm_device())
+        return self.layout.checkpoint_consensus(module.state_dict())
 
     # ------------------------------------------------------------------ checkpoints (collective)
 
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Every replica's own file (the state as ``fabric.save`` was given it, and the outer state), then the main
-        file on global rank 0: the same state with each module's weights the replicas' average. Collective."""
+        """Every replica's own file (the state as ``fabric.save`` was given it, and the outer state; with
+        ``replica_sharding`` every rank's own shards), then the main file on global rank 0: the same state with each
+        module's weights the replicas' average (full tensors; sharded inner optimizer states stay in the replica
+        files). Collective."""
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         save_id = self.broadcast(uuid.uuid4().hex[:12])
-        averaged = {key: consensus.state_dict(value, self.comm_device()) if isinstance(state[key], nn.Module) else value
-                    for key, value in converted.items()}
+        averaged = {}
+        for key, value in converted.items():
+            if isinstance(state[key], nn.Module):
+                averaged[key] = self.layout.checkpoint_consensus(value)
+            elif not (self.layout.sharded and isinstance(state[key], Optimizer)):
+                averaged[key] = value
         outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
         replica = checkpoints.replica_payload({"state_dict": converted}, save_id, self.replica_index, self.num_replicas,
                                               self.algorithm.name, outer)
         sidecar_dir = checkpoints.sidecar_dir(path, save_id)
-        if self.global_rank % self.ranks_per_replica == 0:
-            checkpoints.write_replica(sidecar_dir, self.replica_index, replica)
+        mine, shard = self.layout.replica_file(replica)
+        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
+            checkpoints.write_replica(sidecar_dir, self.replica_index, mine, shard)
         self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
         if self.is_global_zero:
-            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas)
+            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas,
+                                         shards=self.layout.shards())
             step = {"global_step": self.driver.slots[0].inner_steps if self.driver is not None else -1}
             checkpoints.write_manifest(sidecar_dir, path, step, meta)  # the save is complete
             self.checkpoint_io.save_checkpoint({**averaged, checkpoints.META_KEY: meta}, path,
@@ -365,7 +415,8 @@ class FabricOuterStepStrategy(DDPStrategy):
                                "optimizer.step()), so that the outer state starts from them.")
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         payload = checkpoints.read_own_replica(checkpoint, path, self.replica_index, self.num_replicas,
-                                               self.algorithm.name, agree=consensus.first_error)
+                                               self.algorithm.name, agree=consensus.first_error,
+                                               **self.layout.replica_shard())
         checkpoint.pop(checkpoints.META_KEY, None)
         self._resumed_outer = None
         if payload is not None:
@@ -376,17 +427,35 @@ class FabricOuterStepStrategy(DDPStrategy):
         if isinstance(state, (nn.Module, Optimizer)):
             raise TypeError(f"{type(self).__name__} loads a checkpoint into a dict of objects, as fabric.save was "
                             "given one: fabric.load(path, {'model': model, 'optimizer': optimizer, ...}).")
-        return _restore(self, state, checkpoint, strict)
+        fresh = [k for k, v in state.items() if payload is None and isinstance(v, Optimizer) and k not in checkpoint]
+        if fresh:  # a sharded run's main file keeps no inner optimizer state (its shards are in the replica files)
+            rank_zero_warn(f"{path} holds no state for {fresh} (a main file written with replica_sharding): "
+                           "they start fresh, as the Trainer's inner optimizers do from such a file.")
+        return _restore(self, state, checkpoint, strict, skip=fresh)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Sharded replicas: shard by shard, from this rank's own shards or from full tensors (a main file)."""
+        self.layout.load_model_state_dict({"state_dict": state_dict}, strict,
+                                          lambda c, strict: super(FabricOuterStepStrategy, self).load_module_state_dict(
+                                              module, c["state_dict"], strict))
 
 
 class _ReplicaBackwardSync(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)`` (gradient accumulation): DDP's ``no_sync`` inside a replica of several
-    ranks; with one rank per replica no gradient is synchronised anyway, so there is nothing to hold back."""
+    ranks, FSDP2's reduce-scatters held back in a sharded one (Fabric's own control for FSDP2); with one rank per
+    replica no gradient is synchronised anyway, so there is nothing to hold back."""
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        from torch.distributed.fsdp import FSDPModule
+
         if enabled and isinstance(module, DistributedDataParallel):
             return module.no_sync()
+        if enabled and any(isinstance(m, FSDPModule) for m in module.modules()):
+            from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+
+            return _FSDPNoSync(module=module, enabled=enabled)
         return nullcontext()
 
 
@@ -399,18 +468,20 @@ def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.de
 
 
 def _restore(strategy: FabricOuterStepStrategy, state: dict[str, Any], checkpoint: dict[str, Any],
-             strict: bool) -> dict[str, Any]:
+             strict: bool, skip: list[str]) -> dict[str, Any]:
     """Fabric's restore of ``state``'s objects from ``checkpoint`` (modules, optimizers, stateful objects; other
-    values replaced); returns what ``state`` did not ask for."""
+    values replaced in ``state``), but for the keys in ``skip``; returns what ``state`` did not ask for."""
     from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
     from lightning.fabric.utilities.types import _Stateful
 
-    _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+    _validate_keys_for_strict_loading([k for k in state if k not in skip], checkpoint.keys(), strict=strict)
     for name, obj in state.copy().items():
         if name not in checkpoint:
             continue
         if isinstance(obj, nn.Module):
             strategy.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
+        elif isinstance(obj, Optimizer):  # sharded replicas: this rank's shards become DTensors like its parameters
+            obj.load_state_dict(strategy.layout.optimizer_state(obj, checkpoint.pop(name)))
         elif isinstance(obj, _Stateful):
             obj.load_state_dict(checkpoint.pop(name))
         else:

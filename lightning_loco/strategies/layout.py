@@ -174,9 +174,10 @@ class ShardedReplicas(ReplicaLayout):
 
     sharded = True
 
-    def __init__(self, host: Host, config: FSDPConfig) -> None:
+    def __init__(self, host: Host, config: FSDPConfig, root_is_called: bool = False) -> None:
         super().__init__(host)
         self.config = config
+        self.root_is_called = root_is_called  # Fabric: the loop calls the module itself (see auto_shard)
         self._mesh: Optional[sharding.ReplicaMesh] = None
 
     def setup_distributed(self, backend: str, timeout: Any) -> None:
@@ -222,7 +223,7 @@ class ShardedReplicas(ReplicaLayout):
         module = host.lightning_module
         if not any(isinstance(p, DTensor) for p in module.parameters()):
             sharding.broadcast_whole(module, host.comm_device())  # every rank starts from global rank 0's weights
-            sharding.auto_shard(module, self.device_mesh["data_parallel"], self.config)
+            sharding.auto_shard(module, self.device_mesh["data_parallel"], self.config, self.root_is_called)
         sharding.reshard(module)
         k, first = host.ranks_per_replica, host.replica_index * host.ranks_per_replica
         sharding.check_sharded(module, range(first, first + k))
@@ -299,6 +300,7 @@ class ShardedReplicas(ReplicaLayout):
         return sharding.optimizer_state_to_shards(optimizer, saved)
 
 
-def replica_layout(host: Host, config: Optional[FSDPConfig]) -> ReplicaLayout:
-    """The layout of ``replica_sharding``'s option: whole replicas (None) or FSDP2 inside each."""
-    return ReplicaLayout(host) if config is None else ShardedReplicas(host, config)
+def replica_layout(host: Host, config: Optional[FSDPConfig], root_is_called: bool = False) -> ReplicaLayout:
+    """The layout of ``replica_sharding``'s option: whole replicas (None) or FSDP2 inside each
+    (``root_is_called``: the loop calls the module itself, as a Fabric loop does)."""
+    return ReplicaLayout(host) if config is None else ShardedReplicas(host, config, root_is_called)
