@@ -80,7 +80,9 @@ IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the em
 
 
 def networks(n: int) -> dict[str, Network]:
-    return {"loopback": Network("loopback", uniform(n).links), "emulated": uniform(n, mbit=100, one_way_ms=50)}
+    """The modes' networks: loopback, the emulated WAN, and the emulated long fat pipe (``fat``)."""
+    return {"loopback": Network("loopback", uniform(n).links), "emulated": uniform(n, mbit=100, one_way_ms=50),
+            "fat": uniform(n, mbit=1000, one_way_ms=100)}
 
 
 def node_address(mode: str, rank: int) -> str:
@@ -219,12 +221,14 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
     options = {"mode": mode, "params": params, "rounds": rounds, "methods": methods, "fragments": fragments,
                "sync_every": sync_every, "overlap": overlap, "step_seconds": seconds}
     with tempfile.TemporaryDirectory() as out:
-        wall = launch.run_workers(mode, network, lambda i: ["-m", "benchmarks.b7_torchft", "--worker",
-                                                            json.dumps({**options, "out": out})], timeout=3600,
-                                  sysctls=IDLE_KEEPS_WINDOW if mode == "emulated" else None)
+        emulated = mode != "loopback"
+        wall = launch.run_workers("emulated" if emulated else mode, network,
+                                  lambda i: ["-m", "benchmarks.b7_torchft", "--worker",
+                                             json.dumps({**options, "out": out})], timeout=3600,
+                                  sysctls=IDLE_KEEPS_WINDOW if emulated else None)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(n)]
     row: dict[str, Any] = {"mode": mode, "network": network.name, "replicas": n, "params": params,
-                           "tcp": host_congestion() if mode == "emulated" else None,
+                           "tcp": host_congestion() if emulated else None,
                            "sync_every": sync_every, "overlap_steps": overlap, "wall_s": wall, "runs": {}}
     slowest: dict[str, dict[str, list[float]]] = {}
     for m in methods:
@@ -301,8 +305,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="loopback, N = 2, 0.1 M parameters, H = 4, 2 rounds")
-    parser.add_argument("--modes", nargs="+", choices=("loopback", "emulated"),
-                        help="default: loopback, and emulated (100 Mbit/s, 50 ms one way) where root")
+    parser.add_argument("--modes", nargs="+", choices=("loopback", "emulated", "fat"),
+                        help="default: loopback, and emulated (100 Mbit/s, 50 ms one way) where root; fat: "
+                        "the emulated long fat pipe (1 Gbit/s, 100 ms one way)")
     parser.add_argument("--replicas", nargs="+", type=int, help="default 2 4")
     parser.add_argument("--params", nargs="+", type=float, help="default 10e6 (multiples of 16)")
     parser.add_argument("--methods", nargs="+", choices=METHODS,
@@ -321,7 +326,7 @@ def main() -> None:
         return
     emulated_ok, why = tun.available()
     modes = args.modes or (["loopback"] if args.quick else ["loopback"] + (["emulated"] if emulated_ok else []))
-    if "emulated" in modes and not emulated_ok:
+    if {"emulated", "fat"} & set(modes) and not emulated_ok:
         sys.exit(f"emulated mode unavailable: {why}; use --modes loopback")
     replicas = args.replicas or ([2] if args.quick else [2, 4])
     sizes = [int(p) for p in (args.params or ([1e5] if args.quick else [10e6]))]

@@ -79,11 +79,17 @@ class WireConfig:
         error_feedback: lossy formats only: keep what the codec lost of each payload and add it to the
             next (saved in checkpoints). None (default): on where the payload is a pseudo-gradient
             (DiLoCo), off where it is weights (NoLoCo, GASLoC), as docs/compression.md measured.
+        streams: connections per pair of replicas, an integer >= 1 (default 1). s > 1 cuts every exchange
+            and all-reduce into s pieces, each over a process group of its own (gloo opens a connection per
+            group), for a long fat pipe, where one TCP connection carries at most its send buffer per
+            round trip (docs/launching.md). The sums are bitwise those of one stream. Replicas of one rank,
+            on the strategies' own transport (not with ``elastic`` or a ``transport_factory``).
     """
 
     format: WireFormatName = "float32"
     block_size: Optional[int] = None
     error_feedback: Optional[bool] = None
+    streams: int = 1
 
     def check(self) -> None:
         """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options)."""
@@ -99,6 +105,8 @@ class WireConfig:
         if self.error_feedback is not None:
             _check_bool("wire error_feedback", self.error_feedback,
                         "None (the default) turns it on for pseudo-gradient payloads (DiLoCo) with a lossy format.")
+        check_int("wire streams", self.streams,
+                  "1 (the default) sends each exchange over one connection per pair; s > 1 over s of them.")
 
     @property
     def lossy(self) -> bool:
@@ -668,6 +676,32 @@ def _elastic_own_transport(f: Facts) -> Optional[str]:
         return None
     return ("transport_factory and elastic replicas are exclusive: elastic replicas bring their own transport (over "
             "the live members). Pass one of them.")
+
+
+@rule("streams-one-rank-per-replica", "build", ("wire.streams", "ranks_per_replica"),
+      "`wire.streams` > 1 with `ranks_per_replica` > 1", "`wire.streams=1` with replicas of several ranks",
+      example={"wire": WireConfig(streams=4), "ranks_per_replica": 2})
+def _streams_one_rank(f: Facts) -> Optional[str]:
+    o = f.options
+    if o.wire.streams == 1 or o.ranks_per_replica == 1:
+        return None
+    return (f"wire.streams={o.wire.streams} with ranks_per_replica={o.ranks_per_replica}: a replica of several ranks "
+            "already spreads its exchange over its ranks' own connections (rank j sends slice j), and the streams "
+            "would multiply every rank's groups. Use wire.streams=1 with replicas of several ranks.")
+
+
+@rule("streams-own-transport", "build", ("wire.streams", "elastic", "transport_factory"),
+      "`wire.streams` > 1 with `elastic` or a `transport_factory`",
+      "`wire.streams=1` (give the streams to your own transport)",
+      example={"wire": WireConfig(streams=4), "transport_factory": lambda **kw: None})
+def _streams_own_transport(f: Facts) -> Optional[str]:
+    o = f.options
+    if o.wire.streams == 1 or (o.elastic is None and o.transport_factory is None):
+        return None
+    whose = "elastic replicas' transport (over the live members)" if o.elastic is not None else "a transport_factory"
+    return (f"wire.streams={o.wire.streams} is an option of the strategies' own torch.distributed transport, not of "
+            f"{whose}. Use wire.streams=1 there (a factory of your own can take streams itself, e.g. "
+            "functools.partial(TorchDistributedTransport, streams=4)).")
 
 
 @rule("elastic-no-average-at-end", "build", ("elastic", "average_at_end"), "`elastic` with `average_at_end=True`",

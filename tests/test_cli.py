@@ -511,3 +511,10 @@ def test_help_lists_every_subcommand(in_process, capsys):
     assert "{fit,validate,test,predict,export,lighthouse}" in out
     listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ") and line.split()}
     assert {"fit", "validate", "test", "predict", "export", "lighthouse"} <= listed
+
+
+def test_wire_streams_is_a_field_of_the_wire_group(in_process, capsys):
+    """``wire.streams`` in YAML or on the command line, as the other fields of the group."""
+    out = run_in_process(capsys, "fit", "--config", CONFIGS / "noloco.yaml",
+                         "--trainer.strategy.init_args.wire.streams=8", "--print_config").out
+    assert "streams: 8" in out

@@ -322,6 +322,8 @@ def test_resuming_with_a_residual_and_a_round_in_flight_continues_bitwise(name, 
         (lambda: WireConfig("int8", block_size=0), "wire block_size must be an integer >= 1, got 0"),
         (lambda: WireConfig("int8", block_size=64.0), "wire block_size .* got 64.0"),
         (lambda: WireConfig("int8", error_feedback=1), "wire error_feedback must be True or False"),
+        (lambda: WireConfig(streams=0), "wire streams must be an integer >= 1, got 0"),
+        (lambda: WireConfig(streams=2.0), "wire streams must be an integer >= 1, got 2.0"),
     ],
 )
 def test_strategies_refuse_bad_wire_arguments_when_built(cls, wire, match):

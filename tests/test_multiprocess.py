@@ -129,6 +129,24 @@ def test_noloco_two_replicas_follow_the_hand_trajectory_and_talk_only_to_each_ot
         assert rec["outer_states"][0]["anchor_dtype"] == "torch.float32"
 
 
+def test_wire_streams_spread_each_exchange_over_groups_and_keep_the_trajectory(tmp_path):
+    """``WireConfig(streams=3)``: every exchange is three point-to-point batches, one per process group, each a
+    third of the model; the weights are bitwise those of one stream (the same sums, cut in pieces)."""
+    h, steps = 3, 6
+    one = run(tmp_path / "one", strategy="noloco", strategy_kwargs={"sync_every": h, **PAPERS}, devices=2,
+              max_steps=steps)
+    three = run(tmp_path / "three", strategy="noloco",
+                strategy_kwargs={"sync_every": h, **PAPERS, "wire": {"streams": 3}}, devices=2, max_steps=steps)
+    numel = one[0]["outer_states"][0]["numel"]
+    pieces = [len(t) for t in torch.tensor_split(torch.empty(numel), 3)]
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(one[r]["weights"], three[r]["weights"]))
+        assert len(three[r]["weights"]) == steps
+        for i in outer_step_batches(three[r]):
+            assert three[r]["calls"][i] == [("batch_isend_irecv", (("irecv", 1 - r, n), ("isend", 1 - r, n)))
+                                            for n in pieces]
+
+
 @pytest.mark.slow
 def test_noloco_three_replicas_general_gamma(tmp_path):
     # N = 3 with pairs: the last group takes the remainder, so one group of three. γ ≠ β: θ and φ travel.

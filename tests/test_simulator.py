@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.options import WireConfig
 from lightning_loco.simulator import TrainingSimulator, distributed_shards
 
 import tiny
@@ -216,7 +217,8 @@ def test_dropout_each_replica_draws_from_its_own_rng_stream_in_the_loop():
      ({"fragments": 3, "sync_every": 4, "algorithm": NoLoCo()}, "fragments=3 must divide sync_every=4"),
      ({"fragments": 2, "sync_every": 4}, "fragments configure the outer step: give an algorithm with them"),
      ({"fragments": 2, "sync_every": 4, "algorithm": NoLoCo(), "step_seconds": [1.0, 2.0]},
-      "Use fragments=1 with step_seconds")],
+      "Use fragments=1 with step_seconds"),
+     ({"algorithm": NoLoCo(), "wire": WireConfig(streams=4)}, "Use streams=1 in the simulator")],
 )
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):

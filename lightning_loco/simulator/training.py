@@ -144,6 +144,9 @@ class TrainingSimulator(Measurements, PacedRounds):
         if algorithm is not None:  # the strategies' options and their rules
             options = Options.build(algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge,
                                     fragments=fragments, pacing=paced, final_outer_step=final_outer_step, wire=wire)
+            if options.wire.streams != 1:
+                raise ValueError(f"wire streams={options.wire.streams} spreads exchanges over TCP connections, and "
+                                 "simulated replicas exchange in memory. Use streams=1 in the simulator.")
         else:
             given = [name for name, value, default in (
                 ("overlap_steps", overlap_steps, 0), ("overlap_merge", overlap_merge, "predict_correct"),
