@@ -675,3 +675,39 @@ def test_gpu_quality_budget_guard_fits_the_runs_in_the_time_left():
         assert 5 * (fixed + MARGIN * per_step * more) > left or steps == MAX_OUTER_STEPS * GPU.sync_every
     assert steps_for(10_000.0, 5, 0.001, 1.0, GPU) == MAX_OUTER_STEPS * GPU.sync_every  # capped
     assert steps_for(10.0, 5, 1.0, 5.0, GPU) == GPU.eval_every  # nothing fits: the shortest run, then skipped
+
+
+def test_b8_time_model():
+    """B8's clock: compute plus what each outer step exposes; overlap hides up to τ steps of compute; DDP pays its
+    all-reduce at every step. Times to a loss are read off the curve in between evaluations."""
+    from benchmarks.b8_time_to_loss import at_step, compose, loss_at, seconds_at, timed
+
+    assert seconds_at(100, 50, 0.02, 1.0, 0) == 100 * 0.02 + 2 * 1.0
+    assert seconds_at(100, 50, 0.02, 1.0, 25) == 100 * 0.02 + 2 * (1.0 - 0.5)
+    assert seconds_at(100, 50, 0.02, 0.4, 25) == 100 * 0.02  # fully hidden
+    assert seconds_at(100, 50, 0.02, 1.0, 0, every_step=True) == 100 * 1.02
+    curve = [{"step": 0, "loss": 5.0}, {"step": 50, "loss": 3.0}, {"step": 100, "loss": 2.0}]
+    assert at_step(curve, 75) == 2.5
+    clock = timed(curve, 50, 0.02, 1.0, 0, False)
+    assert [p["train_seconds"] for p in clock] == [0.0, 2.0, 4.0] and loss_at(clock, 3.0) == 2.5
+    assert loss_at(clock, 5.0) is None
+    curves = {"ddp": curve, "diloco": [{"step": 0, "loss": 5.0}, {"step": 50, "loss": 3.5}, {"step": 100, "loss": 2.5}],
+              "noloco": [{"step": 0, "loss": 5.0}, {"step": 50, "loss": 3.6}, {"step": 100, "loss": 2.6}]}
+    rows = {r["method"]: r for r in compose(4, curves, {"diloco": 1.0, "noloco": 0.5, "torchft": 1.2}, 50, 0.02, 25)}
+    assert set(rows) == {"DDP", "diloco", "torchft DiLoCo", "noloco"}
+    assert rows["DDP"]["wall_s"] == 100 * 1.02 and rows["noloco"]["wall_s"] == 2.0 + 2 * 0.5
+    assert rows["torchft DiLoCo"]["final_loss"] == rows["diloco"]["final_loss"]  # the same curve, its own clock
+    assert rows["diloco"]["to_diloco_final_s"] == rows["diloco"]["wall_s"]
+    assert rows["noloco"]["to_diloco_final_s"] is None  # never reaches DiLoCo's final loss
+    assert all(r["equal_wall_s"] == 3.0 for r in rows.values())  # NoLoCo's run ends first
+    assert rows["noloco"]["loss_at_equal_wall"] == 2.6
+
+
+@pytest.mark.slow
+def test_b8_quick(tmp_path):
+    out = bench(tmp_path, "b8_time_to_loss")
+    result = json.loads((tmp_path / "b8_time_to_loss.json").read_text())
+    assert "made up" in result["exchange_source"] and "X =" in out
+    methods = {(r["replicas"], r["method"]) for r in result["rows"]}
+    assert {(2, "diloco, τ = 2"), (2, "DDP"), (4, "torchft DiLoCo"), (4, "gasloc_pairs")} <= methods
+    assert len(list((tmp_path / "b8_runs").glob("*.json"))) == 11

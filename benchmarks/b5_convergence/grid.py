@@ -152,14 +152,16 @@ class Job:
     wire: str = "float32"  # a key of CODECS
     fragments: int = 1  # F, streaming fragments (the fragments part)
     model: str = ""  # "" (the settings' model) or "wide" (see model_settings; the scale part)
+    overlap: int = 0  # τ, overlap_steps (B8)
 
     @property
     def name(self) -> str:
         wire = "" if self.part != "codecs" else f"-{self.wire}"
         fragments = "" if self.part != "fragments" else f"-f{self.fragments}"
         model = f"-{self.model}" if self.model else ""
-        return (f"{self.part}-{self.method}{wire}{fragments}{model}-n{self.replicas}-{self.split}-h{self.sync_every}"
-                f"-s{self.seed}")
+        overlap = f"-o{self.overlap}" if self.overlap else ""
+        return (f"{self.part}-{self.method}{wire}{fragments}{model}{overlap}-n{self.replicas}-{self.split}"
+                f"-h{self.sync_every}-s{self.seed}")
 
 
 def model_settings(model: str, settings: Settings) -> Settings:

@@ -127,7 +127,7 @@ def run_job(job: Job, settings: Settings, out: str, threads: int, device: str = 
         model, shards, make_algorithm(job.method), sync_every=job.sync_every, optimizers=inner_optimizer(settings),
         loss=gpt_loss, gradient_clip_val=1.0, gradient_averaging=job.method == "ddp",
         wire=CODECS[job.wire], precision=precision,
-        fragments=job.fragments, max_steps=settings.steps if streaming else None,
+        fragments=job.fragments, max_steps=settings.steps if streaming else None, overlap_steps=job.overlap,
     )
     tokens_per_step = job.replicas * settings.batch_size * settings.block_size
     curve: list[dict[str, Any]] = []
