@@ -82,8 +82,10 @@ class WireConfig:
         streams: connections per pair of replicas, an integer >= 1 (default 1). s > 1 cuts every exchange
             and all-reduce into s pieces, each over a process group of its own (gloo opens a connection per
             group), for a long fat pipe, where one TCP connection carries at most its send buffer per
-            round trip (docs/launching.md). The sums are bitwise those of one stream. Replicas of one rank,
-            on the strategies' own transport (not with ``elastic`` or a ``transport_factory``).
+            round trip (docs/launching.md). A pair exchange's sums are bitwise those of one stream; an
+            all-reduce's (DiLoCo) may differ in the last bit with 3 or more replicas (gloo picks each
+            piece's order of additions). Replicas of one rank, on the strategies' own transport (not with
+            ``elastic`` or a ``transport_factory``).
     """
 
     format: WireFormatName = "float32"

@@ -4,7 +4,9 @@
   inside the replica and the all-gather of exchanged slices run on it;
 * **slice groups** (k > 1): rank j of every replica, for all-reduces of the j-th slice;
 * **the overlap group** (``overlap_steps`` ≠ 0): background exchanges get a group of their own, so
-  that collectives on the default group (logging, checkpoints, validation) never interleave with them.
+  that collectives on the default group (logging, checkpoints, validation) never interleave with them;
+* **stream groups** (``WireConfig(streams=s)``, s > 1): s − 1 more groups of the same ranks as the
+  exchanges' own, each piece of an exchange on one of them (one more connection per pair).
 
 torch.distributed requires every rank to create every group, in the same order. A group is never
 destroyed while a thread still waits on it (the watcher of an abandoned round): it is then left to
@@ -47,6 +49,7 @@ class ProcessGroups:
         self.replica: Optional[Any] = None
         self.slice: Optional[Any] = None
         self.overlap: Optional[Any] = None
+        self.streams: list[Any] = []
 
     def create_replica_groups(self) -> None:
         """With k > 1: this rank's replica group and slice group (every rank creates all of them)."""
@@ -72,6 +75,17 @@ class ProcessGroups:
             self._warm_up(self.overlap)
         return self.overlap
 
+    def stream_groups(self, streams: int, base: Optional[Any]) -> list[Any]:
+        """``streams`` − 1 groups of ``base``'s ranks (None: all ranks), created once on every rank, with the
+        run's backend and timeout (and NCCL's warm-up)."""
+        if len(self.streams) < streams - 1:
+            ranks = None if base is None else dist.get_process_group_ranks(base)
+            for _ in range(streams - 1 - len(self.streams)):
+                group = dist.new_group(ranks=ranks, backend=self.backend, timeout=self.timeout)
+                self._warm_up(group)
+                self.streams.append(group)
+        return self.streams[:streams - 1]
+
     def _warm_up(self, group: Any) -> None:
         """One single-element all-reduce among all ranks of ``group`` (NCCL: creates its communicator
         before any point-to-point call can be its first operation). Every rank of the group calls it."""
@@ -91,12 +105,14 @@ class ProcessGroups:
         """Destroys the groups; the overlap group is left to the process exit while one of
         ``lingering`` (threads waiting on it) is alive."""
         alive = any(thread.is_alive() for thread in lingering)
-        for name in ("overlap", "replica", "slice"):
-            group = getattr(self, name)
-            setattr(self, name, None)
+        streams, self.streams = self.streams, []
+        for name, group in [("overlap", self.overlap), ("replica", self.replica), ("slice", self.slice),
+                            *(("stream", g) for g in streams)]:
+            if name != "stream":
+                setattr(self, name, None)
             if group is None:
                 continue
-            if name == "overlap" and alive:
+            if name in ("overlap", "stream") and alive:
                 log.warning(
                     "An abandoned outer-step exchange is still waiting on its process group; the group is left "
                     "to the process exit instead of being destroyed under it."

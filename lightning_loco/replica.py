@@ -76,11 +76,12 @@ class ReplicaRun:
                  check_stop: Callable[[str], None] = lambda waiting_for: None) -> None:
         k = options.ranks_per_replica
         streams = options.wire.streams
+        base = groups.overlap_group() if options.overlap_steps else None
         transport = transport_factory(
-            device=comm_device, process_group=groups.overlap_group() if options.overlap_steps else None,
-            ranks_per_replica=k, replica_group=groups.replica, slice_group=groups.slice,
-            **mode.transport_options(check_stop), **layout.transport_options(),
-            **({"streams": streams} if streams > 1 else {}),  # the strategies' own transport only (rules streams-*)
+            device=comm_device, process_group=base, ranks_per_replica=k, replica_group=groups.replica,
+            slice_group=groups.slice, **mode.transport_options(check_stop), **layout.transport_options(),
+            # the strategies' own transport only (rules streams-*)
+            **({"streams": streams, "stream_groups": groups.stream_groups(streams, base)} if streams > 1 else {}),
         )
         several = k > 1
         self.groups, self.layout, self.comm_device = groups, layout, comm_device

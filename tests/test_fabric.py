@@ -9,6 +9,7 @@ Each rank is a child forked from the test's process as torchrun starts ranks
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -101,26 +102,37 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
     """The same training as a Fabric loop, written as LitGPT's pretraining loop is: ``fabric.setup``, the data
     loader set up by Fabric, forward, ``fabric.backward``, ``optimizer.step()``. With ``save_at``, a checkpoint
     at that step; with ``resume``, the run starts from that checkpoint; with ``count``, every torch.distributed
-    call of the training steps is recorded."""
+    call of the training steps is recorded. Sharded (FSDP2 inside): ``model="rooted"`` trains a model that holds
+    a parameter itself, ``by_hand`` shards the model before ``fabric.setup_module``, and the reduce-scatters of
+    each optimizer step are counted."""
     calls = tiny.CallLog()
     if config.get("count"):
         calls.install()
     strategy = FABRIC[config["name"]](max_steps=STEPS, **_strategy_kwargs(config))
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=config["world"])
     fabric.launch()
-    model = tiny.TinyRegressor(lr=0.05)
-    refused = None
+    model = Rooted() if config.get("model") == "rooted" else tiny.TinyRegressor(lr=0.05)
+    make_optimizer = functools.partial(torch.optim.SGD, lr=0.05, momentum=config.get("momentum", 0.0))
+    refused, second, scatters = None, None, ReduceScatters()
     if strategy.layout.sharded:
         # FSDP2 shards the parameters in place: an optimizer made before is refused, and the model is kept
         try:
-            fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+            fabric.setup(model, make_optimizer(model.parameters()))
         except RuntimeError as error:
             refused = str(error)
+        if config.get("by_hand"):  # as a user who shards the model over the replica's own ranks
+            from torch.distributed.fsdp import fully_shard
+
+            for part in (model.body, model.head):
+                fully_shard(part, mesh=strategy.device_mesh["data_parallel"])
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+        optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        model, optimizer = fabric.setup(model, optimizer)
+        model, optimizer = fabric.setup(model, make_optimizer(model.parameters()))
+    try:
+        fabric.setup_module(torch.nn.Linear(1, 1))  # one trained model per Fabric
+    except RuntimeError as error:
+        second = str(error)
     # shuffled by the distributed sampler, epoch by epoch, as the Trainer's training data is
     loader = fabric.setup_dataloaders(DataLoader(tiny.dataset(), batch_size=BATCH, shuffle=True))
     step, loaded = 0, None
@@ -143,6 +155,7 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
             if last:
                 optimizer.step()
                 optimizer.zero_grad()
+                per_step.append(scatters.take())
                 step += 1
                 if step == STEPS:
                     break
@@ -170,8 +183,45 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
     sharded = [isinstance(p, DTensor) for p in model.parameters()]
     consensus = fabric.strategy.consensus_state_dict() if config.get("consensus") else None
     torch.save({"final": tiny.flat(model), "calls": per_step, "outer_steps": fabric.strategy.outer_steps,
-                "finished": fabric.strategy.finished, "sharded": sharded, "refused": refused,
+                "finished": fabric.strategy.finished, "sharded": sharded, "refused": refused, "second": second,
                 "consensus": consensus, "loaded": loaded}, out / f"fabric{rank}.pt")
+
+
+class Rooted(torch.nn.Module):
+    """A model that holds a parameter itself (its output scale), beside two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = torch.nn.Linear(tiny.IN_FEATURES, 3), torch.nn.Linear(3, 1)
+        self.scale = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x))) * self.scale.sum()
+
+
+class ReduceScatters:
+    """Counts FSDP2's reduce-scatters (whichever of torch's functions it calls) until :meth:`take`."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.count = 0
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(original))
+
+    def _wrap(self, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> list[tuple[str]]:
+        taken, self.count = self.count, 0
+        return [("reduce_scatter",)] * taken
 
 
 def run(tmp_path: Path, kind: str, **config: Any) -> list[dict[str, Any]]:
@@ -211,6 +261,7 @@ def test_fsdp2_inside_a_replica_takes_the_trainers_rounds_bit_for_bit(tmp_path, 
         assert fabric[rank]["outer_steps"] == STEPS // H and fabric[rank]["finished"]
         assert all(fabric[rank]["sharded"]) and len(fabric[rank]["sharded"]) == 4
         assert "fabric.setup_module(model)" in fabric[rank]["refused"]  # setup(model, optimizer) was refused first
+        assert "trains one model" in fabric[rank]["second"]  # a second model is refused, and the first trains on
     assert not torch.equal(fabric[0]["final"], tiny.flat(tiny.TinyRegressor()))
     full = fabric[0]["consensus"]  # global rank 0 only; every replica holds the average after the run
     assert all(f["consensus"] is None for f in fabric[1:])
@@ -223,9 +274,11 @@ def test_fsdp2_inside_a_replica_takes_the_trainers_rounds_bit_for_bit(tmp_path, 
 def test_a_sharded_fabric_run_resumes_exactly_from_fabric_save(tmp_path):
     """Every rank writes its own shards and outer state; the main file holds the full consensus model."""
     checkpoint = tmp_path / "ckpt" / "step3.ckpt"
+    # the inner SGD with momentum: its state (a buffer per parameter, sharded like it) must come back too
     whole = run(tmp_path, "fabric", name="noloco", world=4, k=2, strategy=FSDP, save_at=3,
-                checkpoint=str(checkpoint))
-    resumed = run(tmp_path / "again", "fabric", name="noloco", world=4, k=2, strategy=FSDP, resume=str(checkpoint))
+                checkpoint=str(checkpoint), momentum=0.9)
+    resumed = run(tmp_path / "again", "fabric", name="noloco", world=4, k=2, strategy=FSDP, resume=str(checkpoint),
+                  momentum=0.9)
     for rank in range(4):
         assert torch.equal(resumed[rank]["final"], whole[rank]["final"]), rank
     main = torch.load(checkpoint, weights_only=False)
@@ -233,7 +286,8 @@ def test_a_sharded_fabric_run_resumes_exactly_from_fabric_save(tmp_path):
     assert main["model"]["body.weight"].shape == (3, tiny.IN_FEATURES)  # full tensors, not one rank's shard
     # another number of replicas (one, of two ranks) starts from the main file's consensus model, each rank
     # taking its part of the full tensors; the inner optimizer starts fresh (a warning says so)
-    one = run(tmp_path / "one", "fabric", name="noloco", world=2, k=2, strategy=FSDP, resume=str(checkpoint))
+    one = run(tmp_path / "one", "fabric", name="noloco", world=2, k=2, strategy=FSDP, resume=str(checkpoint),
+              momentum=0.9)
     consensus = torch.cat([main["model"][k].reshape(-1) for k in tiny.TinyRegressor().state_dict()])
     assert all(torch.equal(r["loaded"], consensus) for r in one)
     assert "start fresh" in (tmp_path / "one" / "fabric" / "stderr0.txt").read_text()
@@ -253,16 +307,29 @@ def test_gradient_accumulation_with_no_backward_sync_takes_the_trainers_rounds(t
 
 
 def test_gradient_accumulation_in_a_sharded_replica_holds_fsdp2s_reduce_scatters_back(tmp_path):
-    """``fabric.no_backward_sync`` in a sharded replica is FSDP2's ``set_requires_gradient_sync(False)``: the
-    summed micro-batch gradients are reduce-scattered once, so the run matches DDP inside (which all-reduces the
-    sum once) to float rounding, and the Trainer's sharded run (which reduces every micro-batch) closely."""
+    """``fabric.no_backward_sync`` in a sharded replica is FSDP2's ``set_requires_gradient_sync(False)``: each
+    optimizer step reduce-scatters once per FSDP2 unit (the model's two layers), however many micro-batches it
+    summed, and the run matches DDP inside (which all-reduces the sum once) to float rounding."""
     sharded = run(tmp_path, "fabric", name="noloco", world=4, k=2, accumulate=2, strategy=FSDP)
     whole = run(tmp_path / "whole", "fabric", name="noloco", world=4, k=2, accumulate=2)
-    trainer = run(tmp_path, "trainer", name="noloco", world=4, k=2, accumulate=2, strategy=FSDP)
     for rank in range(4):
+        assert [len(step) for step in sharded[rank]["calls"]] == [2] * STEPS, rank  # two units, not 2 per batch
         assert torch.allclose(sharded[rank]["final"], whole[rank]["final"], rtol=0, atol=1e-7), rank
-        assert torch.allclose(sharded[rank]["final"], trainer[rank]["final"], rtol=0, atol=1e-6), rank
         assert sharded[rank]["outer_steps"] == STEPS // H
+
+
+def test_a_model_sharded_by_hand_or_holding_a_parameter_itself_trains_sharded(tmp_path):
+    """A model sharded with ``fully_shard(..., mesh=fabric.strategy.device_mesh["data_parallel"])`` before
+    ``fabric.setup_module`` is taken as it is (the same units as the automatic policy: the same run, bitwise); a
+    model holding a parameter itself is sharded with its top module as the last unit (a Fabric loop calls it)."""
+    auto = run(tmp_path / "auto", "fabric", name="noloco", world=4, k=2, strategy=FSDP)
+    by_hand = run(tmp_path / "hand", "fabric", name="noloco", world=4, k=2, strategy=FSDP, by_hand=True)
+    rooted = run(tmp_path / "rooted", "fabric", name="noloco", world=4, k=2, strategy=FSDP, model="rooted")
+    for rank in range(4):
+        assert torch.equal(by_hand[rank]["final"], auto[rank]["final"]), rank
+        assert rooted[rank]["sharded"] == [True] * 5 and rooted[rank]["outer_steps"] == STEPS // H
+        assert torch.equal(rooted[rank]["final"], rooted[0]["final"])  # every replica ends on the average
+    assert not torch.equal(rooted[0]["final"], tiny.flat(Rooted()))
 
 
 def test_a_fabric_run_resumes_exactly_from_fabric_save(tmp_path):

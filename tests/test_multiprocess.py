@@ -140,8 +140,9 @@ def test_wire_streams_spread_each_exchange_over_groups_and_keep_the_trajectory(t
     numel = one[0]["outer_states"][0]["numel"]
     pieces = [len(t) for t in torch.tensor_split(torch.empty(numel), 3)]
     for r in range(2):
+        assert len(one[r]["weights"]) == len(three[r]["weights"]) == steps
         assert all(torch.equal(a, b) for a, b in zip(one[r]["weights"], three[r]["weights"]))
-        assert len(three[r]["weights"]) == steps
+        assert outer_step_batches(three[r]) == [2, 5]
         for i in outer_step_batches(three[r]):
             assert three[r]["calls"][i] == [("batch_isend_irecv", (("irecv", 1 - r, n), ("isend", 1 - r, n)))
                                             for n in pieces]

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_loco import checkpoints, consensus
+from lightning_loco import checkpoints, consensus, sharding
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.modes import run_mode
@@ -239,7 +239,11 @@ class FabricOuterStepStrategy(DDPStrategy):
         between replicas, torch's ``DistributedDataParallel`` over the replica's own ranks with k > 1, or with
         ``replica_sharding`` FSDP2's ``fully_shard`` over them (the module is sharded in place)."""
         if self._module is not None and self._module() is not None:
-            raise RuntimeError(f"{type(self).__name__} trains one model: set up one module per Fabric.")
+            raise RuntimeError(
+                f"{type(self).__name__} trains one model, the first given to fabric.setup; its outer step and "
+                "consensus would not know a second. Use another model (a frozen teacher, say) without "
+                "fabric.setup: move it yourself with model.to(fabric.device)."
+            )
         self._module = weakref.ref(module)
         self.layout.prepare_model()  # sharded: every rank takes global rank 0's weights, then FSDP2 shards them
         self.layout.sync_initial_weights()
@@ -417,6 +421,7 @@ class FabricOuterStepStrategy(DDPStrategy):
         payload = checkpoints.read_own_replica(checkpoint, path, self.replica_index, self.num_replicas,
                                                self.algorithm.name, agree=consensus.first_error,
                                                **self.layout.replica_shard())
+        sharded_main = payload is None and (checkpoint.get(checkpoints.META_KEY) or {}).get("shards") is not None
         checkpoint.pop(checkpoints.META_KEY, None)
         self._resumed_outer = None
         if payload is not None:
@@ -427,7 +432,7 @@ class FabricOuterStepStrategy(DDPStrategy):
         if isinstance(state, (nn.Module, Optimizer)):
             raise TypeError(f"{type(self).__name__} loads a checkpoint into a dict of objects, as fabric.save was "
                             "given one: fabric.load(path, {'model': model, 'optimizer': optimizer, ...}).")
-        fresh = [k for k, v in state.items() if payload is None and isinstance(v, Optimizer) and k not in checkpoint]
+        fresh = [k for k, v in state.items() if sharded_main and isinstance(v, Optimizer) and k not in checkpoint]
         if fresh:  # a sharded run's main file keeps no inner optimizer state (its shards are in the replica files)
             rank_zero_warn(f"{path} holds no state for {fresh} (a main file written with replica_sharding): "
                            "they start fresh, as the Trainer's inner optimizers do from such a file.")
@@ -436,9 +441,10 @@ class FabricOuterStepStrategy(DDPStrategy):
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Sharded replicas: shard by shard, from this rank's own shards or from full tensors (a main file)."""
-        self.layout.load_model_state_dict({"state_dict": state_dict}, strict,
-                                          lambda c, strict: super(FabricOuterStepStrategy, self).load_module_state_dict(
-                                              module, c["state_dict"], strict))
+        if self.layout.sharded:
+            sharding.load_state_dict(module, state_dict, strict=strict)
+        else:
+            super().load_module_state_dict(module, state_dict, strict)
 
 
 class _ReplicaBackwardSync(_BackwardSyncControl):

@@ -187,7 +187,10 @@ class TorchDistributedTransport(Transport):
             counterparts, and the replica's ranks gather nothing.
         streams: s, the connections per pair one exchange is spread over (see the module docstring;
             default 1). With s > 1, every rank of the world must build the transport (the s − 1 extra
-            groups are made then); replicas of one rank only.
+            groups are made then, with the exchanges' group's backend), unless ``stream_groups`` gives
+            them; replicas of one rank only.
+        stream_groups: the s − 1 extra groups, made by the caller (the strategies': with the run's
+            backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.process_groups.ProcessGroups`).
     """
 
     def __init__(
@@ -199,6 +202,7 @@ class TorchDistributedTransport(Transport):
         slice_group: Optional[Any] = None,
         sharded: bool = False,
         streams: int = 1,
+        stream_groups: Optional[Sequence[Any]] = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised torch.distributed process group")
@@ -227,9 +231,14 @@ class TorchDistributedTransport(Transport):
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
         self.streams = streams
         self.stream_groups: list[Any] = [process_group]
-        if streams > 1:  # collective: every rank of the world builds its transport, in the same order
+        if stream_groups is not None:  # the strategies': made by ProcessGroups with the run's backend and timeout
+            if len(stream_groups) != streams - 1:
+                raise ValueError(f"streams={streams} takes {streams - 1} stream_groups, got {len(stream_groups)}")
+            self.stream_groups += list(stream_groups)
+        elif streams > 1:  # collective: every rank of the world builds its transport, in the same order
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self.stream_groups += [dist.new_group(ranks=ranks) for _ in range(streams - 1)]
+            backend = dist.get_backend(process_group)
+            self.stream_groups += [dist.new_group(ranks=ranks, backend=backend) for _ in range(streams - 1)]
 
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
