@@ -72,7 +72,9 @@ from benchmarks.netem.tcp import host_congestion
 
 # torchft's DiLoCo with its defaults (one all-reduce per parameter tensor), and with use_bucketization=True
 TORCHFT = ("torchft", "torchft_buckets")
-METHODS = (*TORCHFT, "diloco", "noloco", "gasloc")
+DEFAULT_METHODS = (*TORCHFT, "diloco", "noloco", "gasloc")
+STREAMS = 4  # the *_streams methods: ours over a transport of WireConfig(streams=4)'s 4 connections per pair
+METHODS = (*DEFAULT_METHODS, "diloco_streams", "noloco_streams")
 SYNC_EVERY = 20
 SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
 TIMEOUT_S = 900
@@ -182,6 +184,10 @@ def worker(options: dict[str, Any]) -> None:
     try:
         transport = TorchDistributedTransport(torch.device("cpu"))
         warm_all_pairs(transport, min(options["params"], WARM_NUMEL))
+        streamed = None
+        if any(m.endswith("_streams") for m in options["methods"]):  # every rank builds it (its groups), once
+            streamed = TorchDistributedTransport(torch.device("cpu"), streams=STREAMS)
+            warm_all_pairs(streamed, min(options["params"], WARM_NUMEL))
         for m in options["methods"]:
             for F in options["fragments"]:
                 if m in TORCHFT:
@@ -196,8 +202,10 @@ def worker(options: dict[str, Any]) -> None:
                                                    options["step_seconds"][m], rank, world, address, str(lighthouse[0]),
                                                    bucketed=m == "torchft_buckets")
                 else:
-                    runs[key(m, F)] = Turns(m, F, options["params"], transport, options["sync_every"],
-                                            options["overlap"], options["step_seconds"][m], rank)
+                    base, _, streams = m.partition("_")
+                    runs[key(m, F)] = Turns(base, F, options["params"], streamed if streams else transport,
+                                            options["sync_every"], options["overlap"], options["step_seconds"][m],
+                                            rank)
         take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"))
         dist.barrier()  # nobody's Lighthouse or manager goes while another replica may still sync
     finally:
@@ -311,8 +319,8 @@ def main() -> None:
     parser.add_argument("--replicas", nargs="+", type=int, help="default 2 4")
     parser.add_argument("--params", nargs="+", type=float, help="default 10e6 (multiples of 16)")
     parser.add_argument("--methods", nargs="+", choices=METHODS,
-                        help="default: all; torchft (its defaults) and torchft_buckets (use_bucketization=True) "
-                        "are the references")
+                        help="default: all but the *_streams ones (ours with WireConfig(streams=4)); torchft (its "
+                        "defaults) and torchft_buckets (use_bucketization=True) are the references")
     parser.add_argument("--fragments", nargs="+", type=int, default=[1, 4], help="F (default 1 4)")
     parser.add_argument("--sync-every", type=int, help=f"H (default {SYNC_EVERY}; 4 with --quick)")
     parser.add_argument("--overlap", nargs="+", type=int,
@@ -330,7 +338,7 @@ def main() -> None:
         sys.exit(f"emulated mode unavailable: {why}; use --modes loopback")
     replicas = args.replicas or ([2] if args.quick else [2, 4])
     sizes = [int(p) for p in (args.params or ([1e5] if args.quick else [10e6]))]
-    methods = args.methods or list(METHODS)
+    methods = args.methods or list(DEFAULT_METHODS)
     sync_every = args.sync_every or (4 if args.quick else SYNC_EVERY)
     overlaps = args.overlap if args.overlap is not None else ([0] if args.quick else [0, 4])
     rounds = args.rounds or (2 if args.quick else 3)
