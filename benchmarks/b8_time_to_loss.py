@@ -32,9 +32,9 @@ evaluations are interpolated in time; a target a curve never reaches is "—".
 
 What the wall times are not: a real run's, where overlap also changes what the exchanges contend with, and
 where the last round of a run lands fully (counted here like every other). The losses are the simulator's, at
-the same tokens; only the clock is composed. The machine could not run this regime in real processes: 8
-processes of the GPT on 2 cores take about 80 ms a step, while the WAN's all-reduce of its 0.48 MB is ≈ 1.4 s,
-about 18 such steps, not 50.
+the same tokens; only the clock is composed. This machine cannot run the regime in real processes: 8 Lightning
+processes of the GPT on its 2 cores take 0.089 s a step (B5's long part), and the WAN's all-reduce of the GPT's
+0.48 MB took 1.50 s (part 1), about 17 such steps, not 50.
 
 Writes ``benchmarks/results/b8_time_to_loss.json`` (``--quick``: a temporary folder, or
 ``$LOCO_BENCH_RESULTS``); the runs of part 2 go to ``benchmarks/results/b8_runs/``.
@@ -58,7 +58,8 @@ from benchmarks.common import RESULTS, machine, pool_context, results_dir, table
 
 METHODS = ("ddp", "diloco", "noloco", "gasloc_pairs")
 EXCHANGE_OF = {"diloco": "diloco F=1", "noloco": "noloco F=1", "gasloc_pairs": "gasloc F=1",
-               "torchft": "torchft F=1"}
+               "torchft": "torchft F=1", "torchft_buckets": "torchft_buckets F=1"}
+TORCHFT_LABELS = {"torchft": "torchft DiLoCo (its defaults)", "torchft_buckets": "torchft DiLoCo, bucketed"}
 OVERLAPPED = ("diloco", "noloco", "gasloc_pairs")
 DDP_SHARE = 0.6  # the second target: DDP's loss at 60 % of its run
 
@@ -68,14 +69,15 @@ DDP_SHARE = 0.6  # the second target: DDP's loss at 60 % of its run
 
 def exchanges(path: Path) -> dict[int, dict[str, float]]:
     """Per N, per method, the slowest replica's exposed seconds of one blocking outer step (median over rounds),
-    from a B7 results file."""
+    from a B7 results file (its emulated WAN rows), and the payload (``params``)."""
     rows = json.loads(path.read_text())["rows"]
     out: dict[int, dict[str, float]] = {}
     for row in rows:
-        if row["overlap_steps"] != 0:
+        if row["overlap_steps"] != 0 or row["mode"] != "emulated":
             continue
         out[row["replicas"]] = {m: row["runs"][k]["exposed_s"]["median"] for m, k in EXCHANGE_OF.items()
                                 if k in row["runs"]}
+        out[row["replicas"]]["params"] = row["params"]
     return out
 
 
@@ -149,14 +151,15 @@ def compose(n: int, curves: dict[str, list[dict[str, float]]], exchange: dict[st
             continue
         cases.append((f"{method}" + (f", τ = {tau}" if tau else ""), method, key, exchange[method],
                       int(tau or 0), False))
-        if method == "diloco" and not tau and "torchft" in exchange:
-            cases.append(("torchft DiLoCo", "torchft", key, exchange["torchft"], 0, False))
+        if method == "diloco" and not tau:
+            cases += [(label, m, key, exchange[m], 0, False) for m, label in TORCHFT_LABELS.items() if m in exchange]
     diloco_final = curves["diloco"][-1]["loss"]
     ddp_target = at_step(curves["ddp"], DDP_SHARE * curves["ddp"][-1]["step"]) if "ddp" in curves else None
     rows = []
     for label, _method, key, e, tau, every_step in cases:
         clock = timed(curves[key], h, x, e, tau, every_step)
-        rows.append({"replicas": n, "method": label, "overlap_steps": tau, "exchange_s": e,
+        rows.append({"replicas": n, "payload": exchange.get("params"), "method": label, "overlap_steps": tau,
+                     "exchange_s": e,
                      "exposed_per_round_s": e if every_step else max(0.0, e - tau * x),
                      "final_loss": clock[-1]["val_loss"], "wall_s": clock[-1]["train_seconds"],
                      "to_diloco_final_s": time_to(clock, diloco_final, "train_seconds"),
@@ -170,13 +173,13 @@ def compose(n: int, curves: dict[str, list[dict[str, float]]], exchange: dict[st
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    shown = [{**r, **{k: (r[k] if r[k] is not None else float("nan")) for k in ("to_diloco_final_s", "to_ddp_60_s")}}
-             for r in rows]
-    print(table(shown, [("replicas", "N", "d"), ("method", "method", "s"), ("exposed_per_round_s", "exposed/round s",
-                                                                            ".2f"),
-                        ("wall_s", "wall s", ".0f"), ("final_loss", "final loss", ".3f"),
-                        ("to_diloco_final_s", "to DiLoCo's final s", ".0f"), ("to_ddp_60_s", "to DDP@60% s", ".0f"),
-                        ("loss_at_equal_wall", "loss at equal wall", ".3f")]))
+    shown = [{**r, **{k: (r[k] if r[k] is not None else float("nan")) for k in ("to_diloco_final_s", "to_ddp_60_s")},
+              "payload": f"{r['payload'] / 1e6:g} M" if r["payload"] else "-"} for r in rows]
+    print(table(shown, [
+        ("replicas", "N", "d"), ("payload", "exchanges of", "s"), ("method", "method", "s"),
+        ("exposed_per_round_s", "exposed/round s", ".2f"), ("wall_s", "wall s", ".0f"),
+        ("final_loss", "final loss", ".3f"), ("to_diloco_final_s", "to DiLoCo's final s", ".0f"),
+        ("to_ddp_60_s", "to DDP@60% s", ".0f"), ("loss_at_equal_wall", "loss at equal wall", ".3f")]))
 
 
 def main() -> None:
@@ -184,6 +187,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny run of every part but the measured exchanges")
     parser.add_argument("--exchange", default=str(RESULTS / "b8_exchange.json"),
                         help="B7's results on the GPT's payload (part 1; default benchmarks/results/b8_exchange.json)")
+    parser.add_argument("--bandwidth-bound", default=str(RESULTS / "b7_torchft_n8.json"),
+                        help="B7's results on a larger payload (10 M at N = 8: exchanges bound by bandwidth, as a "
+                        "real model's are), composed with the same curves on a clock of their own (a missing file "
+                        "skips it)")
     parser.add_argument("--replicas", nargs="+", type=int, default=[8, 16], help="N (default 8 16; the first gets "
                         "the overlap runs, and its τ = 0 curves from B5's long part)")
     parser.add_argument("--workers", type=int, default=2)
@@ -219,6 +226,9 @@ def main() -> None:
                   f"{record['final']['consensus']:.3f} ({record['seconds']:.0f} s)", flush=True)
     if args.runs_only:
         return
+    larger = {} if args.quick or not Path(args.bandwidth_bound).exists() else exchanges(Path(args.bandwidth_bound))
+    for n in larger:
+        larger[n]["gasloc_pairs"] = larger[n].pop("gasloc")
     rows = []
     for i, n in enumerate(replicas):
         curves: dict[str, list[dict[str, float]]] = {}
@@ -229,10 +239,13 @@ def main() -> None:
                 record = json.loads((runs_dir / f"{job.name}.json").read_text())
                 curves[job.method + (f"@{job.overlap}" if job.overlap else "")] = curve_of(record)
         rows += compose(n, curves, measured[n], h, x, h // 2)
+        if n in larger:  # the same curves on the larger payload's clock: X from its own DiLoCo all-reduce
+            rows += compose(n, curves, larger[n], h, larger[n]["diloco"] / h, h // 2)
     print_rows(rows)
     path = write_json("b8_time_to_loss.json", {
         "benchmark": "B8 time to loss in the papers' regime", "settings": settings.__dict__,
         "step_seconds": x, "exchange": {str(n): measured[n] for n in replicas},
+        "bandwidth_bound": {str(n): {**larger[n], "step_seconds": larger[n]["diloco"] / h} for n in larger},
         "exchange_source": "quick: made up" if args.quick else args.exchange,
         "seconds": time.perf_counter() - started, "rows": rows}, folder)
     print(f"wrote {path}")

@@ -693,10 +693,12 @@ def test_b8_time_model():
     assert loss_at(clock, 5.0) is None
     curves = {"ddp": curve, "diloco": [{"step": 0, "loss": 5.0}, {"step": 50, "loss": 3.5}, {"step": 100, "loss": 2.5}],
               "noloco": [{"step": 0, "loss": 5.0}, {"step": 50, "loss": 3.6}, {"step": 100, "loss": 2.6}]}
-    rows = {r["method"]: r for r in compose(4, curves, {"diloco": 1.0, "noloco": 0.5, "torchft": 1.2}, 50, 0.02, 25)}
-    assert set(rows) == {"DDP", "diloco", "torchft DiLoCo", "noloco"}
+    rows = {r["method"]: r for r in compose(4, curves, {"diloco": 1.0, "noloco": 0.5, "torchft_buckets": 1.2}, 50,
+                                            0.02, 25)}
+    assert set(rows) == {"DDP", "diloco", "torchft DiLoCo, bucketed", "noloco"}
     assert rows["DDP"]["wall_s"] == 100 * 1.02 and rows["noloco"]["wall_s"] == 2.0 + 2 * 0.5
-    assert rows["torchft DiLoCo"]["final_loss"] == rows["diloco"]["final_loss"]  # the same curve, its own clock
+    torchft = rows["torchft DiLoCo, bucketed"]
+    assert torchft["final_loss"] == rows["diloco"]["final_loss"] and torchft["wall_s"] == 2.0 + 2 * 1.2
     assert rows["diloco"]["to_diloco_final_s"] == rows["diloco"]["wall_s"]
     assert rows["noloco"]["to_diloco_final_s"] is None  # never reaches DiLoCo's final loss
     assert all(r["equal_wall_s"] == 3.0 for r in rows.values())  # NoLoCo's run ends first
@@ -709,5 +711,5 @@ def test_b8_quick(tmp_path):
     result = json.loads((tmp_path / "b8_time_to_loss.json").read_text())
     assert "made up" in result["exchange_source"] and "X =" in out
     methods = {(r["replicas"], r["method"]) for r in result["rows"]}
-    assert {(2, "diloco, τ = 2"), (2, "DDP"), (4, "torchft DiLoCo"), (4, "gasloc_pairs")} <= methods
+    assert {(2, "diloco, τ = 2"), (2, "DDP"), (4, "torchft DiLoCo (its defaults)"), (4, "gasloc_pairs")} <= methods
     assert len(list((tmp_path / "b8_runs").glob("*.json"))) == 11
