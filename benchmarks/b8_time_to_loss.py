@@ -212,8 +212,6 @@ def main() -> None:
         missing = [n for n in replicas if n not in measured]
         if missing:
             parser.error(f"{args.exchange} has no exchanges for N = {missing}: run part 1 (see --help)")
-        for n in replicas:
-            measured[n]["gasloc_pairs"] = measured[n].pop("gasloc")
     x = measured[replicas[0]]["diloco"] / h if measured else float("nan")
     started = time.perf_counter()
     todo = [j for j in jobs(settings, replicas, args.quick) if not (runs_dir / f"{j.name}.json").exists()]
@@ -227,8 +225,6 @@ def main() -> None:
     if args.runs_only:
         return
     larger = {} if args.quick or not Path(args.bandwidth_bound).exists() else exchanges(Path(args.bandwidth_bound))
-    for n in larger:
-        larger[n]["gasloc_pairs"] = larger[n].pop("gasloc")
     rows = []
     for i, n in enumerate(replicas):
         curves: dict[str, list[dict[str, float]]] = {}
