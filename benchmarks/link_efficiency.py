@@ -14,7 +14,11 @@ direction at once, since a replica's exchange is two-way:
 * ``noloco pair``: our NoLoCo pair exchange (``TorchDistributedTransport.group_sum`` over the pair: gloo's
   send and receive on one connection);
 * ``diloco all-reduce``: our DiLoCo's all-reduce of the same payload (``all_reduce_sum``; with two replicas
-  each sends the payload once, in halves);
+  each sends the payload once: as one pair exchange on gloo, ``TorchDistributedTransport``'s two-replica path;
+  the results written before it, ``link_efficiency.json`` and ``link_efficiency*_streams*.json``, timed gloo's
+  own all-reduce, in halves);
+* ``gloo all-reduce``: ``torch.distributed.all_reduce`` of the same payload, what our two replicas' DiLoCo
+  ran before;
 * ``noloco pair ×s`` and ``diloco all-reduce ×s`` for each s of ``--transport-streams`` (default 4): the same
   over a transport with ``streams=s``, the payload spread over s process groups, s connections per pair.
 
@@ -157,6 +161,7 @@ def worker(options: dict[str, Any]) -> None:
         steps: dict[str, Any] = {f"tcp×{k}": (lambda s=s: s.exchange(raw)) for k, s in streams.items()}
         steps["noloco pair"] = lambda: transport.group_sum(work, (0, 1))
         steps["diloco all-reduce"] = lambda: transport.all_reduce_sum(work)
+        steps["gloo all-reduce"] = lambda: dist.all_reduce(work)  # what our DiLoCo ran before its two-replica path
         for s in options["transport_streams"]:
             spread_over = TorchDistributedTransport(torch.device("cpu"), streams=s)
             steps[f"noloco pair ×{s}"] = lambda t=spread_over: t.group_sum(work, (0, 1))

@@ -376,8 +376,8 @@ def test_link_efficiency_quick(tmp_path):
     emulator_or_skip()
     out = bench(tmp_path, "link_efficiency")
     row, = json.loads((tmp_path / "link_efficiency.json").read_text())["rows"]
-    assert set(row["runs"]) == {"tcp×1", "tcp×4", "noloco pair", "diloco all-reduce", "noloco pair ×4",
-                                "diloco all-reduce ×4"}
+    assert set(row["runs"]) == {"tcp×1", "tcp×4", "noloco pair", "diloco all-reduce", "gloo all-reduce",
+                                "noloco pair ×4", "diloco all-reduce ×4"}
     for name, run in row["runs"].items():
         assert 0 < run["fraction"]["min"] <= run["fraction"]["median"] <= run["fraction"]["max"], name
     assert max(run["of_best_tcp"] for name, run in row["runs"].items() if name.startswith("tcp")) == 1

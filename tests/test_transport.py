@@ -17,6 +17,8 @@ from lightning_loco.transport import (
 )
 from lightning_loco.transport.in_process import InProcessPending, InProcessTransport
 
+import tiny
+
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     init_gloo(rank, world, port=port, timeout_s=30)
@@ -100,6 +102,42 @@ def test_streams_spread_an_exchange_over_several_connections_with_the_same_sums(
         assert "needs replicas of one rank" in res[r]["refused"][2]
     for r in (0, 1):
         assert torch.equal(res[r]["pair_three"], res[r]["pair_one"])
+
+
+def _two_replicas_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port=port, timeout_s=60)
+    try:
+        log = tiny.CallLog()
+        log.install()
+        transport, streamed = (TorchDistributedTransport(torch.device("cpu"), streams=s) for s in (1, 2))
+        payload = torch.randn(1001, generator=torch.Generator().manual_seed(rank))
+        gloo = payload.clone()
+        dist.all_reduce(gloo)  # gloo's own all-reduce of the same buffers
+        log.active = True
+        mine = payload.clone()
+        pending = transport.start_all_reduce_sum(mine)
+        landed = pending.wait()
+        calls = log.take()
+        streamed_sum = streamed.all_reduce_sum(payload.clone())
+        torch.save({"pairwise": transport.pairwise_all_reduce, "gloo": gloo, "sum": landed, "in_place": landed is mine,
+                    "calls": calls, "bytes": transport.stats.bytes_sent, "streamed": streamed_sum},
+                   os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_replicas_all_reduce_by_one_pair_exchange_with_gloos_sum(tmp_path):
+    """Two replicas on gloo: an all-reduce is one pair exchange (one message each way, not gloo's pipelined
+    chunks), the sum lands in the buffer and is bitwise gloo's own all-reduce's, with the same bytes; with
+    streams too."""
+    start_ranks(_two_replicas_worker, 2, args=(2, free_port(), str(tmp_path)), timeout_s=120)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    for r in range(2):
+        assert res[r]["pairwise"] and res[r]["in_place"]
+        assert res[r]["calls"] == [("batch_isend_irecv", (("irecv", 1 - r, 1001), ("isend", 1 - r, 1001)))]
+        assert torch.equal(res[r]["sum"], res[r]["gloo"]) and torch.equal(res[r]["sum"], res[0]["sum"])
+        assert torch.equal(res[r]["streamed"], res[r]["gloo"])
+        assert res[r]["bytes"] == 4 * 1001  # what a ring all-reduce of two sends: the buffer once
 
 
 def test_every_transport_builds_on_the_shared_pending_and_transport():

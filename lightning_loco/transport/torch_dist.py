@@ -4,7 +4,10 @@
   ``batch_isend_irecv`` and sums what it has in ascending replica order. Receives are posted before
   sends: gloo otherwise runs the two directions of a pair one after the other, twice as slow on a
   slow link.
-* ``start_all_reduce_sum``: one asynchronous all-reduce.
+* ``start_all_reduce_sum``: one asynchronous all-reduce. With two replicas on gloo it is the pair
+  exchange instead (each sends its buffer to the other and adds what it receives): the same sum, bitwise
+  (a + b = b + a), and the same bytes, in one message each way where gloo's all-reduce pipelines its
+  chunks a round trip at a time, several times slower on a long fat pipe (``benchmarks/link_efficiency.py``).
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
 training goes on, and ``PendingSum.wait()`` returns the sum (timing, stats and the cached sum are
@@ -230,6 +233,8 @@ class TorchDistributedTransport(Transport):
         self.staging = StagingPool()  # host buffers for CUDA payloads crossing gloo (pinned with CUDA)
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
         self.streams = streams
+        # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
+        self.pairwise_all_reduce = self.num_replicas == 2 and dist.get_backend(process_group) == "gloo"
         self.stream_groups: list[Any] = [process_group]
         if stream_groups is not None:  # the strategies': made by ProcessGroups with the run's backend and timeout
             if len(stream_groups) != streams - 1:
@@ -327,6 +332,11 @@ class TorchDistributedTransport(Transport):
             return self.pending([], payload.clone, 0, ())
         if codec is not None and codec.lossy:
             return coded.start_group_sum(self, payload, group, others, codec, round_id)
+        return self.pending(*self._post_group_sum(payload, group, others, round_id))
+
+    def _post_group_sum(self, payload: Tensor, group: Sequence[int], others: list[int], round_id: RoundId
+                        ) -> tuple[list[Any], Callable[[], Tensor], int, tuple[int, ...]]:
+        """The float32 group sum's works, its ``finish`` (the sum, a new tensor), bytes and peers."""
         staged = self._staged(payload)
         if staged:  # pinned host buffers, reused across outer steps; given back in finish()
             send = self.staging.to_host(self.slice(payload))
@@ -350,7 +360,7 @@ class TorchDistributedTransport(Transport):
             return result
 
         nbytes = send.numel() * send.element_size() * len(others)
-        return self.pending(works, finish, nbytes, tuple(others))
+        return works, finish, nbytes, tuple(others)
 
     def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
                              round_id: RoundId = FIRST_ROUND) -> Pending:
@@ -358,6 +368,14 @@ class TorchDistributedTransport(Transport):
         sets the wire format (see the module docstring)."""
         if codec is not None and codec.lossy and self.num_replicas > 1:
             return coded.start_all_reduce_sum(self, payload, codec, round_id)
+        if self.pairwise_all_reduce:  # two replicas on gloo: the pair exchange (see the module docstring)
+            works, total, nbytes, peers = self._post_group_sum(payload, (0, 1), [1 - self.replica], round_id)
+
+            def landed() -> Tensor:
+                payload.copy_(total().view_as(payload))
+                return payload
+
+            return self.pending(works, landed, nbytes, peers)
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self.slice(buf)
