@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_loco import checkpoints, consensus, sharding
+from lightning_loco import checkpoints, consensus
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.modes import run_mode
@@ -440,11 +440,9 @@ class FabricOuterStepStrategy(DDPStrategy):
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Sharded replicas: shard by shard, from this rank's own shards or from full tensors (a main file)."""
-        if self.layout.sharded:
-            sharding.load_state_dict(module, state_dict, strict=strict)
-        else:
-            super().load_module_state_dict(module, state_dict, strict)
+        """As the replica's layout loads a module (sharded: shard by shard, from this rank's own shards or from
+        full tensors, a main file)."""
+        self.layout.load_module_state(module, state_dict, strict)
 
 
 class _ReplicaBackwardSync(_BackwardSyncControl):

@@ -154,8 +154,9 @@ class ReplicaLayout:
         """How this rank's part of the model is laid out (None: whole)."""
         return None
 
-    def load_module_state(self, module: Any, state: Mapping[str, Any]) -> None:
-        module.load_state_dict(state, strict=False)
+    def load_module_state(self, module: Any, state: Mapping[str, Any], strict: bool = False) -> None:
+        """Loads ``state`` into ``module`` (any module of this layout, not only the trained one)."""
+        module.load_state_dict(state, strict=strict)
 
     def optimizer_state(self, optimizer: Any, saved: Any) -> Any:
         return saved
@@ -293,8 +294,8 @@ class ShardedReplicas(ReplicaLayout):
     def module_state(self) -> Optional[list[Any]]:
         return sharding.layout(self.host.lightning_module)
 
-    def load_module_state(self, module: Any, state: Mapping[str, Any]) -> None:
-        sharding.load_state_dict(module, state, strict=False)  # shard by shard, into this rank's DTensors
+    def load_module_state(self, module: Any, state: Mapping[str, Any], strict: bool = False) -> None:
+        sharding.load_state_dict(module, state, strict=strict)  # shard by shard, into this rank's DTensors
 
     def optimizer_state(self, optimizer: Any, saved: Any) -> Any:
         return sharding.optimizer_state_to_shards(optimizer, saved)
