@@ -6,8 +6,8 @@ F = 1 against F = 4, on the emulated WAN.
     python -m benchmarks.b1_sync_latency --parts fragments --quick                      # seconds: loopback, modelled
 
 Each of N gloo processes (one per node, as in B1: ``benchmarks/netem``) runs the strategies' own
-:class:`~lightning_loco.driver.OuterStepDriver` over :class:`~lightning_loco.transport.TorchDistributedTransport`
-with ``overlap_steps`` τ and ``fragments`` F, on :class:`~lightning_loco.flat.FlatParameters` over a flat
+:class:`~lightning_loco.driver.driver.OuterStepDriver` over :class:`~lightning_loco.transport.TorchDistributedTransport`
+with ``overlap_steps`` τ and ``fragments`` F, on :class:`~lightning_loco.driver.flat.FlatParameters` over a flat
 float32 model of 16 equal blocks (so that F = 4 cuts it into exact quarters, 4 blocks each). There is no
 Lightning and no real training: **compute is modelled** as X seconds of sleep per inner step, after a cheap
 in-place change of every parameter (θ ← 0.999·θ, each replica from its own random start), so the payloads are
@@ -108,8 +108,8 @@ class Turns:
         import torch
 
         from benchmarks.b1_sync_latency import build
-        from lightning_loco.driver import OuterStepDriver
-        from lightning_loco.flat import FlatParameters
+        from lightning_loco.driver.driver import OuterStepDriver
+        from lightning_loco.driver.flat import FlatParameters
 
         generator = torch.Generator().manual_seed(rank)
         size = params // BLOCKS
@@ -287,7 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, modes: list[str], networks: Any, results: Path, out: str) -> Path:
     """The part as B1's ``main`` calls it: every mode × N × size; prints the table, writes ``out``.json."""
     from lightning_loco.algorithms import NoLoCo
-    from lightning_loco.options import Options
+    from lightning_loco.replica.options import Options
 
     methods = args.methods or ["noloco", "diloco"]
     if not set(methods) <= set(METHODS):

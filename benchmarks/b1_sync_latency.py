@@ -35,7 +35,7 @@ minimum RTT again after 10 s. Hence, by default:
 Wire formats (``--codecs``, default float32 only). Each (method, codec) is one more turn in every
 round, with its own error-feedback residual where the strategies keep one (DiLoCo's pseudo-gradient
 with a lossy codec); the codecs of one method share its outer state (one outer step each, in turn),
-so that 50 M parameters fit in memory N times; the payload travels as :mod:`lightning_loco.codecs`
+so that 50 M parameters fit in memory N times; the payload travels as :mod:`lightning_loco.wire.codecs`
 encodes it. The table of wire formats gives float32's time over each codec's, taken round by round
 (the same round r of both), and the payload bytes each replica sent (the transport's count, before
 TCP/IP headers). On loopback the link costs almost nothing, so the same codecs there show what
@@ -83,7 +83,7 @@ from benchmarks.netem.tcp import check_congestion, host_congestion, ss_connectio
 from lightning_loco.testing.launch import init_gloo
 
 ALGORITHMS = ("noloco", "gasloc", "diloco", "ddp")
-# --codecs: the wire formats of lightning_loco.codecs, as (wire_dtype, compression)
+# --codecs: the wire formats of lightning_loco.wire.codecs, as (wire_dtype, compression)
 CODECS = ("float32", "bfloat16", "float16", "int8")
 WARM_NUMEL = 1 << 20  # float32 per pair for warm_all_pairs: 4 MB is past TCP slow start on the emulated WAN
 # The workers meet through this file in their shared output folder (a FileStore: no port, and no
@@ -104,7 +104,7 @@ def time_outer_steps(algorithm: Any, delta: Any, transport: Any, rounds: int) ->
     import torch
     import torch.distributed as dist
 
-    from lightning_loco.rounds import step as outer_step
+    from lightning_loco.driver.rounds import step as outer_step
 
     state = algorithm.init_state(torch.zeros(delta.numel()), [delta.shape])
     times = []
@@ -150,7 +150,7 @@ def build(name: str, codec: str = "float32") -> tuple[Any, Any]:
     the payload is a pseudo-gradient, as DiLoCo's). Options of the exchange itself belong here, so
     that every method is timed with the same ones."""
     from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-    from lightning_loco.options import WireConfig
+    from lightning_loco.replica.options import WireConfig
 
     algorithm = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}[name]()
     return algorithm, WireConfig(codec).resolve(algorithm.payload_is_pseudo_gradient)
@@ -173,7 +173,7 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
     import torch.distributed as dist
 
     from benchmarks.netem import modelled
-    from lightning_loco.rounds import step as outer_step
+    from lightning_loco.driver.rounds import step as outer_step
     from lightning_loco.transport import TorchDistributedTransport
 
     torch.set_num_threads(1)

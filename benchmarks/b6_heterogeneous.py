@@ -66,7 +66,7 @@ def schedule_of(name: str):
 def modelled_shares(name: str, step_times: list[float], sync_every: int, sync_seconds: Optional[float],
                     rounds: int) -> list[float]:
     """Each replica's compute share over ``rounds`` rounds of the algorithm's schedule, exchanges free."""
-    from lightning_loco.pacing import phase_steps
+    from lightning_loco.driver.pacing import phase_steps
 
     schedule, n = schedule_of(name), len(step_times)
     clock, compute = [0.0] * n, [0.0] * n

@@ -43,7 +43,7 @@ from typing import Any
 from benchmarks.b6_simulated import loss_by, make_algorithm, run_in_pool, run_one, speeds_of
 from benchmarks.common import machine, results_dir, table, write_json
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.pacing import phase_steps
+from lightning_loco.driver.pacing import phase_steps
 
 ALGORITHMS = ("diloco", "noloco")
 MERGES = ("plain", "steps", "plain_lr")

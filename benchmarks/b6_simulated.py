@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 from benchmarks.b2_time_to_loss import time_to
 from benchmarks.b6_heterogeneous import loss_by  # the processes' part reads its curves the same way
 from benchmarks.common import machine, pool_context, results_dir, table, write_json
-from lightning_loco.options import PacingConfig
+from lightning_loco.replica.options import PacingConfig
 
 ALGORITHMS = ("noloco", "gasloc", "diloco")
 LONG = 4  # the third mode: own H_i for 4× the rounds, to compare losses at one H's wall time
@@ -176,12 +176,12 @@ COLUMNS = [("algorithm", "algorithm", "s"), ("fixed_fast_share", "fast share, on
 def noisy_shares(name: str, speeds: list[float], sync_every: int, sync_seconds: float, rounds: int, sigma: float,
                  seed: int, rule: str = "nearest") -> tuple[float, float]:
     """The fast replicas' mean compute share and the slowest one's, in the event model with noisy steps.
-    ``rule``: "nearest" (the pacing's, :func:`lightning_loco.pacing.phase_due`) or "floor" (stop before
+    ``rule``: "nearest" (the pacing's, :func:`lightning_loco.driver.pacing.phase_due`) or "floor" (stop before
     the step that would end past T)."""
     import random
 
     from benchmarks.b6_heterogeneous import schedule_of
-    from lightning_loco.pacing import phase_due
+    from lightning_loco.driver.pacing import phase_due
 
     rng, schedule, n = random.Random(seed), schedule_of(name), len(speeds)
     clock, compute = [0.0] * n, [0.0] * n

@@ -23,7 +23,7 @@ quorum and commit calls, exchange against exchange.
 Each of N processes (one per node: ``benchmarks/netem``, as B1) holds every (method, F) at once, each with its own
 copy of the model, and they take turns round by round, as :mod:`benchmarks.b1_fragments` does: a turn is H
 inner steps of X seconds of **modelled** compute (an in-place change of every parameter, then sleep until the
-step's time is up), each followed by the method's own code: our :class:`~lightning_loco.driver.OuterStepDriver`,
+step's time is up), each followed by the method's own code: our :class:`~lightning_loco.driver.driver.OuterStepDriver`,
 or torchft's inner ``optimizer.step()``, whose post-hook runs its syncs (the inner optimizer has no gradients,
 so the step itself costs nothing). Exposed time is what that code took from the loop. With ``--overlap`` τ = 0
 every sync blocks and X = 0 (there is nothing to hide). With τ > 0 ours post a round at its step and land it

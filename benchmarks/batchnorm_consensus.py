@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common import machine, results_dir, spread, table, write_json
 from lightning_loco.algorithms import NoLoCo
-from lightning_loco.batchnorm import reestimate
+from lightning_loco.replica.batchnorm import reestimate
 from lightning_loco.simulator import TrainingSimulator
 
 FEATURES, HIDDEN = 8, 64

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.options import WireConfig
-from lightning_loco.rounds import step as outer_step
+from lightning_loco.driver.rounds import step as outer_step
+from lightning_loco.replica.options import WireConfig
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
 

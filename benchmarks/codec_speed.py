@@ -8,7 +8,7 @@ and at torch's default number of threads:
 
 * copy: ``x.clone()``, a new float32 buffer as ``decode`` returns one; copy into a reused buffer:
   ``buf.copy_(x)``, the memory's speed without the page faults of a new buffer;
-* encode and decode of each lossy codec, ``after`` (this tree's ``lightning_loco.codecs``) and
+* encode and decode of each lossy codec, ``after`` (this tree's ``lightning_loco.wire.codecs``) and
   ``before`` (``lightning_loco/codecs.py`` as it was at commit ``--before``, read with ``git show``;
   ``--before ''`` leaves it out);
 * check: ``check_payload``, the NaN/inf scan every payload gets (float16's also checks its range);
@@ -42,14 +42,15 @@ from typing import Any
 import torch
 
 from benchmarks.common import ROOT, results_dir, spread, table, write_json
-from lightning_loco import codecs
+from lightning_loco.wire import codecs
 
 BEFORE = "a10949b"  # the last commit whose codecs ran one whole-buffer operation after another
 CODECS = ("bfloat16", "float16", "int8")
 
 
 def load_before(commit: str) -> types.ModuleType | None:
-    """``lightning_loco/codecs.py`` at ``commit`` as a module, or None (with a note) where git cannot read it."""
+    """``lightning_loco/codecs.py`` (where the codecs lived then) at ``commit`` as a module, or None (with a
+    note) where git cannot read it."""
     if not commit:
         return None
     try:

@@ -32,9 +32,9 @@ import torch
 
 from benchmarks.common import results_dir, table, write_json
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
-from lightning_loco.fragments import layout
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.driver.fragments import layout
 from lightning_loco.transport import InProcessNetwork
 
 ALGORITHMS: dict[str, Callable[[], Any]] = {"noloco": NoLoCo, "gasloc": GASLoC, "diloco": DiLoCo}

@@ -3,7 +3,7 @@
     python -m benchmarks.gasloc_consensus [--quick]
     python -m benchmarks.gasloc_consensus --forms mixed sent [--quick]
 
-Runs the strategies' own :class:`~lightning_loco.driver.OuterStepDriver` for every replica over the
+Runs the strategies' own :class:`~lightning_loco.driver.driver.OuterStepDriver` for every replica over the
 in-process transport, one thread per replica, with no inner progress (g = 0): replicas start from
 independent random vectors and only mix, one round per step.
 A row reports the rounds until the RMS distance of the replicas from their mean falls below 1e-3 of
@@ -29,8 +29,8 @@ import torch
 
 from lightning_loco.algorithms import GASLoC
 from lightning_loco.algorithms.gasloc import MOMENTUM_ON
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.transport import InProcessNetwork
 
 RESULTS = Path(__file__).parent / "results"

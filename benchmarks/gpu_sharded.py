@@ -6,7 +6,7 @@ One process, a world of one (NCCL on CUDA, gloo on the CPU), one replica of one 
 ``ranks_per_replica=1`` with ``replica_sharding="fsdp"`` makes every parameter a ``DTensor`` on the
 replica's (1, 1) device mesh, so a real ``Trainer`` runs the whole local-shard path: the automatic
 policy (``FSDPConfig(blocks=...)``) with FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, float32 reduction),
-:class:`~lightning_loco.flat.ShardedParameters` copying the CUDA shards into the float32 outer state
+:class:`~lightning_loco.driver.flat.ShardedParameters` copying the CUDA shards into the float32 outer state
 on the CPU through the pinned staging buffers (``outer_state_device="cpu"``), the transport told that
 each rank is its own slice (DiLoCo's all-reduce on the world of one; NoLoCo's groups of one), a
 checkpoint whose consensus model is full and loads into a plain module on the CPU, and a resumed fit
@@ -109,8 +109,9 @@ def check(device: str, out_dir: str, width: int = 1024, depth: int = 4, steps: i
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
-    from lightning_loco import DiLoCoStrategy, FSDPConfig, NoLoCoStrategy, checkpoints
-    from lightning_loco.flat import FlatParameters
+    from lightning_loco import DiLoCoStrategy, FSDPConfig, NoLoCoStrategy
+    from lightning_loco.driver.flat import FlatParameters
+    from lightning_loco.replica import checkpoints
     from lightning_loco.transport import TorchDistributedTransport
 
     cuda = device == "cuda"

@@ -9,7 +9,6 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.batchnorm_update import BatchNormUpdate
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.fabric import (
     DiLoCoFabricStrategy,
@@ -17,16 +16,17 @@ from lightning_loco.fabric import (
     GASLoCFabricStrategy,
     NoLoCoFabricStrategy,
 )
-from lightning_loco.options import FSDPConfig, PacingConfig, WireConfig
-from lightning_loco.outer_checkpoint import OuterStepCheckpoint
-from lightning_loco.short_runs import ShortRunWarning
-from lightning_loco.strategies import (
+from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig
+from lightning_loco.replica.short_runs import ShortRunWarning
+from lightning_loco.trainer import (
     DiLoCoStrategy,
     GASLoCStrategy,
     NoLoCoStrategy,
     OuterStepReport,
     OuterStepStrategy,
 )
+from lightning_loco.trainer.batchnorm_update import BatchNormUpdate
+from lightning_loco.trainer.outer_checkpoint import OuterStepCheckpoint
 from lightning_loco.transport import PeerError
 
 __version__ = "0.1.0"

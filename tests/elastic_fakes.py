@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms import NoLoCo
-from lightning_loco.driver import OuterStepDriver
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.elastic import keys
 from lightning_loco.elastic import state_transfer as heal
 from lightning_loco.elastic.config import ElasticConfig
@@ -38,7 +39,6 @@ from lightning_loco.elastic.membership import View
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.ranks import ReplicaRanks
 from lightning_loco.elastic.transport import ElasticTransport
-from lightning_loco.flat import FlatParameters
 
 
 class Hub:

@@ -2,7 +2,7 @@
 
 :class:`ReplicaSimulator` runs N replicas of an outer-step algorithm in one process on flat vectors,
 written once more from the algorithm's own ``schedule``, ``payload`` and ``apply``, the transport's
-group-order summation and the codec functions alone: no :class:`~lightning_loco.driver.OuterStepDriver`,
+group-order summation and the codec functions alone: no :class:`~lightning_loco.driver.driver.OuterStepDriver`,
 no transport. The driver over the in-process transport (``tests/test_driver.py``) and over
 torch.distributed, the wire formats (``tests/test_compression.py``) and the outer maths
 (``tests/test_algorithms.py``, ``tests/test_gasloc.py``, ``tests/test_overlap.py``) must agree with it.
@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
-from lightning_loco.codecs import WireFormat, chunked_all_reduce, decode_sum, roundtrip_segments, segments
-from lightning_loco.schedules import Round
+from lightning_loco.algorithms.schedules import Round
 from lightning_loco.transport.base import sum_in_group_order
+from lightning_loco.wire.codecs import WireFormat, chunked_all_reduce, decode_sum, roundtrip_segments, segments
 
 
 class ReplicaSimulator:
@@ -29,7 +29,7 @@ class ReplicaSimulator:
         algorithm: the outer-step maths.
         weights: the replicas' initial flat float32 weights (usually N copies of one vector).
         shapes: parameter shapes covering the flat vector (default: one flat parameter).
-        wire: a wire format (:func:`lightning_loco.codecs.wire_format`): payloads are encoded and
+        wire: a wire format (:func:`lightning_loco.wire.codecs.wire_format`): payloads are encoded and
             decoded as the transports do (group sums of decoded payloads, the chunked all-reduce,
             error-feedback residuals), written here once more from the codec functions alone.
     """

@@ -1,11 +1,11 @@
-"""BatchNorm's statistics for the consensus: re-estimated (lightning_loco.batchnorm) against averaged."""
+"""BatchNorm's statistics for the consensus: re-estimated (lightning_loco.replica.batchnorm) against averaged."""
 
 import pytest
 import torch
 from torch import nn
 
 import lightning_loco
-from lightning_loco.batchnorm import reestimate
+from lightning_loco.replica.batchnorm import reestimate
 
 import tiny
 

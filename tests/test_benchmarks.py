@@ -35,7 +35,7 @@ def test_b1_quick(tmp_path):
     assert all(r["warm_pairs"] and r["idle_s"] == 0 for r in result["rows"])  # --quick: no silence
     assert result["idle_rows"] == []  # the idle part needs the emulator
     # one lossy codec beside float32, in every mode: its own turn, its bytes, and its ratio to float32
-    from lightning_loco.codecs import Int8BlockCodec, all_reduce_bytes
+    from lightning_loco.wire.codecs import Int8BlockCodec, all_reduce_bytes
 
     n, params = 2, 100_000
     for row in result["rows"]:
@@ -58,7 +58,7 @@ def test_b1_fragments_quick(tmp_path):
     assert not (tmp_path / "b1_sync_latency.json").exists()  # the fragments part alone writes its own file only
     assert "MODELLED" in out and "modelled" in result["compute"]  # every output says the compute is modelled
     assert result["uptime_before"] and result["uptime_after"]
-    from lightning_loco.codecs import ring_all_reduce_bytes
+    from lightning_loco.wire.codecs import ring_all_reduce_bytes
 
     n, params = 2, 100_000
     assert {r["mode"] for r in result["rows"]} == {"loopback", "modelled"}
@@ -134,7 +134,7 @@ def b1():
 
 
 def test_b1_builds_each_wire_format_as_the_strategies_do():
-    from lightning_loco.codecs import CastCodec, Int8BlockCodec
+    from lightning_loco.wire.codecs import CastCodec, Int8BlockCodec
 
     algorithm, wire = b1().build("diloco", "float32")
     assert algorithm.name == "diloco" and not wire.lossy and not wire.error_feedback  # float32 travels as it is

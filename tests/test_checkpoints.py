@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_loco.checkpoints import (
+from lightning_loco.replica.checkpoints import (
     CheckpointError,
     check_replica_files,
     export_consensus,

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from lightning_loco.codecs import (
+from lightning_loco.replica.options import WireConfig
+from lightning_loco.wire.codecs import (
     CastCodec,
     Int8BlockCodec,
     PayloadError,
@@ -17,7 +18,6 @@ from lightning_loco.codecs import (
     roundtrip_segments,
     segments,
 )
-from lightning_loco.options import WireConfig
 
 SIZES = (1, 7, 255, 256, 257, 1000)
 
@@ -229,8 +229,7 @@ def hard_payload(n: int, b: int, seed: int = 0) -> torch.Tensor:
 def pieces(request, monkeypatch):
     """Both ways the kernels walk a payload: in pieces, here of a few blocks (a CPU with torch on
     one thread), and in one piece (several threads, or an accelerator)."""
-    from lightning_loco import codec_kernels
-
+    from lightning_loco.wire import kernels as codec_kernels
     threads = torch.get_num_threads()
     if request.param == "pieces":
         torch.set_num_threads(1)

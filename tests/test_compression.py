@@ -16,7 +16,14 @@ import torch.distributed as dist
 
 from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.codecs import (
+from lightning_loco.driver.driver import OuterStepReport
+from lightning_loco.driver.rounds import post as post_round
+from lightning_loco.replica.options import WireConfig
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
+from lightning_loco.trainer.monitoring import OuterStepMonitor
+from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
+from lightning_loco.transport.base import FIRST_ROUND, RoundId
+from lightning_loco.wire.codecs import (
     PayloadError,
     all_reduce_bytes,
     chunked_all_reduce,
@@ -25,13 +32,6 @@ from lightning_loco.codecs import (
     roundtrip_segments,
     segments,
 )
-from lightning_loco.driver import OuterStepReport
-from lightning_loco.monitoring import OuterStepMonitor
-from lightning_loco.options import WireConfig
-from lightning_loco.rounds import post as post_round
-from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
-from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
-from lightning_loco.transport.base import FIRST_ROUND, RoundId
 
 import tiny
 from oracle import ReplicaSimulator

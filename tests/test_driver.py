@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.driver import OuterStepDriver, OuterStepReport
-from lightning_loco.flat import FlatParameters
-from lightning_loco.options import Options
-from lightning_loco.overlap import MERGES, auto_cap
-from lightning_loco.rounds import step as blocking_outer_step
+from lightning_loco.driver.driver import OuterStepDriver, OuterStepReport
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.driver.overlap import MERGES, auto_cap
+from lightning_loco.driver.rounds import step as blocking_outer_step
+from lightning_loco.replica.options import Options
 from lightning_loco.transport import InProcessNetwork, PeerError
 
 from oracle import ReplicaSimulator
@@ -725,7 +725,7 @@ def test_final_outer_step_has_one_default_everywhere():
     import inspect
 
     from lightning_loco.simulator import TrainingSimulator
-    from lightning_loco.strategies.base import OuterStepStrategy
+    from lightning_loco.trainer.base import OuterStepStrategy
 
     defaults = {cls.__name__: inspect.signature(cls).parameters["final_outer_step"].default
                 for cls in (Options, OuterStepStrategy, TrainingSimulator)}

@@ -1,6 +1,6 @@
 """Lossy wire formats on the elastic transport, in one process over the scripted membership and in-process
 process group of tests/elastic_fakes.py: the elastic rounds encode as the static launch does
-(lightning_loco/transport/coded.py), so they match the static maths over the in-process transport, and a
+(lightning_loco/wire/coded.py), so they match the static maths over the in-process transport, and a
 round taken alone or dropped keeps the error-feedback residual true.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.options import WireConfig
+from lightning_loco.replica.options import WireConfig
 from lightning_loco.transport import InProcessNetwork
 
 from elastic_fakes import H, Hub, Runner, Script, elastic_runner, in_threads

@@ -6,7 +6,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_loco import ElasticConfig
 from lightning_loco.elastic.data import order_seed, sampler_kwargs, shared_slots, slot_of
-from lightning_loco.modes import RunMode
+from lightning_loco.replica.modes import RunMode
 
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
 

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
+from lightning_loco.driver.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.elastic.plugin import ElasticPlugin, checksum, same
-from lightning_loco.plugins import DriverPlugin, Landing, Outcome
 from lightning_loco.transport import InProcessNetwork
 
 from elastic_fakes import FakeMembership, H, Hub, Runner, Script, elastic_runner, in_threads

@@ -4,7 +4,7 @@ Two forked ranks over gloo form one replica sharded with FSDP2 and hold two mode
 that trained a few AdamW steps and a fresh joiner. The donor's training state (``LightningTrainingState``)
 crosses as the heal's header does (``torch.save``, loaded with ``weights_only``) and is loaded into the
 joiner's ``DTensor`` objects shard by shard. The weights themselves travel as the driver's flat local shards
-(:class:`~lightning_loco.flat.ShardedParameters`), as the elastic plug-in sends them. The real-process run
+(:class:`~lightning_loco.driver.flat.ShardedParameters`), as the elastic plug-in sends them. The real-process run
 (a rank killed, the replica restarted) is in tests/test_elastic.py.
 """
 
@@ -62,15 +62,14 @@ class Fit:
 
 def sharded(fit: Fit) -> Any:
     """The FSDP2 layout of ``fit``'s module (what a strategy with replica_sharding gives the training state)."""
-    from lightning_loco.options import FSDPConfig
-    from lightning_loco.strategies.layout import ShardedReplicas
+    from lightning_loco.replica.layout import ShardedReplicas
+    from lightning_loco.replica.options import FSDPConfig
 
     return ShardedReplicas(SimpleNamespace(lightning_module=fit.lightning_module), FSDPConfig())
 
 
 def _local(obj: Any) -> Any:
-    from lightning_loco import sharding
-
+    from lightning_loco.replica import sharding
     return sharding.local_tree(obj)
 
 
@@ -88,17 +87,17 @@ def _equal(a: Any, b: Any) -> bool:
 def _round_trip_worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from lightning_loco import sharding
+    from lightning_loco.driver.flat import ShardedParameters
     from lightning_loco.elastic import state_transfer as heal
-    from lightning_loco.flat import ShardedParameters
-    from lightning_loco.strategies.training_state import LightningTrainingState
+    from lightning_loco.replica import sharding
+    from lightning_loco.trainer.training_state import LightningTrainingState
 
     init_gloo(rank, 2, port=port, timeout_s=30)
     try:
         mesh = sharding.replica_mesh("cpu", 2, "gloo", None).mesh["data_parallel"]
         donor_module, joiner_module = Model(0), Model(1)
         for module in (donor_module, joiner_module):
-            from lightning_loco.options import FSDPConfig
+            from lightning_loco.replica.options import FSDPConfig
 
             sharding.auto_shard(module, mesh, FSDPConfig())
         donor, joiner = Fit(donor_module, 0.05), Fit(joiner_module, 0.01)

@@ -80,7 +80,7 @@ def test_a_late_partner_is_left_out_of_one_round_and_both_take_it_alone(caplog):
     assert [r.peer_ids for r in a.driver.reports] == [("b",), ("b",), ("b",)]
     # the report, and so the monitor's line, says that round 1 met nobody, as the replica's own line does
     assert [r.alone for r in a.driver.reports] == [False, True, False]
-    from lightning_loco.monitoring import OuterStepMonitor
+    from lightning_loco.trainer.monitoring import OuterStepMonitor
 
     assert OuterStepMonitor._peer_text(a.driver.reports[1], "a") == \
         "outer step 1: replica a met nobody (taken alone, without b)"

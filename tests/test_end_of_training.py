@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.overlap import MERGES
-from lightning_loco.strategies.setup import fit_ends_after_this_step
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.overlap import MERGES
+from lightning_loco.trainer.setup import fit_ends_after_this_step
 from lightning_loco.transport import InProcessNetwork
 
 import tiny

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_loco.flat import FlatParameters, parameter_views
+from lightning_loco.driver.flat import FlatParameters, parameter_views
 
 
 def test_gather_scatter_round_trip_with_mixed_dtypes():

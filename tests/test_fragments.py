@@ -22,12 +22,12 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.driver import OuterStepDriver
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.driver.fragments import fragment_algorithm, fragment_seed, layout
+from lightning_loco.driver.rounds import step as blocking_outer_step
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.flat import FlatParameters
-from lightning_loco.fragments import fragment_algorithm, fragment_seed, layout
-from lightning_loco.options import Options, WireConfig
-from lightning_loco.rounds import step as blocking_outer_step
+from lightning_loco.replica.options import Options, WireConfig
 from lightning_loco.transport import InProcessNetwork
 
 from oracle import ReplicaSimulator

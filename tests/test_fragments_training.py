@@ -122,7 +122,7 @@ def test_each_fragment_meets_its_own_peers_over_gloo(tmp_path):
     """Four replicas, NoLoCo in pairs, two fragments with τ = 1: every round's pairs are mutual across
     the replicas, each fragment follows its own schedule, and the fragments' pairs differ somewhere."""
     from lightning_loco.algorithms import NoLoCo
-    from lightning_loco.fragments import fragment_algorithm
+    from lightning_loco.driver.fragments import fragment_algorithm
 
     recs = tiny.launch(tmp_path, strategy="noloco", strategy_kwargs={"sync_every": H, "fragments": F,
                                                                      "overlap_steps": 1, "seed": 3},

@@ -8,7 +8,7 @@ import torch
 
 from lightning_loco import GASLoCStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC
-from lightning_loco.schedules import exponential_matching, random_matching, ring_matching
+from lightning_loco.algorithms.schedules import exponential_matching, random_matching, ring_matching
 
 from oracle import ReplicaSimulator
 

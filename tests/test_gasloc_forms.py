@@ -23,11 +23,11 @@ from test_elastic_plugin import Runner, elastic_runner, in_threads
 
 from lightning_loco import GASLoCStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC
-from lightning_loco.driver import OuterStepDriver
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.transport import ElasticTransport
-from lightning_loco.flat import FlatParameters
 from lightning_loco.transport import InProcessNetwork
 
 from elastic_fakes import FakeMembership, Hub, Script
@@ -527,7 +527,7 @@ def test_an_unknown_form_is_refused_naming_the_allowed_values(value):
 
 
 def test_the_sent_form_refuses_a_custom_outer_optimizer_and_still_checks_gamma():
-    from lightning_loco.options import Options
+    from lightning_loco.replica.options import Options
 
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
     for build in (lambda **kwargs: Options.build(GASLoC(**kwargs), 10), GASLoCStrategy):

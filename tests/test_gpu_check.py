@@ -14,13 +14,13 @@ import torch.distributed as dist
 
 from benchmarks.gpu_check import report, runner, settings, training
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
-from lightning_loco.process_groups import ProcessGroups
-from lightning_loco.staging import StagingPool
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.replica.process_groups import ProcessGroups
 from lightning_loco.testing.host_reads import HostReadCounter, rounds_seen
 from lightning_loco.testing.launch import init_gloo
 from lightning_loco.transport import InProcessNetwork, TorchDistributedTransport
+from lightning_loco.transport.staging import StagingPool
 
 ROOT = Path(__file__).parent.parent
 

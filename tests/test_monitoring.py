@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_loco.monitoring import OuterStepMonitor
-from lightning_loco.schedules import random_groups
-from lightning_loco.strategies.base import OuterStepReport
+from lightning_loco.algorithms.schedules import random_groups
+from lightning_loco.trainer.base import OuterStepReport
+from lightning_loco.trainer.monitoring import OuterStepMonitor
 
 import tiny
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_loco.algorithms import GASLoC
-from lightning_loco.schedules import random_groups
+from lightning_loco.algorithms.schedules import random_groups
 
 import tiny
 

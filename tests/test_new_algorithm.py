@@ -15,11 +15,11 @@ from torch import Tensor
 
 from lightning_loco import ElasticConfig, PacingConfig
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
-from lightning_loco.options import Options, RefusedOptions
-from lightning_loco.schedules import Round, everyone, random_groups
-from lightning_loco.strategies.base import OuterStepStrategy
+from lightning_loco.algorithms.schedules import Round, everyone, random_groups
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.replica.options import Options, RefusedOptions
+from lightning_loco.trainer.base import OuterStepStrategy
 from lightning_loco.transport import InProcessNetwork
 
 from test_driver import run_in_threads, threaded

@@ -1,4 +1,4 @@
-"""The options and their one table of rules (``lightning_loco.options``), without processes.
+"""The options and their one table of rules (``lightning_loco.replica.options``), without processes.
 
 What the table says is proved here: every rule refuses its own example (and no other rule does), the
 defaults pass every rule, docs/options.md renders the table as it is, every argument of the strategies
@@ -20,11 +20,11 @@ import torch
 
 from lightning_loco import ElasticConfig, PacingConfig, WireConfig
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
-from lightning_loco.options import RULES, Facts, Fit, Launch, Options, RefusedOptions, check_rules, rules_table
-from lightning_loco.strategies.base import OuterStepStrategy
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.replica.options import RULES, Facts, Fit, Launch, Options, RefusedOptions, check_rules, rules_table
 from lightning_loco.testing.launch import strategy_class
+from lightning_loco.trainer.base import OuterStepStrategy
 from lightning_loco.transport import InProcessNetwork
 
 from test_driver import run_in_threads
@@ -91,10 +91,11 @@ def test_rule_names_are_unique_and_each_has_its_facts():
 
 def test_docs_options_md_renders_the_table_as_it_is():
     text = (ROOT / "docs" / "options.md").read_text()
-    start, end = "<!-- rules: generated from lightning_loco.options.RULES -->", "<!-- end of rules -->"
+    start, end = "<!-- rules: generated from lightning_loco.replica.options.RULES -->", "<!-- end of rules -->"
     assert start in text and end in text
     rendered = text.split(start, 1)[1].split(end, 1)[0].strip()
-    assert rendered == rules_table(), "docs/options.md is out of date: paste lightning_loco.options.rules_table()"
+    assert rendered == rules_table(), \
+        "docs/options.md is out of date: paste lightning_loco.replica.options.rules_table()"
 
 
 # ---------------------------------------------------------------- the surface

@@ -12,8 +12,8 @@ import torch
 
 import lightning_loco
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.options import Options
-from lightning_loco.overlap import AutoOverlap, auto_cap, merge_at_landing
+from lightning_loco.driver.overlap import AutoOverlap, auto_cap, merge_at_landing
+from lightning_loco.replica.options import Options
 
 from oracle import ReplicaSimulator
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_loco.schedules import random_groups
+from lightning_loco.algorithms.schedules import random_groups
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import PeerError, TorchDistributedTransport
 

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
-from lightning_loco.options import PacingConfig
-from lightning_loco.pacing import Pacing, Phase, phase_due, phase_steps
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.driver.pacing import Pacing, Phase, phase_due, phase_steps
+from lightning_loco.replica.options import PacingConfig
 from lightning_loco.transport import InProcessNetwork
 
 from oracle import ReplicaSimulator
@@ -57,7 +57,7 @@ class PacedReplica:
         self.clock = Clock()
         merge = driver_kwargs.pop("merge", "mean")
         # follow_nominal: the learning rate's step count follows the run's nominal progress, as a scheduler
-        # does on a paced strategy or simulator (lightning_loco.lr_schedules), not this replica's own count
+        # does on a paced strategy or simulator (lightning_loco.driver.lr_schedules), not this replica's own count
         self.follow_nominal = driver_kwargs.pop("follow_nominal", False)
         self.schedule_steps = 0
         pacing = None if sync_seconds is None else PacingConfig(sync_seconds, merge=merge)
@@ -314,7 +314,7 @@ def test_sync_seconds_with_overlap_fails_when_the_driver_is_built(overlap):
 
 
 def test_auto_sets_t_to_h_times_the_fastest_replicas_median_step_and_follows_a_drift():
-    from lightning_loco.pacing import RECENT_PHASES, AutoSeconds, SharedStepTimes
+    from lightning_loco.driver.pacing import RECENT_PHASES, AutoSeconds, SharedStepTimes
 
     board = SharedStepTimes()
     me, other = AutoSeconds(10, 0, board), AutoSeconds(10, 1, board)
@@ -340,7 +340,7 @@ def test_auto_sets_t_to_h_times_the_fastest_replicas_median_step_and_follows_a_d
 
 
 def test_auto_paced_replicas_take_h_steps_first_then_their_own_share():
-    from lightning_loco.pacing import SharedStepTimes
+    from lightning_loco.driver.pacing import SharedStepTimes
 
     H, max_steps, board = 8, 48, SharedStepTimes()  # six rounds; speeds 1 s and 2 s a step
     _, replicas = paced(NoLoCo, (1, 2), H, "auto", max_steps, step_times=board)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_loco import NoLoCoStrategy
-from lightning_loco.options import Facts, check_rules
-from lightning_loco.strategies.setup import fit_facts
+from lightning_loco.replica.options import Facts, check_rules
+from lightning_loco.trainer.setup import fit_facts
 
 import tiny
 from test_checkpoints import assert_same_tree
@@ -159,8 +159,8 @@ def test_the_monitor_logs_each_rounds_steps_compute_and_share(tmp_path):
 
 
 def test_report_fields_reach_the_monitors_metrics():
-    from lightning_loco.monitoring import OuterStepMonitor
-    from lightning_loco.reports import OuterStepReport
+    from lightning_loco.driver.reports import OuterStepReport
+    from lightning_loco.trainer.monitoring import OuterStepMonitor
 
     report = OuterStepReport(optimizer_index=0, outer_step=3, inner_step=8, peers=(2,), bytes_sent=4, bytes_received=4,
                              comm_seconds=0.1, seconds=0.2, phase_steps=5, compute_seconds=1.5, compute_share=0.75)

@@ -107,9 +107,9 @@ def test_the_graph_sees_imports_inside_functions_and_under_type_checking(tmp_pat
     ``TYPE_CHECKING`` is told apart."""
     probe = tmp_path / "probe.py"
     probe.write_text("from typing import TYPE_CHECKING\n"
-                     "if TYPE_CHECKING:\n    from lightning_loco.driver import OuterStepDriver\n"
+                     "if TYPE_CHECKING:\n    from lightning_loco.driver.driver import OuterStepDriver\n"
                      "def later():\n    from lightning_loco.elastic import plugin\n")
     found, typing_only = imports("lightning_loco.probe", probe, modules())
     assert found == {"lightning_loco.elastic.plugin"}
-    assert typing_only == ["from lightning_loco.driver import OuterStepDriver"]
+    assert typing_only == ["from lightning_loco.driver.driver import OuterStepDriver"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_loco.schedules import Round, everyone, random_groups, random_matching, round_generator
+from lightning_loco.algorithms.schedules import Round, everyone, random_groups, random_matching, round_generator
 
 
 def assert_partition(round_: Round, n: int) -> None:

@@ -23,9 +23,9 @@ from test_multiprocess import PAPERS, noloco_outer, reference
 from torch import nn
 
 import lightning_loco
-from lightning_loco import checkpoints
-from lightning_loco.codecs import make_codec
+from lightning_loco.replica import checkpoints
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
+from lightning_loco.wire.codecs import make_codec
 
 import tiny
 from test_checkpoints import assert_same_tree
@@ -254,8 +254,8 @@ def _pieces_worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_loco import sharding
-    from lightning_loco.flat import ShardedParameters
+    from lightning_loco.driver.flat import ShardedParameters
+    from lightning_loco.replica import sharding
 
     init_gloo(rank, 2, port=port, timeout_s=30)
     try:
@@ -359,8 +359,8 @@ class _ViewEnds(nn.Module):
 def _view_worker(rank: int, port: int, out_dir: str) -> None:
     import warnings
 
-    from lightning_loco import sharding
-    from lightning_loco.options import FSDPConfig
+    from lightning_loco.replica import sharding
+    from lightning_loco.replica.options import FSDPConfig
 
     init_gloo(rank, 2, port=port, timeout_s=30)
     try:

@@ -13,7 +13,7 @@ import torch
 
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.short_runs import SHORT_RUN, planned_outer_steps, short_run_note
+from lightning_loco.replica.short_runs import SHORT_RUN, planned_outer_steps, short_run_note
 from lightning_loco.simulator import TrainingSimulator, distributed_shards
 
 import tiny
@@ -158,7 +158,7 @@ def test_the_paper_values_given_explicitly_warn_and_the_message_says_how_to_keep
     import lightning as L
 
     import lightning_loco
-    from lightning_loco.short_runs import ShortRunWarning, warn_if_short
+    from lightning_loco.replica.short_runs import ShortRunWarning, warn_if_short
 
     explicit = lightning_loco.NoLoCo(outer_lr=0.7, outer_momentum=0.5)
     note = short_run_note(explicit, 5)
@@ -175,7 +175,7 @@ def test_the_paper_values_given_explicitly_warn_and_the_message_says_how_to_keep
         warn_if_short(explicit, 250, 50, L.pytorch.utilities.rank_zero_warn)  # the strategies' way of warning
     assert caught == []
     # the command line's filter, as the note gives it, works too (a new interpreter reads PYTHONWARNINGS)
-    code = ("import warnings, lightning_loco; from lightning_loco.short_runs import warn_if_short; "
+    code = ("import warnings, lightning_loco; from lightning_loco.replica.short_runs import warn_if_short; "
             "warn_if_short(lightning_loco.NoLoCo(), 250, 50, warnings.warn)")
     for env, warned in ({}, True), ({"PYTHONWARNINGS": "ignore:NoLoCo with its default outer step"}, False):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

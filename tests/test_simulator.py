@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
-from lightning_loco.options import WireConfig
+from lightning_loco.replica.options import WireConfig
 from lightning_loco.simulator import TrainingSimulator, distributed_shards
 
 import tiny

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_loco.algorithms import DiLoCo, NoLoCo
-from lightning_loco.options import PacingConfig
+from lightning_loco.replica.options import PacingConfig
 from lightning_loco.simulator import TrainingSimulator
 
 from test_driver import SLOT_SHAPES, assert_same, initial_weights, inner_lr, targets

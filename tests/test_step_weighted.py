@@ -14,10 +14,10 @@ from torch import Tensor, nn
 
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.algorithms.step_weighted import StepWeighted, WeightedState
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.options import PacingConfig
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.replica.options import PacingConfig
 from lightning_loco.simulator import TrainingSimulator
-from lightning_loco.strategies import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
+from lightning_loco.trainer import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.transport import InProcessNetwork
 
 from test_pacing import expected_h, paced, threaded

@@ -24,8 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_loco import NoLoCoStrategy
-from lightning_loco.strategies import _compat
+from lightning_loco import NoLoCoStrategy, _compat
 from lightning_loco.testing.launch import free_port
 from lightning_loco.transport import PendingSum
 
@@ -125,7 +124,7 @@ def test_sigterm_to_rank_zero_stops_every_rank_and_leaves_whole_checkpoints(tmp_
     assert all(e["type"] in ("SIGTERMException", "PeerError") for e in seen.values()), seen
     assert any(e["type"] == "SIGTERMException" for e in seen.values()), output[-3000:]
     # every checkpoint there is whole: it loads and all its replica files are there
-    from lightning_loco.checkpoints import META_KEY, check_replica_files
+    from lightning_loco.replica.checkpoints import META_KEY, check_replica_files
 
     files = glob.glob(str(ckpts / "*.ckpt"))
     assert files
@@ -220,10 +219,10 @@ class _CpuTransport:
 
 def test_a_group_still_awaited_by_an_abandoned_round_is_never_destroyed(monkeypatch):
     from lightning_loco.algorithms import NoLoCo
-    from lightning_loco.driver import OuterStepDriver
-    from lightning_loco.flat import FlatParameters
-    from lightning_loco.overlap import InFlight
-    from lightning_loco.process_groups import ProcessGroups
+    from lightning_loco.driver.driver import OuterStepDriver
+    from lightning_loco.driver.flat import FlatParameters
+    from lightning_loco.driver.overlap import InFlight
+    from lightning_loco.replica.process_groups import ProcessGroups
     from lightning_loco.transport import InProcessNetwork
 
     driver = OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), sync_every=4, overlap_steps=2)

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_loco
 from lightning_loco import DiLoCoStrategy, ElasticConfig, GASLoCStrategy, NoLoCoStrategy, PacingConfig
-from lightning_loco.strategies._compat import disable_per_batch_sigterm_broadcast
+from lightning_loco._compat import disable_per_batch_sigterm_broadcast
 
 
 def make_trainer(strategy, **kwargs):

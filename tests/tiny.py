@@ -285,14 +285,14 @@ class Recorder(L.Callback):
         if "interrupted_save_to" in self.record:
             # As if rank 0 died after every replica file was written and before the main file was: change the
             # weights, then let rank 0 skip all it does after that point (write the main file, tidy up).
-            import lightning_loco.checkpoints
+            import lightning_loco.replica.checkpoints
 
             with torch.no_grad():
                 for p in pl_module.parameters():
                     p.add_(1.0)
             if trainer.global_rank == 0:
                 trainer.strategy.checkpoint_io.save_checkpoint = lambda *args, **kwargs: None
-                lightning_loco.checkpoints.remove_sidecars = lambda *args, **kwargs: None
+                lightning_loco.replica.checkpoints.remove_sidecars = lambda *args, **kwargs: None
             trainer.save_checkpoint(self.record["interrupted_save_to"])
 
     def _record_after_fit(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -377,7 +377,7 @@ class Recorder(L.Callback):
             }
             for r in replicas
         ]
-        from lightning_loco.sharding import local_tree
+        from lightning_loco.replica.sharding import local_tree
 
         self.record["optimizer_states"] = [local_tree(opt.state_dict()) for opt in trainer.optimizers]
         self.record["reports"] = [dataclasses.asdict(r) for r in getattr(strategy, "outer_step_reports", [])]
@@ -467,7 +467,7 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         callbacks.append(OuterStepCheckpoint(**config["outer_checkpoint"]))
     logger: Any = False
     if "monitor" in config:
-        from lightning_loco.monitoring import OuterStepMonitor
+        from lightning_loco.trainer.monitoring import OuterStepMonitor
 
         callbacks.append(OuterStepMonitor(**config["monitor"]))
         logger = [L.pytorch.loggers.CSVLogger(out_dir, name="csv", version=0)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_loco.options import WireConfig
+from lightning_loco.replica.options import WireConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ def part_host_sync(setting: Setting, budget: Budget) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from lightning_loco.monitoring import OuterStepMonitor
+    from lightning_loco.trainer.monitoring import OuterStepMonitor
 
     on_gpu = torch.cuda.is_available()
     warm = max(2, setting.warmup // 4)  # the first steps synchronise while CUDA libraries start

@@ -21,7 +21,7 @@ def part_nccl(setting: Setting, budget: Budget) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from lightning_loco.process_groups import ProcessGroups
+    from lightning_loco.replica.process_groups import ProcessGroups
     from lightning_loco.transport.torch_dist import TorchDistributedTransport
 
     on_gpu = torch.cuda.is_available()

@@ -15,7 +15,7 @@ def part_sharded(setting: Setting, budget: Budget) -> dict[str, Any]:
     import torch
 
     from benchmarks import gpu_sharded
-    from lightning_loco.flat import FlatParameters
+    from lightning_loco.driver.flat import FlatParameters
     from lightning_loco.transport import TorchDistributedTransport
 
     cuda = torch.cuda.is_available()

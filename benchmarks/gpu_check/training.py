@@ -92,7 +92,7 @@ def fit(setting: Setting, strategy: Any, steps: int, callbacks: Sequence[Any] = 
     import torch
     import torch.distributed as dist
 
-    from lightning_loco.flat import FlatParameters
+    from lightning_loco.driver.flat import FlatParameters
 
     os.environ.pop("MASTER_PORT", None)  # a fresh port for every world of one
     model = make_model(setting, steps)

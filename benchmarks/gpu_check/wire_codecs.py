@@ -35,8 +35,7 @@ def part_codecs(setting: Setting, budget: Budget) -> dict[str, Any]:
     import torch
 
     from benchmarks import codec_speed
-    from lightning_loco import codecs
-
+    from lightning_loco.wire import codecs
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     n = setting.codec_values

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from benchmarks.netem.links import ENV, Network, from_env, to_env
-from lightning_loco.codecs import Codec
 from lightning_loco.transport import PendingSum, TorchDistributedTransport
 from lightning_loco.transport.base import FIRST_ROUND, RoundId
+from lightning_loco.wire.codecs import Codec
 
 __all__ = ["ENV", "HeldPending", "ModelledTransport", "allreduce_s", "from_env", "pair_s", "to_env", "wait_until"]
 

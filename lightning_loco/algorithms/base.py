@@ -7,7 +7,7 @@ strategies) and in a single process over simulated replicas (:mod:`lightning_loc
 2. the runner sums the payloads of this replica's group (``schedule(t, N)`` says who is in it):
    point to point inside the group, or one all-reduce when the round is ``collective``. Posting the
    round (the payload check, a wire format's codec and error-feedback residual, the transport) is
-   :mod:`lightning_loco.rounds`'s job, not the algorithm's;
+   :mod:`lightning_loco.driver.rounds`'s job, not the algorithm's;
 3. ``apply(state, group_sum, group_size)``: updates the outer state and returns the new live weights.
 
 ``final_weights`` is the group's combination without the outer step's momentum extrapolation, from
@@ -16,7 +16,7 @@ overshoot), while ``apply`` still updates the outer state as usual.
 
 ``local_proxy`` is the outer step with every received quantity replaced by the replica's own: the
 prediction that overlapped training starts from while the real exchange is in flight
-(:mod:`lightning_loco.overlap`).
+(:mod:`lightning_loco.driver.overlap`).
 
 Algorithms never import ``torch.distributed``, a transport, a codec or Lightning: they are plain tensor maths.
 """
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_loco.schedules import Round
+from lightning_loco.algorithms.schedules import Round
 
 
 class OuterState(ABC):
@@ -50,14 +50,14 @@ class OuterAlgorithm(ABC):
     """The maths of one outer step, on flat float32 buffers.
 
     What an algorithm can do is declared here, as attributes (an algorithm whose capabilities depend on
-    its arguments sets them in ``__init__``); the driver, the rules of :mod:`lightning_loco.options` and
+    its arguments sets them in ``__init__``); the driver, the rules of :mod:`lightning_loco.replica.options` and
     elastic replicas read them, never the algorithm's name:
 
     * ``collective``: every round is one all-reduce over all replicas (DiLoCo; GASLoC on the complete
       topology), rather than point-to-point sums inside groups. A collective round that a replica
       finishes without its partners is dropped (the replicas must keep one anchor);
     * ``seeded_schedule``: the peers of round t are drawn from ``self.seed`` and t, so each streaming
-      fragment gets a seed of its own (:func:`lightning_loco.fragments.fragment_algorithm`);
+      fragment gets a seed of its own (:func:`lightning_loco.driver.fragments.fragment_algorithm`);
     * ``any_replica_count``: the schedule serves any number of replicas (elastic memberships change);
     * ``overlap_share``: the largest share of a round's H that ``overlap_steps="auto"`` may overlap,
       where our simulation found the loss change small (docs/algorithms.md);
@@ -81,7 +81,7 @@ class OuterAlgorithm(ABC):
 
     def keeps_paper_outer_step(self) -> bool:
         """Whether the outer step's arguments are the paper's defaults (the short-run warning of
-        :mod:`lightning_loco.short_runs` is for those); False for an algorithm without paper defaults."""
+        :mod:`lightning_loco.replica.short_runs` is for those); False for an algorithm without paper defaults."""
         return False
 
     @abstractmethod

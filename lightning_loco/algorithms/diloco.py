@@ -27,7 +27,7 @@ from lightning_loco.algorithms.outer_optimizer import (
     anchor_fields,
     check_factory,
 )
-from lightning_loco.schedules import Round, everyone
+from lightning_loco.algorithms.schedules import Round, everyone
 
 
 @dataclass

@@ -45,7 +45,7 @@ from lightning_loco.algorithms.outer_optimizer import (
     anchor_fields,
     check_factory,
 )
-from lightning_loco.schedules import (
+from lightning_loco.algorithms.schedules import (
     Round,
     everyone,
     exponential_matching,

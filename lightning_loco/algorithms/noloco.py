@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_momentum, check_positive
-from lightning_loco.schedules import Round, random_groups
+from lightning_loco.algorithms.schedules import Round, random_groups
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_loco.algorithms.base import OuterState
-from lightning_loco.flat import parameter_views
+from lightning_loco.driver.flat import parameter_views
 
 OuterOptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]
 

@@ -1,7 +1,7 @@
 """The merge of unequal H_i weighted by steps (``merge="steps"``, under ``sync_seconds``).
 
 With ``sync_seconds`` every replica takes its own number of inner steps H_i per round
-(:mod:`lightning_loco.pacing`). The algorithms combine their group's payloads with a plain mean;
+(:mod:`lightning_loco.driver.pacing`). The algorithms combine their group's payloads with a plain mean;
 ``merge="steps"`` weights each replica's payload by the steps it took, as a token-weighted merge does:
 
 * DiLoCo: Δ̄ = Σ_i H_i·Δ_i / Σ_j H_j in place of (1/N)·Σ_i Δ_i, then the same outer optimizer step;
@@ -20,7 +20,7 @@ follows Nesterov DiLoCo), and no mix of a pair that leans both members towards t
 steps can be (docs/algorithms.md, "Replicas of different speeds").
 
 :func:`with_merge` is what the driver calls: it returns the algorithm to run (the combinations that serve
-are rules of :mod:`lightning_loco.options`). No torch.distributed, transport or Lightning here.
+are rules of :mod:`lightning_loco.replica.options`). No torch.distributed, transport or Lightning here.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
-from lightning_loco.schedules import Round
+from lightning_loco.algorithms.schedules import Round
 
 
 def with_merge(algorithm: OuterAlgorithm, merge: str) -> OuterAlgorithm:
     """The algorithm to run: ``algorithm`` itself for ``merge="mean"``, else :class:`StepWeighted` over
-    it (which combinations serve is a rule of :mod:`lightning_loco.options`)."""
+    it (which combinations serve is a rule of :mod:`lightning_loco.replica.options`)."""
     return algorithm if merge == "mean" else StepWeighted(algorithm)
 
 

@@ -19,7 +19,7 @@ each membership. Built here around it, one concept a module:
 * :mod:`~lightning_loco.elastic.straggler`: a round with a live partner that is late
   (``straggler_timeout``), left out of that round alike by every member;
 * :mod:`~lightning_loco.elastic.plugin`: the driver's plug-in that switches memberships between rounds
-  (:mod:`lightning_loco.plugins`), heals joiners and keeps the records of each round;
+  (:mod:`lightning_loco.driver.plugins`), heals joiners and keeps the records of each round;
 * :mod:`~lightning_loco.elastic.waiting`: the main thread's waits, in slices that let signals in.
 
 Nothing here imports torchft at module level: it is imported where it is used, once a strategy with

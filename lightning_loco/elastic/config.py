@@ -1,5 +1,5 @@
 """The strategies' ``elastic=`` option: :class:`ElasticConfig`, checked when it is built, before any process
-starts (how it meets the other options is a rule of :mod:`lightning_loco.options`).
+starts (how it meets the other options is a rule of :mod:`lightning_loco.replica.options`).
 
 Nothing here imports torchft at module level, so ``import lightning_loco`` works without it; asking for
 elastic mode without torchft installed fails when the strategy is built, naming the extra to install

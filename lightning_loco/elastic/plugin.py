@@ -1,8 +1,8 @@
 """The driver plug-in of an elastic replica: memberships change between rounds, never inside one.
 
-:class:`ElasticPlugin` is a :class:`~lightning_loco.plugins.DriverPlugin` over an
+:class:`ElasticPlugin` is a :class:`~lightning_loco.driver.plugins.DriverPlugin` over an
 :class:`~lightning_loco.elastic.transport.ElasticTransport`. The driver stays the ordinary
-:class:`~lightning_loco.driver.OuterStepDriver` (synchronous rounds, one optimizer); the plug-in:
+:class:`~lightning_loco.driver.driver.OuterStepDriver` (synchronous rounds, one optimizer); the plug-in:
 
 * takes up memberships between rounds: the first before the first inner step, the next ones after the
   rounds that end a membership's stretch (a switch may heal this replica from a live one, or send this
@@ -13,7 +13,7 @@
 * at the end, leaves the membership (the heartbeats stop).
 
 **What a joiner takes.** The driver's state (anchor, outer state, counters), the live weights, and the
-training state outside the driver that the loop owner gives (:class:`~lightning_loco.plugins.TrainingState`:
+training state outside the driver that the loop owner gives (:class:`~lightning_loco.driver.plugins.TrainingState`:
 the Lightning strategy's inner optimizer, LR schedulers, loss scaler and loop counters), so that a healed
 replica steps, logs, checkpoints and stops as its donor does. A switch with a training state waits for the
 loop owner's next :meth:`between_steps` (Lightning: the start of the next training batch), where both the
@@ -21,7 +21,7 @@ donor's and the joiner's states stand at the same point of a step; without one (
 happens at the landing, where the driver's state is whole.
 
 DiLoCo's rounds are one all-reduce over the membership, and every member must keep the same anchor. A
-round whose all-reduce fails is *dropped* by the driver (:class:`~lightning_loco.plugins.Outcome`), as
+round whose all-reduce fails is *dropped* by the driver (:class:`~lightning_loco.driver.plugins.Outcome`), as
 torchft drops a step that cannot commit: the outer state stays as it was and training goes on from the
 live weights (the next round's pseudo-gradient covers both stretches of inner steps). A member whose
 all-reduce completed while another's failed has one round more: DiLoCo's quorums are asked for at the
@@ -38,9 +38,9 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_loco.algorithms.schedules import Round
+from lightning_loco.driver.plugins import Driver, DriverPlugin, Landing, Outcome
 from lightning_loco.elastic.transport import ElasticTransport
-from lightning_loco.plugins import Driver, DriverPlugin, Landing, Outcome
-from lightning_loco.schedules import Round
 
 log = logging.getLogger("lightning_loco")
 
@@ -77,7 +77,7 @@ class ElasticPlugin(DriverPlugin):
     def before_training(self) -> None:
         """Takes up the first membership (waits for the Lighthouse's quorum; heals if the others are ahead):
         here, or with a training state at the first :meth:`between_steps`. One optimizer (the rule
-        ``elastic-one-optimizer`` of :mod:`lightning_loco.options` refuses more when fit starts)."""
+        ``elastic-one-optimizer`` of :mod:`lightning_loco.replica.options` refuses more when fit starts)."""
         if len(self.driver.slots) != 1:
             raise RuntimeError(f"elastic replicas run one optimizer, this driver has {len(self.driver.slots)}")
         self._switch_soon()
@@ -205,7 +205,7 @@ class ElasticPlugin(DriverPlugin):
 
     def load_state(self, state: dict[str, Any], heal: bool) -> int:
         """Takes a donor's state (``heal``) or only its step counts (the driver's, and the training state's:
-        see :class:`~lightning_loco.plugins.TrainingState`); returns the round this replica now stands at."""
+        see :class:`~lightning_loco.driver.plugins.TrainingState`); returns the round this replica now stands at."""
         slots = self.driver.slots
         saved, extra = state["driver"], state.get("extra")
         self._check_donor(extra, state.get("donor"))

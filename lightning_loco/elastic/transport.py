@@ -4,7 +4,7 @@ Replica indices are ranks in the current membership's sorted list of replica ids
 schedules draw each round's groups over the live members. Exchanges are point-to-point sends and receives
 on the membership's torchft process group, tagged with the outer step (DiLoCo's float32 round is one
 all-reduce). Lossy wire formats (bf16, fp16, int8 with or without error feedback) travel as on the static
-launch, through the same code (:mod:`~lightning_loco.transport.coded`).
+launch, through the same code (:mod:`~lightning_loco.wire.coded`).
 
 A partner that fails (it died, its link broke, or it sent nothing within ``outer_step_timeout``) does not
 stop this replica: the round is finished alone. ``wait()`` then returns the sum as if every member of
@@ -42,15 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_loco.codecs import Codec, ring_all_reduce_bytes
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.membership import Membership, show_info_lines
 from lightning_loco.elastic.ranks import ReplicaRanks
 from lightning_loco.elastic.straggler import settle
 from lightning_loco.elastic.waiting import no_stop
 from lightning_loco.elastic.works import CollectivePeer, PeerFailed, PeerWork, wait_all
-from lightning_loco.transport import coded
 from lightning_loco.transport.base import FIRST_ROUND, Pending, RoundId, Transport, TransportStats, sum_in_group_order
+from lightning_loco.wire import coded
+from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
 
 
 class RankOutcome(IntEnum):
@@ -144,7 +144,7 @@ class ElasticTransport(Transport):
     ``close`` serves: tests pass an in-process one, whose views carry an in-process process group.
     ``check_stop`` goes to the default membership (see :class:`Membership`).
 
-    Lossy wire formats travel as on the static launch (:mod:`~lightning_loco.transport.coded`): this
+    Lossy wire formats travel as on the static launch (:mod:`~lightning_loco.wire.coded`): this
     transport is a :class:`~lightning_loco.transport.base.PointToPoint` one. Each round's exchanges are
     tagged with the round's outer step, which the caller passes to ``start_*``."""
 
@@ -296,7 +296,7 @@ class ElasticTransport(Transport):
     def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
                              round_id: RoundId = FIRST_ROUND) -> ElasticPending:
         """One all-reduce over the current membership (DiLoCo); the sum lands in ``payload``. If it fails the
-        pending is ``alone`` and the driver drops the round (see :class:`~lightning_loco.plugins.Outcome`).
+        pending is ``alone`` and the driver drops the round (see :class:`~lightning_loco.driver.plugins.Outcome`).
         A lossy ``codec``: the static launch's all-to-all of encoded chunks and all-gather."""
         n = self.num_replicas
         others = tuple(j for j in range(n) if j != self.replica)

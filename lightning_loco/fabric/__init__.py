@@ -6,9 +6,9 @@ the classes below take the same arguments as the Trainer's strategies of the sam
 """
 
 from lightning_loco.fabric.strategy import FabricOuterStepStrategy
-from lightning_loco.strategies.diloco import DiLoCoArguments, DiLoCoStrategy
-from lightning_loco.strategies.gasloc import GASLoCArguments, GASLoCStrategy
-from lightning_loco.strategies.noloco import NoLoCoArguments, NoLoCoStrategy
+from lightning_loco.trainer.diloco import DiLoCoArguments, DiLoCoStrategy
+from lightning_loco.trainer.gasloc import GASLoCArguments, GASLoCStrategy
+from lightning_loco.trainer.noloco import NoLoCoArguments, NoLoCoStrategy
 
 
 class NoLoCoFabricStrategy(NoLoCoArguments, FabricOuterStepStrategy):

@@ -2,7 +2,7 @@
 
 :class:`FabricOuterStepStrategy` is Fabric's ``DDPStrategy`` without the wrapper between replicas (with
 ``ranks_per_replica`` = k > 1, torch's ``DistributedDataParallel`` over the replica's own k ranks), and the same
-:class:`~lightning_loco.replica.ReplicaRun` as the Trainer's strategies: the same options, rules, driver,
+:class:`~lightning_loco.replica.run.ReplicaRun` as the Trainer's strategies: the same options, rules, driver,
 algorithm and transport, so that a Fabric loop and a ``Trainer.fit`` of the same module and batches take the
 same rounds, bit for bit (``tests/test_fabric.py``).
 
@@ -17,14 +17,14 @@ What the Fabric loop owns, the strategy is told or asked:
 * the consensus model: :meth:`FabricOuterStepStrategy.consensus_state_dict`.
 
 FSDP2 inside a replica (``replica_sharding="fsdp"`` with ``ranks_per_replica`` = k > 1) is the Trainer's layout
-(:class:`~lightning_loco.strategies.layout.ShardedReplicas`): ``fabric.setup_module(model)`` shards the model over
+(:class:`~lightning_loco.replica.layout.ShardedReplicas`): ``fabric.setup_module(model)`` shards the model over
 the replica's k ranks (the automatic policy, unless the model was already sharded with ``fully_shard(...,
 mesh=fabric.strategy.device_mesh["data_parallel"])``), and the optimizer is created afterwards over the sharded
 parameters and given to ``fabric.setup_optimizers``, as with Fabric's own ``ModelParallelStrategy``. Each rank
 steps, exchanges and saves its own shards; ``fabric.save``'s main file holds the full consensus model and no
 inner optimizer state (its shards are in the replica files).
 
-Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.options` refuse them when the strategy is
+Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.replica.options` refuse them when the strategy is
 built): ``pacing`` and ``elastic`` replicas, which need the Trainer's loop to end a run on a round and to take a
 healed replica's step counts.
 """
@@ -51,11 +51,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_loco import checkpoints, consensus
 from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.modes import run_mode
-from lightning_loco.options import (
+from lightning_loco.replica import checkpoints, consensus
+from lightning_loco.replica.layout import replica_layout
+from lightning_loco.replica.modes import run_mode
+from lightning_loco.replica.options import (
     Facts,
     FSDPConfig,
     Launch,
@@ -66,11 +68,9 @@ from lightning_loco.options import (
     check_int,
     check_rules,
 )
-from lightning_loco.process_groups import ProcessGroups
-from lightning_loco.replica import ReplicaRun
-from lightning_loco.reports import OuterStepReport
-from lightning_loco.short_runs import warn_if_short
-from lightning_loco.strategies.layout import replica_layout
+from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.replica.run import ReplicaRun
+from lightning_loco.replica.short_runs import warn_if_short
 
 
 class FabricOuterStepStrategy(DDPStrategy):
@@ -193,7 +193,7 @@ class FabricOuterStepStrategy(DDPStrategy):
 
     @property
     def driver(self) -> Any:
-        """The replica's :class:`~lightning_loco.driver.OuterStepDriver` once training started (None before)."""
+        """The replica's :class:`~lightning_loco.driver.driver.OuterStepDriver` once training started (None before)."""
         return self.run.driver if self.run is not None else None
 
     @property
@@ -465,7 +465,7 @@ class _ReplicaBackwardSync(_BackwardSyncControl):
 
 def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
     """What the ``fit`` rules look at, as a Fabric loop tells it."""
-    from lightning_loco.options import Fit
+    from lightning_loco.replica.options import Fit
 
     return Fit(parameters=tuple(sum(len(g["params"]) for g in o.param_groups) for o in optimizers),
                max_steps=max_steps if max_steps is not None else -1, model_device=device.type)

@@ -1,6 +1,6 @@
 """N replicas of a real module trained in one process, with the strategies' own outer step.
 
-It runs the very code the strategies run (the :class:`~lightning_loco.driver.OuterStepDriver` with
+It runs the very code the strategies run (the :class:`~lightning_loco.driver.driver.OuterStepDriver` with
 its algorithm, schedule, payload, apply, wire format and group-order summation) over an in-process
 transport; only the network is replaced. The replicas' modules run their own ``training_step`` with
 a Lightning Trainer attached, so ``self.log`` works (:mod:`.context`); their gradients come from one

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_loco.codecs import ring_all_reduce_bytes
-from lightning_loco.flat import FlatParameters
+from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.simulator.context import logging_discarded
 from lightning_loco.simulator.data import Batch
+from lightning_loco.wire.codecs import ring_all_reduce_bytes
 
 LossFn = Callable[[nn.Module, Batch], Tensor]
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from lightning_loco import lr_schedules
 from lightning_loco.algorithms.base import OuterAlgorithm
-from lightning_loco.plugins import DriverPlugin
-from lightning_loco.schedules import Round
+from lightning_loco.algorithms.schedules import Round
+from lightning_loco.driver import lr_schedules
+from lightning_loco.driver.plugins import DriverPlugin
 
 
 def check_step_seconds(step_seconds: Any, num_replicas: int) -> list[float]:
@@ -49,7 +49,7 @@ def check_step_seconds(step_seconds: Any, num_replicas: int) -> list[float]:
 def check_modelled_time(algorithm: OuterAlgorithm | None, num_replicas: int, overlap_steps: Any, max_steps: Any,
                         batched: Any, step_seconds: Any, sync_seconds: Any) -> None:
     """Raises ``ValueError`` where the simulator cannot serve ``step_seconds`` or ``sync_seconds`` (how pacing
-    meets the other options is checked by :class:`~lightning_loco.options.Options`)."""
+    meets the other options is checked by :class:`~lightning_loco.replica.options.Options`)."""
     if step_seconds is not None:
         if algorithm is None:
             raise ValueError("step_seconds models the waits at the outer step's exchanges: give an algorithm with it")

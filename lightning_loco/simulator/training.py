@@ -14,11 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_loco.algorithms.base import OuterAlgorithm
-from lightning_loco.driver import OuterStepDriver
-from lightning_loco.flat import FlatParameters
-from lightning_loco.options import Options, PacingConfig, WireConfig, pacing_config, wire_config
-from lightning_loco.pacing import SharedStepTimes
-from lightning_loco.short_runs import warn_if_short
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.driver.pacing import SharedStepTimes
+from lightning_loco.replica.options import Options, PacingConfig, WireConfig, pacing_config, wire_config
+from lightning_loco.replica.short_runs import warn_if_short
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
     ReplicaContext,
@@ -88,11 +88,11 @@ class TrainingSimulator(Measurements, PacedRounds):
         track_norms: keep the outer-step norms and peer distances in the drivers' reports (and the
             compression error norm with a lossy wire format).
         wire: the wire format of the outer steps, as on the strategies (a format name or a
-            :class:`~lightning_loco.options.WireConfig`); ``bytes_sent`` counts the encoded bytes.
+            :class:`~lightning_loco.replica.options.WireConfig`); ``bytes_sent`` counts the encoded bytes.
         step_seconds: each replica's modelled time per optimizer step (virtual seconds): its clock,
             the drivers' reports and ``sync_seconds`` follow it; :attr:`time` holds the clocks.
         pacing: as on the strategies (T = ``sync_seconds``, or a
-            :class:`~lightning_loco.options.PacingConfig` with its merge): each replica posts its next
+            :class:`~lightning_loco.replica.options.PacingConfig` with its merge): each replica posts its next
             round once its inner phase is as near T modelled seconds as its steps allow (at least one
             step, at most H). Needs ``step_seconds``, ``max_steps`` (the run is ⌈max_steps / H⌉ rounds on
             every replica) and takes the loop over replicas (the batched path steps every replica

@@ -10,17 +10,17 @@ Two operations cover every algorithm:
 Both post the operation and return a :class:`Pending` at once; ``Pending.wait()`` returns the sum.
 Both take the round's identity (:class:`RoundId`: which outer step of which optimizer and fragment the
 exchange belongs to; the elastic transport tags its messages with it) and an optional lossy ``codec``
-(:mod:`lightning_loco.codecs`): the payload then travels encoded and is summed in float32 after
+(:mod:`lightning_loco.wire.codecs`): the payload then travels encoded and is summed in float32 after
 decoding; without one (or with float32) it travels as it is. The blocking forms are ``group_sum`` and
 ``all_reduce_sum``. Implementations:
 :mod:`~lightning_loco.transport.torch_dist` (torch.distributed, gloo or NCCL; its lossy wire formats in
-:mod:`~lightning_loco.transport.coded`), :mod:`~lightning_loco.transport.in_process` (N replicas in one
+:mod:`~lightning_loco.wire.coded`), :mod:`~lightning_loco.transport.in_process` (N replicas in one
 process, for tests and studies) and :mod:`~lightning_loco.elastic.transport` (the members of an elastic
 run).
 
 A transport that moves buffers point to point between one rank and its counterparts in other replicas
 declares it as :class:`PointToPoint` (slice, exchange, gather, pending): the lossy wire formats of
-:mod:`~lightning_loco.transport.coded` are written against that protocol alone, so the float32
+:mod:`~lightning_loco.wire.coded` are written against that protocol alone, so the float32
 transport over torch.distributed and the elastic transport share them.
 
 This module holds the interface and what every implementation shares: :class:`Pending` keeps the
@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 from torch import Tensor
 from typing_extensions import Self
 
-from lightning_loco.codecs import Codec
+from lightning_loco.wire.codecs import Codec
 
 
 class PeerError(RuntimeError):
@@ -241,7 +241,7 @@ class Work(Protocol):
 @runtime_checkable
 class PointToPoint(Protocol):
     """One rank's point-to-point exchanges with its counterparts in the other replicas: what the lossy
-    wire formats (:mod:`~lightning_loco.transport.coded`) are written against.
+    wire formats (:mod:`~lightning_loco.wire.coded`) are written against.
 
     A replica may span several ranks; then each rank moves one slice of a payload (``slice``) with the
     same rank of its peers, and the replica's ranks put the summed slices together (``gather_slices``).

@@ -14,8 +14,8 @@ threads of their own (a blocking outer step then waits for its peers). Tests ste
 * ``timeout``: how long ``wait()`` waits for a peer that never posts before raising ``PeerError``;
 * ``delay``: seconds an exchange takes after its last member posted (a link's transfer time).
 
-With a lossy ``codec`` (:mod:`lightning_loco.codecs`) a group's sum is the sum of every member's
-decoded payload and the all-reduce is :func:`~lightning_loco.codecs.chunked_all_reduce`: bitwise what
+With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) a group's sum is the sum of every member's
+decoded payload and the all-reduce is :func:`~lightning_loco.wire.codecs.chunked_all_reduce`: bitwise what
 the torch.distributed transport computes from the same payloads, with the bytes it would send.
 """
 
@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_loco.codecs import Codec, all_reduce_bytes, chunked_all_reduce, ring_all_reduce_bytes
 from lightning_loco.transport.base import (
     FIRST_ROUND,
     PeerError,
@@ -39,6 +38,7 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
+from lightning_loco.wire.codecs import Codec, all_reduce_bytes, chunked_all_reduce, ring_all_reduce_bytes
 
 
 class InProcessNetwork:

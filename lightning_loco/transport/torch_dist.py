@@ -19,13 +19,13 @@ With ``sharded`` (FSDP2 inside the replica) each rank's buffer is already its ow
 it moves the whole of it and nothing is gathered.
 
 CUDA payloads on gloo (several processes sharing a GPU, or gloo chosen on GPUs) cross to the host
-through pinned buffers of a :class:`~lightning_loco.staging.StagingPool`, reused from one
+through pinned buffers of a :class:`~lightning_loco.transport.staging.StagingPool`, reused from one
 outer step to the next, with ``non_blocking`` copies. On NCCL, an overlapped exchange is followed by
 a CUDA event on a stream of the transport's own: ``done()`` queries the event, ``wait()`` makes the
 training stream wait for it; no thread and no host synchronisation.
 
-With a lossy ``codec`` (:mod:`lightning_loco.codecs`) the exchanges are those of
-:mod:`~lightning_loco.transport.coded`; this module holds the float32 paths.
+With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the exchanges are those of
+:mod:`~lightning_loco.wire.coded`; this module holds the float32 paths.
 
 ``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
 (gloo gives every group its own connections): s TCP connections per pair carry one exchange. One connection
@@ -49,9 +49,6 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import Self
 
-from lightning_loco.codecs import Codec, ring_all_reduce_bytes
-from lightning_loco.staging import StagingPool
-from lightning_loco.transport import coded
 from lightning_loco.transport.base import (
     FIRST_ROUND,
     PeerError,
@@ -62,6 +59,9 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
+from lightning_loco.transport.staging import StagingPool
+from lightning_loco.wire import coded
+from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "all_gather_slices",
            "sum_in_group_order"]
@@ -193,7 +193,7 @@ class TorchDistributedTransport(Transport):
             groups are made then, with the exchanges' group's backend), unless ``stream_groups`` gives
             them; replicas of one rank only.
         stream_groups: the s − 1 extra groups, made by the caller (the strategies': with the run's
-            backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.process_groups.ProcessGroups`).
+            backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.replica.process_groups.ProcessGroups`).
     """
 
     def __init__(

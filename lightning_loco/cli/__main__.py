@@ -1,0 +1,3 @@
+from lightning_loco.cli.main import main
+
+main()

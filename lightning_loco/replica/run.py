@@ -1,0 +1,164 @@
+"""One replica's outer step while it trains, as any training loop drives it: no Lightning here.
+
+:class:`ReplicaRun` is built when training starts, from the run's options, this process's groups, its
+replica layout and its run mode; it builds the transport, the driver and the driver's plug-in, takes
+the optimizers' parameters, and is then told of every real inner step. The Trainer's strategies
+(:mod:`lightning_loco.trainer`) and the Fabric strategies (:mod:`lightning_loco.fabric`) are thin
+adapters of their loops to it, so that both run the same rounds, bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Protocol, Union
+
+import torch
+
+from lightning_loco.driver.driver import OuterStepDriver
+from lightning_loco.driver.flat import FlatParameters
+from lightning_loco.driver.pacing import AUTO, SharedStepTimes, StoreStepTimes
+from lightning_loco.driver.plugins import TrainingState
+from lightning_loco.replica import checkpoints
+from lightning_loco.replica.modes import RunMode
+from lightning_loco.replica.options import Options
+from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.transport import Transport
+
+
+class Layout(Protocol):
+    """What the run needs of the replica's layout (:mod:`lightning_loco.replica.layout`)."""
+
+    def flat_parameters(self, params: list[torch.Tensor]) -> FlatParameters: ...
+
+    def transport_options(self) -> dict[str, Any]: ...
+
+
+_fits = itertools.count()  # every rank counts its fits alike: each fit's step times live under a key of its own
+
+
+def step_times_of(num_replicas: int) -> Union[StoreStepTimes, SharedStepTimes]:
+    """Where ``sync_seconds="auto"`` finds the replicas' step times: the run's ``torch.distributed`` store (the
+    default group's, under a prefix of this fit), or, without a process group, this replica's alone."""
+    import torch.distributed as dist
+
+    fit = next(_fits)
+    if not dist.is_initialized():
+        return SharedStepTimes()
+    store = dist.distributed_c10d._get_default_store()
+    return StoreStepTimes(dist.PrefixStore(f"lightning_loco/step_times/{fit}", store), num_replicas)
+
+
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class ReplicaRun:
+    """The transport, the driver and its plug-in of one replica during one training run.
+
+    Args:
+        options: the run's options.
+        transport_factory: builds the transport (the mode's, or the strategy's ``transport_factory``).
+        mode: the static launch or an elastic replica (:mod:`lightning_loco.replica.modes`).
+        groups: this process's groups beyond the default one (replica, slice, overlap).
+        layout: the replica's layout (whole or sharded).
+        comm_device: where buffers cross the network.
+        label: how warnings name this replica.
+        clock: the driver's clock.
+        check_stop: called while an elastic replica waits (may raise to stop it, e.g. on SIGTERM).
+    """
+
+    def __init__(self, options: Options, transport_factory: Callable[..., Transport], mode: RunMode,
+                 groups: ProcessGroups, layout: Layout, comm_device: torch.device, label: str,
+                 clock: Callable[[], float] = time.perf_counter,
+                 check_stop: Callable[[str], None] = lambda waiting_for: None) -> None:
+        k = options.ranks_per_replica
+        streams = options.wire.streams
+        base = groups.overlap_group() if options.overlap_steps else None
+        transport = transport_factory(
+            device=comm_device, process_group=base, ranks_per_replica=k, replica_group=groups.replica,
+            slice_group=groups.slice, **mode.transport_options(check_stop), **layout.transport_options(),
+            # the strategies' own transport only (rules streams-*)
+            **({"streams": streams, "stream_groups": groups.stream_groups(streams, base)} if streams > 1 else {}),
+        )
+        several = k > 1
+        self.groups, self.layout, self.comm_device = groups, layout, comm_device
+        self.step_times = step_times_of(transport.num_replicas) if options.sync_seconds == AUTO else None
+        self.driver = OuterStepDriver(
+            options, transport, label=label, plugin=mode.plugin(transport), clock=clock,
+            agree_overlap=self._agree_overlap if several else None,
+            agree_seconds=self._agree_seconds if several else None, step_times=self.step_times,
+        )
+
+    def _agree_overlap(self, tau: int) -> int:
+        """A replica's ranks agree (they land together; sharded, they hold one model between them): the
+        largest τ."""
+        return int(self.groups.replica_max(tau, self.comm_device))
+
+    def _agree_seconds(self, seconds: float) -> float:
+        """Under pacing a replica's ranks agree on their phase's seconds (the largest), so that they start
+        rounds together and their schedules read the same nominal progress."""
+        return self.groups.replica_max(seconds, self.comm_device)
+
+    def start(self, optimizers: Sequence[torch.optim.Optimizer], resumed: Optional[list[dict[str, Any]]],
+              training_state: Optional[TrainingState], max_steps: int, track_norms: bool = False) -> None:
+        """Takes the optimizers' parameters (their outer state starts at their current values), a resumed
+        outer state (``CheckpointError`` if it does not fit), the training state outside the driver that a
+        healing elastic replica takes, and the run's ``max_steps`` (-1: none); then the plug-in's turn
+        before the first inner step (an elastic replica's first membership)."""
+        driver = self.driver
+        driver.track_norms = track_norms
+        for optimizer in optimizers:
+            driver.add(self.layout.flat_parameters(params_of(optimizer)))
+        if resumed is not None:
+            try:
+                driver.load_state_dict(resumed)
+            except ValueError as err:
+                raise checkpoints.CheckpointError(str(err)) from err
+        if training_state is not None:
+            driver.plugin.use_training_state(training_state)
+        if driver.pacing is not None:
+            driver.pacing.end_at(max_steps)  # ⌈max_steps / H⌉ rounds, the same on every replica
+        driver.before_training()
+
+    def after_step(self, index: int, optimizer: torch.optim.Optimizer, max_steps: int,
+                   loop_ends: Callable[[], bool], who: str = "") -> bool:
+        """Counts one real inner step of optimizer ``index``; lands and starts rounds when they are due.
+        ``loop_ends()`` says whether the training loop ends after this step (where the loop's own count
+        decides). Returns whether training must stop now because the driver ends the run (under pacing,
+        the run ends on a round; a healed replica took the others' step count)."""
+        driver = self.driver
+        if index >= len(driver.optimizer_slots):
+            raise RuntimeError(
+                f"{who or 'The strategy'} has no outer state for this optimizer: optimizer steps must happen "
+                "during training, on an optimizer the strategy was given."
+            )
+        if driver.round_due(index) and len(params_of(optimizer)) != len(driver.params_of(index)):
+            raise RuntimeError(
+                f"The parameters of optimizer {index} changed during training (e.g. add_param_group). "
+                f"{who or 'The strategy'} keeps one outer state per optimizer over a fixed parameter list; "
+                "give the optimizer all its parameters from the start (frozen ones included)."
+            )
+        by_driver = driver.ends_by_driver_steps and max_steps >= 0
+        last = driver.last_step(index, max_steps) if by_driver else loop_ends()
+        driver.after_inner_step(index, last=last)
+        return by_driver and last
+
+    def before_batch(self) -> None:
+        """Rounds that landed as the last (``final_outer_step="average"``) before more training, from a
+        resumed checkpoint or a guess for manual optimization: back to the outer step's weights."""
+        self.driver.restore_outer_weights()
+
+    def end(self) -> None:
+        """Training ended: a round still in flight lands now, early (as the final round)."""
+        self.driver.land_all()
+
+    def close(self, abandon_timeout: float) -> list[threading.Thread]:
+        """Training stopped, however: rounds in flight are dropped after up to ``abandon_timeout`` seconds and
+        the plug-in lets go (an elastic replica leaves its membership). Returns the threads still waiting
+        on an exchange, whose process group must outlive them."""
+        lingering = self.driver.abandon_all(abandon_timeout)
+        self.driver.close()
+        return lingering

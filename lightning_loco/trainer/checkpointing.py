@@ -1,0 +1,127 @@
+"""Checkpoint hooks of the strategies: every replica's own file, and the consensus in the main file.
+
+The file layout, its checks and errors are :mod:`lightning_loco.replica.checkpoints`; this class only
+connects them to Lightning's ``Strategy`` hooks (Lightning calls each of them on every rank), asking
+the replica's layout (:mod:`.layout`) what differs when a replica is sharded.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import uuid
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_loco.replica import checkpoints, consensus
+from lightning_loco.trainer.views import ReplicaViews
+
+
+class ReplicaCheckpoints(ReplicaViews):
+    """The checkpoint hooks of :class:`~lightning_loco.trainer.base.OuterStepStrategy` (its base).
+
+    Under ``pacing`` each replica's file also keeps its own loops' progress (its global step, epoch and
+    batch counts differ from rank 0's, which the main file holds), so that each replica resumes from its
+    own place in its own data."""
+
+    # OuterStepStrategy's, which these hooks read
+    layout: Any  # lightning_loco.replica.layout.ReplicaLayout
+    _resumed_outer: Optional[list[dict[str, Any]]]
+    _trained_module: Any
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # per-replica weights land after setup's broadcast of rank 0's initial weights
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
+        Collective: Lightning calls it on every rank. Sharded replicas: every rank writes its own
+        shards, and the main file holds the full consensus model and no inner optimizer state."""
+        if self.driver is not None:
+            self.driver.plugin.check_savable()  # e.g. an elastic heal into the outer state stopped part way
+        save_id = self.broadcast(uuid.uuid4().hex[:12])
+        averaged = self.layout.checkpoint_consensus(checkpoint["state_dict"])
+        outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
+        replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
+                                              self.algorithm.name, outer)
+        if self.options.pacing is not None:  # replicas at different step counts: each keeps its own loops' progress
+            replica["loops"] = checkpoint.get("loops")
+        sidecar_dir = checkpoints.sidecar_dir(filepath, save_id)
+        mine, shard = self.layout.replica_file(replica)
+        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
+            checkpoints.write_replica(sidecar_dir, self.replica_index, mine, shard)
+        self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
+        if self.is_global_zero:
+            meta = checkpoints.main_meta(filepath, save_id, self.algorithm.name, self.num_replicas,
+                                         shards=self.layout.shards())
+            checkpoints.write_manifest(sidecar_dir, filepath, checkpoint, meta)  # the save is complete
+            main = self.layout.main_file({**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta})
+            self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
+            checkpoints.remove_sidecars(filepath, keep=sidecar_dir)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            checkpoints.remove_sidecars(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Loads the main file and, on every rank, that replica's own file. Collective.
+
+        Only ``fit(ckpt_path=...)`` restores outer state (anchors, momenta, counters, a round in
+        flight); ``validate``/``test``/``predict`` with a checkpoint load each replica's weights only.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._is_last_checkpoint(checkpoint_path):
+            checkpoint_path, checkpoint = self._newest_instead_of_last(checkpoint_path, checkpoint, weights_only)
+        payload = checkpoints.read_own_replica(
+            checkpoint, checkpoint_path, self.replica_index, self.num_replicas, self.algorithm.name,
+            agree=consensus.first_error, **self.layout.replica_shard(),
+        )
+        self._resumed_outer = None
+        if payload is None:
+            return checkpoint  # a plain checkpoint, or another number of replicas: every replica starts from it
+        checkpoint["state_dict"] = payload["state_dict"]
+        for key in ("optimizer_states", "lr_schedulers", "loops"):  # "loops": saved under pacing only
+            if payload.get(key) is not None:
+                checkpoint[key] = payload[key]
+        if self.module.trainer.state.fn == TrainerFn.FITTING:
+            self._resumed_outer = payload["outer"]
+        else:
+            self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's
+        return checkpoint
+
+    def _is_last_checkpoint(self, checkpoint_path: Any) -> bool:
+        """Whether the file is named as a ``ModelCheckpoint`` of this trainer names its "last" checkpoint
+        (``last.ckpt``, ``last-v1.ckpt``, ...): what ``ckpt_path="last"`` resolves to."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return False
+        name = posixpath.basename(checkpoints.storage(checkpoint_path)[1])
+        return any(
+            re.fullmatch(rf"{re.escape(cb.CHECKPOINT_NAME_LAST)}(-v\d+)?{re.escape(cb.FILE_EXTENSION)}", name)
+            for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.CHECKPOINT_NAME_LAST
+        )
+
+    def _newest_instead_of_last(
+        self, checkpoint_path: Any, checkpoint: dict[str, Any], weights_only: Optional[bool]
+    ) -> tuple[Any, dict[str, Any]]:
+        """A "last" checkpoint behind a newer complete one (its own save was interrupted) gives way to
+        that one. Rank 0 looks and every rank follows (one broadcast, only when loading a "last" file)."""
+        step = checkpoint.get("global_step", -1)
+        newer = checkpoints.newer_complete_checkpoint(checkpoint_path, step) if self.is_global_zero else None
+        newer = self.broadcast(newer)
+        if newer is None:
+            return checkpoint_path, checkpoint
+        path, newer_step = newer
+        rank_zero_warn(
+            f"{checkpoint_path} holds global step {step}, but {path}, written after it, is a complete checkpoint "
+            f"at step {newer_step}: the save of {checkpoint_path} was interrupted. Loading {path} instead."
+        )
+        return path, super().load_checkpoint(path, weights_only=weights_only)
