@@ -27,7 +27,8 @@ from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.fragments import fragment_algorithm, fragment_seed, layout
 from lightning_loco.driver.rounds import step as blocking_outer_step
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.replica.options import Options, WireConfig
+from lightning_loco.replica.options import WireConfig
+from lightning_loco.replica.rules import build_options
 from lightning_loco.transport import InProcessNetwork
 
 from oracle import ReplicaSimulator
@@ -164,14 +165,14 @@ def test_the_layout_of_equal_parameters_is_equal_fragments_and_too_few_parameter
 )
 def test_fragments_that_cannot_work_are_refused_saying_what_to_do(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Options.build(NoLoCo(), 8, **kwargs)
+        build_options(NoLoCo(), 8, **kwargs)
 
 
-def test_the_driver_checks_fragments_before_anything_runs():
+def test_the_driver_s_options_check_fragments_before_anything_runs():
     with pytest.raises(ValueError, match="must divide sync_every=6"):
-        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 6, fragments=4)
+        OuterStepDriver(build_options(NoLoCo(), 6, fragments=4), InProcessNetwork(2).transport(0))
     with pytest.raises(ValueError, match="overlap_steps=3 must be smaller than sync_every / fragments = 3"):
-        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 6, overlap_steps=3, fragments=2)
+        OuterStepDriver(build_options(NoLoCo(), 6, overlap_steps=3, fragments=2), InProcessNetwork(2).transport(0))
     driver = OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 4, fragments=4)
     with pytest.raises(ValueError, match="needs at least 4 parameters"):
         driver.add(FlatParameters([torch.nn.Parameter(torch.zeros(9))], CPU))

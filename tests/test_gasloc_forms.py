@@ -527,10 +527,10 @@ def test_an_unknown_form_is_refused_naming_the_allowed_values(value):
 
 
 def test_the_sent_form_refuses_a_custom_outer_optimizer_and_still_checks_gamma():
-    from lightning_loco.replica.options import Options
+    from lightning_loco.replica.rules import build_options
 
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
-    for build in (lambda **kwargs: Options.build(GASLoC(**kwargs), 10), GASLoCStrategy):
+    for build in (lambda **kwargs: build_options(GASLoC(**kwargs), 10), GASLoCStrategy):
         with pytest.raises(ValueError, match="outer_optimizer with momentum_on='sent'.*momentum_on='mixed'"):
             build(momentum_on="sent", outer_optimizer=adam)
         with pytest.raises(ValueError, match="outer_momentum"):

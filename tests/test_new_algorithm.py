@@ -18,7 +18,7 @@ from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.algorithms.schedules import Round, everyone, random_groups
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
-from lightning_loco.replica.options import Options, RefusedOptions
+from lightning_loco.replica.rules import RefusedOptions, build_options
 from lightning_loco.trainer.base import OuterStepStrategy
 from lightning_loco.transport import InProcessNetwork
 
@@ -174,9 +174,9 @@ def test_the_merge_weighted_by_steps_serves_it_and_the_rules_read_its_capabiliti
     for w in grown:
         assert torch.allclose(w, expected)
     with pytest.raises(RefusedOptions) as refused:  # a collective algorithm: the elastic rule reads it
-        Options.build(AllAverage(), 4, elastic=ElasticConfig("localhost:1"), ranks_per_replica=2, wire="int8")
+        build_options(AllAverage(), 4, elastic=ElasticConfig("localhost:1"), ranks_per_replica=2, wire="int8")
     assert refused.value.rules == ("elastic-collective-lossy-ranks",)
-    Options.build(PairAverage(), 4, elastic=ElasticConfig("localhost:1"), ranks_per_replica=2, wire="int8")
+    build_options(PairAverage(), 4, elastic=ElasticConfig("localhost:1"), ranks_per_replica=2, wire="int8")
 
 
 def test_its_strategy_registers_and_resolves_by_name():

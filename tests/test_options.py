@@ -1,4 +1,5 @@
-"""The options and their one table of rules (``lightning_loco.replica.options``), without processes.
+"""The options (``lightning_loco.replica.options``) and their one table of rules (``lightning_loco.replica.rules``),
+without processes.
 
 What the table says is proved here: every rule refuses its own example (and no other rule does), the
 defaults pass every rule, docs/options.md renders the table as it is, every argument of the strategies
@@ -22,7 +23,17 @@ from lightning_loco import ElasticConfig, PacingConfig, WireConfig
 from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
-from lightning_loco.replica.options import RULES, Facts, Fit, Launch, Options, RefusedOptions, check_rules, rules_table
+from lightning_loco.replica.options import Options
+from lightning_loco.replica.rules import (
+    RULES,
+    Facts,
+    Fit,
+    Launch,
+    RefusedOptions,
+    build_options,
+    check_rules,
+    rules_table,
+)
 from lightning_loco.testing.launch import strategy_class
 from lightning_loco.trainer.base import OuterStepStrategy
 from lightning_loco.transport import InProcessNetwork
@@ -32,6 +43,63 @@ from test_driver import run_in_threads
 ROOT = Path(__file__).resolve().parents[1]
 DDP_ARGUMENTS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
                  "process_group_backend", "timeout", "start_method"}
+
+
+_ELASTIC = ElasticConfig("localhost:29510", replica_id="example")  # the examples' elastic replica
+_ADAM = functools.partial(torch.optim.Adam, lr=1e-3)  # the examples' outer optimizer
+_PACED = {"pacing": 1.0}
+_PACED_FIT = {"parameters": (3,), "max_steps": 8}
+
+# Each rule's example: a strategy's arguments (``"strategy"``: its name, default NoLoCo's) that this rule
+# alone refuses, and for a launch or fit rule the facts that make it refuse them (``"launch"``: Launch's
+# fields; ``"fit"``: Fit's).
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "overlap-within-round": {"sync_every": 4, "overlap_steps": 4},
+    "merge-needs-overlap": {"overlap_merge": "delayed"},
+    "fragments-divide-sync-every": {"sync_every": 6, "fragments": 4},
+    "overlap-within-fragment": {"sync_every": 6, "fragments": 2, "overlap_steps": 3},
+    "fragments-not-paced": {"sync_every": 4, "fragments": 2, "pacing": 1.0},
+    "fragments-not-elastic": {"sync_every": 4, "fragments": 2, "elastic": _ELASTIC},
+    "fragments-not-sharded": {"sync_every": 4, "fragments": 2, "replica_sharding": "fsdp"},
+    "pacing-not-overlapped": {"pacing": 1.0, "overlap_steps": 2},
+    "auto-pacing-one-rank": {"pacing": "auto", "ranks_per_replica": 2},
+    "steps-merge-algorithm": {"strategy": "gasloc", "pacing": PacingConfig(1.0, merge="steps")},
+    "steps-merge-exact-wire": {"pacing": PacingConfig(1.0, merge="steps"), "wire": "bfloat16"},
+    "block-size-int8-only": {"wire": WireConfig("bfloat16", block_size=64)},
+    "error-feedback-lossy-only": {"wire": WireConfig("float32", error_feedback=True)},
+    "outer-optimizer-pickles": {"strategy": "diloco", "start_method": "spawn",
+                                "outer_optimizer": lambda p: torch.optim.SGD(p, lr=1)},
+    "sharded-launch": {"replica_sharding": "fsdp", "start_method": "spawn"},
+    "elastic-not-overlapped": {"elastic": _ELASTIC, "overlap_steps": 2},
+    "elastic-collective-lossy-ranks": {"strategy": "diloco", "elastic": _ELASTIC, "ranks_per_replica": 2,
+                                       "wire": "int8"},
+    "elastic-any-replica-count": {"strategy": "gasloc", "topology": "exponential", "elastic": _ELASTIC},
+    "elastic-not-paced": {"elastic": _ELASTIC, "pacing": 1.0},
+    "elastic-own-transport": {"elastic": _ELASTIC, "transport_factory": lambda **kw: None},
+    "streams-one-rank-per-replica": {"wire": WireConfig(streams=4), "ranks_per_replica": 2},
+    "streams-own-transport": {"wire": WireConfig(streams=4), "transport_factory": lambda **kw: None},
+    "elastic-no-average-at-end": {"elastic": _ELASTIC, "average_at_end": True},
+    "fabric-not-paced": {"strategy": "fabric:noloco", "pacing": 1.0},
+    "fabric-not-elastic": {"strategy": "fabric:noloco", "elastic": _ELASTIC},
+    "diloco-sgd-or-outer-optimizer": {"strategy": "diloco", "outer_momentum": 0.5, "outer_optimizer": _ADAM},
+    "gasloc-momentum-or-outer-optimizer": {"strategy": "gasloc", "outer_momentum": 0.8, "outer_optimizer": _ADAM},
+    "gasloc-sent-default-optimizer": {"strategy": "gasloc", "momentum_on": "sent", "outer_optimizer": _ADAM},
+    "gasloc-gossip-step-matchings": {"strategy": "gasloc", "topology": "complete", "gossip_step": 0.5},
+    "gasloc-seed-random-pairs": {"strategy": "gasloc", "topology": "ring", "seed": 3},
+    "sync-batchnorm": {"launch": {"nodes": 1, "devices": 2, "sync_batchnorm": True}},
+    "elastic-one-replica-per-trainer": {"elastic": _ELASTIC, "launch": {"nodes": 1, "devices": 2}},
+    "ranks-divide-processes": {"ranks_per_replica": 3, "launch": {"nodes": 1, "devices": 4}},
+    "replica-count": {"strategy": "gasloc", "topology": "exponential", "launch": {"nodes": 1, "devices": 3}},
+    "paced-one-optimizer": {**_PACED, "fit": {**_PACED_FIT, "parameters": (3, 2)}},
+    "paced-max-steps": {**_PACED, "fit": {**_PACED_FIT, "max_steps": -1}},
+    "paced-no-max-epochs": {**_PACED, "fit": {**_PACED_FIT, "max_epochs": 3}},
+    "paced-no-step-checkpoints": {**_PACED, "fit": {**_PACED_FIT, "step_checkpoints": ("ModelCheckpoint",)}},
+    "paced-no-validation": {**_PACED, "fit": {**_PACED_FIT, "validates": True}},
+    "elastic-one-optimizer": {"elastic": _ELASTIC, "fit": {"parameters": (3, 2)}},
+    "fragments-enough-parameters": {"sync_every": 4, "fragments": 4, "fit": {"parameters": (3,)}},
+    "outer-state-device": {"outer_state_device": "cuda", "fit": {"parameters": (3,)}},
+    "disjoint-optimizers": {"fit": {"parameters": (3, 3), "shared_parameter": ((4,), 0, 1)}},
+}
 
 
 def strategy_of(example: dict[str, Any]) -> tuple[type, dict[str, Any]]:
@@ -45,7 +113,7 @@ def strategy_of(example: dict[str, Any]) -> tuple[type, dict[str, Any]]:
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r.when == "build"], ids=lambda r: r.name)
 def test_each_build_rule_alone_refuses_its_example_when_the_strategy_is_built(rule):
-    cls, kwargs = strategy_of(rule.example)
+    cls, kwargs = strategy_of(EXAMPLES[rule.name])
     with pytest.raises(RefusedOptions) as refused:
         cls(**kwargs)
     assert refused.value.rules == (rule.name,)
@@ -54,10 +122,11 @@ def test_each_build_rule_alone_refuses_its_example_when_the_strategy_is_built(ru
 
 @pytest.mark.parametrize("rule", [r for r in RULES if r.when != "build"], ids=lambda r: r.name)
 def test_each_launch_and_fit_rule_alone_refuses_its_facts(rule):
-    cls, kwargs = strategy_of(rule.example)
+    example = EXAMPLES[rule.name]
+    cls, kwargs = strategy_of(example)
     options = cls(**kwargs).options  # the options themselves are fine: the facts are not
-    launch = Launch(**rule.example.get("launch", {"nodes": 1, "devices": 2}))
-    fit = Fit(**rule.example["fit"]) if "fit" in rule.example else None
+    launch = Launch(**example.get("launch", {"nodes": 1, "devices": 2}))
+    fit = Fit(**example["fit"]) if "fit" in example else None
     with pytest.raises(RefusedOptions) as refused:
         check_rules(rule.when, Facts(options, launch=launch, fit=fit))
     assert refused.value.rules == (rule.name,)
@@ -81,21 +150,21 @@ def test_several_refusals_are_told_together():
 
 def test_rule_names_are_unique_and_each_has_its_facts():
     assert len({r.name for r in RULES}) == len(RULES)
+    assert list(EXAMPLES) == [r.name for r in RULES]  # every rule has its example, in the table's order
     for r in RULES:
-        assert r.example is not None, r.name
         if r.when == "launch":
-            assert "launch" in r.example, r.name
+            assert "launch" in EXAMPLES[r.name], r.name
         if r.when == "fit":
-            assert "fit" in r.example, r.name
+            assert "fit" in EXAMPLES[r.name], r.name
 
 
 def test_docs_options_md_renders_the_table_as_it_is():
     text = (ROOT / "docs" / "options.md").read_text()
-    start, end = "<!-- rules: generated from lightning_loco.replica.options.RULES -->", "<!-- end of rules -->"
+    start, end = "<!-- rules: generated from lightning_loco.replica.rules.RULES -->", "<!-- end of rules -->"
     assert start in text and end in text
     rendered = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert rendered == rules_table(), \
-        "docs/options.md is out of date: paste lightning_loco.replica.options.rules_table()"
+        "docs/options.md is out of date: paste lightning_loco.replica.rules.rules_table()"
 
 
 # ---------------------------------------------------------------- the surface
@@ -135,7 +204,7 @@ def run(make, options: dict[str, Any]) -> Optional[list[torch.Tensor]]:
     strategy's arguments that the driver takes); their weights at the end, or None where the rules refuse
     the options."""
     try:
-        built = Options.build(make(), H, **options)
+        built = build_options(make(), H, **options)
     except RefusedOptions:
         return None
     network = InProcessNetwork(len(SPEEDS), timeout=30.0)

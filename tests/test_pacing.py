@@ -23,6 +23,7 @@ from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import Pacing, Phase, phase_due, phase_steps
 from lightning_loco.replica.options import PacingConfig
+from lightning_loco.replica.rules import build_options
 from lightning_loco.transport import InProcessNetwork
 
 from oracle import ReplicaSimulator
@@ -305,9 +306,9 @@ def test_bad_sync_seconds_fail_when_the_driver_is_built(value):
 
 
 @pytest.mark.parametrize("overlap", [1, "auto"])
-def test_sync_seconds_with_overlap_fails_when_the_driver_is_built(overlap):
+def test_sync_seconds_with_overlap_fails_when_the_driver_s_options_are_built(overlap):
     with pytest.raises(ValueError, match="cannot be combined yet.*Use overlap_steps=0 with pacing"):
-        OuterStepDriver.of(NoLoCo(), InProcessNetwork(2).transport(0), 4, overlap_steps=overlap, pacing=1.0)
+        OuterStepDriver(build_options(NoLoCo(), 4, overlap_steps=overlap, pacing=1.0), InProcessNetwork(2).transport(0))
 
 
 # ---------------------------------------------------------------------------- sync_seconds="auto"

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_momentum, check_positive
+from lightning_loco.algorithms.defaults import DILOCO
 from lightning_loco.algorithms.outer_optimizer import (
     OptimizerOuterState,
     OuterOptimizerFactory,
@@ -54,15 +55,15 @@ class DiLoCo(OuterAlgorithm):
 
     def __init__(
         self,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
+        outer_lr: float = DILOCO.outer_lr,
+        outer_momentum: float = DILOCO.outer_momentum,
+        nesterov: bool = DILOCO.nesterov,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
     ) -> None:
         check_factory(outer_optimizer)
         if outer_optimizer is None:
-            check_positive("outer_lr", outer_lr, 0.7)
-            check_momentum("outer_momentum", outer_momentum, 0.9)
+            check_positive("outer_lr", outer_lr, DILOCO.outer_lr)
+            check_momentum("outer_momentum", outer_momentum, DILOCO.outer_momentum)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.nesterov = bool(nesterov)
@@ -70,7 +71,7 @@ class DiLoCo(OuterAlgorithm):
         self.outer_optimizer = outer_optimizer or SGDFactory(self.outer_lr, self.outer_momentum, self.nesterov)
 
     def keeps_paper_outer_step(self) -> bool:
-        return self.outer_optimizer == SGDFactory(0.7, 0.9, True)
+        return self.outer_optimizer == SGDFactory(DILOCO.outer_lr, DILOCO.outer_momentum, DILOCO.nesterov)
 
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         return everyone(num_replicas)
@@ -97,3 +98,19 @@ class DiLoCo(OuterAlgorithm):
         assert isinstance(state, DiLoCoState)
         state.gradient.copy_(group_sum).div_(-group_size)  # g = φ − mean θ = −Δ̄
         return state.step()
+
+
+def sgd_beside_optimizer(a: DiLoCo) -> Optional[str]:
+    """DiLoCo's outer SGD arguments changed beside an ``outer_optimizer``, which replaces that SGD (a rule of
+    lightning_loco.replica.rules, which names and documents it; None: the arguments are fine)."""
+    if not a.custom_outer_optimizer:
+        return None
+    changed = [f"{n}={v!r}" for n, v, d in (("outer_lr", a.outer_lr, DILOCO.outer_lr),
+                                            ("outer_momentum", a.outer_momentum, DILOCO.outer_momentum),
+                                            ("nesterov", a.nesterov, DILOCO.nesterov)) if v != d]
+    if not changed:
+        return None
+    one = len(changed) == 1
+    return (f"{', '.join(changed)} {'configures' if one else 'configure'} DiLoCo's default outer SGD, which "
+            f"outer_optimizer replaces. Put {'it' if one else 'them'} in the outer optimizer (e.g. "
+            "functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)), or drop outer_optimizer.")

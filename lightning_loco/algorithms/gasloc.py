@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_momentum, check_positive
+from lightning_loco.algorithms.defaults import GASLOC
 from lightning_loco.algorithms.outer_optimizer import (
     OptimizerOuterState,
     OuterOptimizerFactory,
@@ -159,19 +160,19 @@ class GASLoC(OuterAlgorithm):
 
     def __init__(
         self,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.5,
-        gossip_step: float = 0.25,
-        topology: str = "random_pairs",
-        seed: int = 0,
+        outer_lr: float = GASLOC.outer_lr,
+        outer_momentum: float = GASLOC.outer_momentum,
+        gossip_step: float = GASLOC.gossip_step,
+        topology: str = GASLOC.topology,
+        seed: int = GASLOC.seed,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
-        momentum_on: str = "mixed",
+        momentum_on: str = GASLOC.momentum_on,
     ) -> None:
         check_momentum_on(momentum_on)
         check_factory(outer_optimizer)
-        check_positive("outer_lr (η)", outer_lr, 0.7)  # η is used with any outer optimizer (z = θ + η·g)
+        check_positive("outer_lr (η)", outer_lr, GASLOC.outer_lr)  # η is used with any outer optimizer (z = θ + η·g)
         if outer_optimizer is None:  # γ only configures the default SGD, as in DiLoCo
-            check_momentum("outer_momentum (γ)", outer_momentum, 0.5)
+            check_momentum("outer_momentum (γ)", outer_momentum, GASLOC.outer_momentum)
         if not 0 < gossip_step <= 1:
             raise ValueError(
                 f"gossip_step (α) must be in (0, 1], got {gossip_step}. "
@@ -196,7 +197,8 @@ class GASLoC(OuterAlgorithm):
 
     def keeps_paper_outer_step(self) -> bool:
         default_optimizer = self.sent or self.outer_optimizer == SGDFactory(1.0, self.outer_momentum, True)
-        return default_optimizer and (self.outer_lr, self.outer_momentum, self.gossip_step) == (0.7, 0.5, 0.25)
+        paper = (GASLOC.outer_lr, GASLOC.outer_momentum, GASLOC.gossip_step)
+        return default_optimizer and (self.outer_lr, self.outer_momentum, self.gossip_step) == paper
 
     @property
     def sent(self) -> bool:
@@ -275,3 +277,41 @@ class GASLoC(OuterAlgorithm):
         if state.y_prev is not None:
             state.y_prev.copy_(z)  # a copy: z may still be a buffer a peer reads
         return new
+
+
+# ---------------------------------------------------------------- GASLoC's arguments that do not go together
+# (each a rule of lightning_loco.replica.rules, which names and documents it; None: the arguments are fine)
+
+
+def momentum_beside_optimizer(a: GASLoC) -> Optional[str]:
+    """``outer_momentum`` changed beside an ``outer_optimizer``, which replaces the SGD it configures."""
+    if not a.custom_outer_optimizer or a.outer_momentum == GASLOC.outer_momentum:
+        return None
+    return (f"outer_momentum={a.outer_momentum!r} configures GASLoC's default outer SGD (lr 1, Nesterov momentum γ), "
+            "which outer_optimizer replaces. Give the outer optimizer its own momentum, or drop outer_optimizer.")
+
+
+def sent_with_optimizer(a: GASLoC) -> Optional[str]:
+    """``momentum_on='sent'`` with an ``outer_optimizer``: that form has no place for one."""
+    if not a.sent or not a.custom_outer_optimizer:
+        return None
+    return ("outer_optimizer with momentum_on='sent': that form puts the momentum γ·(z − z_prev) on the sent "
+            "iterates, outside any optimizer, and the summary it follows defines no place for another outer "
+            "optimizer. Use momentum_on='mixed' (the default) with outer_optimizer, or drop outer_optimizer.")
+
+
+def gossip_step_without_matchings(a: GASLoC) -> Optional[str]:
+    """``gossip_step`` changed on the complete topology, which averages everyone exactly."""
+    if a.topology != "complete" or a.gossip_step == GASLOC.gossip_step:
+        return None
+    return (f"gossip_step={a.gossip_step!r} sets how far a replica moves towards its peer in a matching, and "
+            "topology='complete' averages everyone exactly (x = mean z). Use a matching topology with it, or leave "
+            "gossip_step at its default.")
+
+
+def seed_without_draws(a: GASLoC) -> Optional[str]:
+    """``seed`` changed with a topology that draws nothing."""
+    if a.seeded_schedule or a.seed == GASLOC.seed:
+        return None
+    return (f"seed={a.seed} draws GASLoC's random matchings, and topology={a.topology!r} is the same every run. Use "
+            f"topology='random_pairs' with it, or leave seed at {GASLOC.seed}.")

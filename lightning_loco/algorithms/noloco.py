@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState, check_momentum, check_positive
+from lightning_loco.algorithms.defaults import NOLOCO
 from lightning_loco.algorithms.schedules import Round, random_groups
 
 
@@ -68,21 +69,22 @@ class NoLoCo(OuterAlgorithm):
 
     def __init__(
         self,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.5,
-        averaging_rate: Optional[float] = None,
-        group_size: int = 2,
-        seed: int = 0,
+        outer_lr: float = NOLOCO.outer_lr,
+        outer_momentum: float = NOLOCO.outer_momentum,
+        averaging_rate: Optional[float] = NOLOCO.averaging_rate,
+        group_size: int = NOLOCO.group_size,
+        seed: int = NOLOCO.seed,
     ) -> None:
-        check_positive("outer_lr (β)", outer_lr, 0.7)
-        check_momentum("outer_momentum (α)", outer_momentum, 0.5)
+        check_positive("outer_lr (β)", outer_lr, NOLOCO.outer_lr)
+        check_momentum("outer_momentum (α)", outer_momentum, NOLOCO.outer_momentum)
         if averaging_rate is not None and not averaging_rate >= 0:
             raise ValueError(
                 f"averaging_rate (γ) must be >= 0 or None (None means γ = outer_lr), got {averaging_rate}."
             )
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(
-                f"group_size (n) must be an integer >= 2, got {group_size!r}. The paper uses 2 (pairs)."
+                f"group_size (n) must be an integer >= 2, got {group_size!r}. "
+                f"The paper uses {NOLOCO.group_size} (pairs)."
             )
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -96,7 +98,8 @@ class NoLoCo(OuterAlgorithm):
         return self.averaging_rate == self.outer_lr
 
     def keeps_paper_outer_step(self) -> bool:
-        return (self.outer_lr, self.outer_momentum, self.averaging_rate) == (0.7, 0.5, 0.7)
+        paper = (NOLOCO.outer_lr, NOLOCO.outer_momentum, NOLOCO.outer_lr)  # γ = β by default
+        return (self.outer_lr, self.outer_momentum, self.averaging_rate) == paper
 
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         return random_groups(num_replicas, self.group_size, self.seed, outer_step)

@@ -24,7 +24,7 @@ parameters and given to ``fabric.setup_optimizers``, as with Fabric's own ``Mode
 steps, exchanges and saves its own shards; ``fabric.save``'s main file holds the full consensus model and no
 inner optimizer state (its shards are in the replica files).
 
-Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.replica.options` refuse them when the strategy is
+Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.replica.rules` refuse them when the strategy is
 built): ``pacing`` and ``elastic`` replicas, which need the Trainer's loop to end a run on a round and to take a
 healed replica's step counts.
 """
@@ -57,18 +57,9 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica import checkpoints, consensus
 from lightning_loco.replica.layout import replica_layout
 from lightning_loco.replica.modes import run_mode
-from lightning_loco.replica.options import (
-    Facts,
-    FSDPConfig,
-    Launch,
-    Options,
-    PacingConfig,
-    WireConfig,
-    WireFormatName,
-    check_int,
-    check_rules,
-)
+from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName, check_int
 from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.replica.short_runs import warn_if_short
 
@@ -116,7 +107,7 @@ class FabricOuterStepStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.options = Options.build(
+        self.options = build_options(
             algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge, fragments=fragments,
             pacing=pacing, ranks_per_replica=ranks_per_replica, replica_sharding=replica_sharding,
             average_at_end=average_at_end, final_outer_step=final_outer_step, wire=wire,
@@ -465,7 +456,7 @@ class _ReplicaBackwardSync(_BackwardSyncControl):
 
 def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
     """What the ``fit`` rules look at, as a Fabric loop tells it."""
-    from lightning_loco.replica.options import Fit
+    from lightning_loco.replica.rules import Fit
 
     return Fit(parameters=tuple(sum(len(g["params"]) for g in o.param_groups) for o in optimizers),
                max_steps=max_steps if max_steps is not None else -1, model_device=device.type)

@@ -17,7 +17,8 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import SharedStepTimes
-from lightning_loco.replica.options import Options, PacingConfig, WireConfig, pacing_config, wire_config
+from lightning_loco.replica.options import PacingConfig, WireConfig, pacing_config, wire_config
+from lightning_loco.replica.rules import build_options
 from lightning_loco.replica.short_runs import warn_if_short
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
@@ -142,7 +143,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         paced = pacing_config(pacing)
         options = None
         if algorithm is not None:  # the strategies' options and their rules
-            options = Options.build(algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge,
+            options = build_options(algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge,
                                     fragments=fragments, pacing=paced, final_outer_step=final_outer_step, wire=wire)
             if options.wire.streams != 1:
                 raise ValueError(f"wire streams={options.wire.streams} spreads exchanges over TCP connections, and "

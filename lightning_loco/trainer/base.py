@@ -6,7 +6,8 @@ the process group and the ``DistributedSampler`` stay Lightning's. Every real op
 reaches the replica's :class:`~lightning_loco.replica.run.ReplicaRun`, the same Lightning-free glue the
 Fabric strategies drive. What differs by replica layout (whole or FSDP2) is asked of ``self.layout``
 (:mod:`.layout`), what differs by run mode (static or elastic) of ``self.mode``
-(:mod:`lightning_loco.replica.modes`); the options and their rules are :mod:`lightning_loco.replica.options`'s.
+(:mod:`lightning_loco.replica.modes`); the options are
+:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.replica.rules`'s.
 Checkpoint hooks are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private
 Lightning symbols in ``_compat.py``.
 """
@@ -40,17 +41,9 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica import consensus
 from lightning_loco.replica.layout import replica_layout
 from lightning_loco.replica.modes import TransportFactory, run_mode
-from lightning_loco.replica.options import (
-    Facts,
-    FSDPConfig,
-    Launch,
-    Options,
-    PacingConfig,
-    WireConfig,
-    WireFormatName,
-    check_rules,
-)
+from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
 from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.trainer import setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
@@ -118,7 +111,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.options = Options.build(
+        self.options = build_options(
             algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge, fragments=fragments,
             pacing=pacing, ranks_per_replica=ranks_per_replica, replica_sharding=replica_sharding,
             average_at_end=average_at_end, final_outer_step=final_outer_step, wire=wire,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning_loco.algorithms.defaults import DILOCO
 from lightning_loco.algorithms.diloco import DiLoCo, OuterOptimizerFactory
 from lightning_loco.trainer.base import OuterStepStrategy
 
@@ -13,10 +14,10 @@ class DiLoCoArguments:
 
     def __init__(
         self,
-        sync_every: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
+        sync_every: int = DILOCO.sync_every,
+        outer_lr: float = DILOCO.outer_lr,
+        outer_momentum: float = DILOCO.outer_momentum,
+        nesterov: bool = DILOCO.nesterov,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
         **kwargs: Any,
     ) -> None:

@@ -6,6 +6,7 @@ from typing import Any, Literal, Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_loco.algorithms.defaults import GASLOC
 from lightning_loco.algorithms.gasloc import GASLoC, stability_note
 from lightning_loco.algorithms.outer_optimizer import OuterOptimizerFactory
 from lightning_loco.trainer.base import OuterStepStrategy
@@ -16,14 +17,14 @@ class GASLoCArguments:
 
     def __init__(
         self,
-        sync_every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.5,
-        gossip_step: float = 0.25,
-        topology: Literal["random_pairs", "ring", "exponential", "complete"] = "random_pairs",
-        seed: int = 0,
+        sync_every: int = GASLOC.sync_every,
+        outer_lr: float = GASLOC.outer_lr,
+        outer_momentum: float = GASLOC.outer_momentum,
+        gossip_step: float = GASLOC.gossip_step,
+        topology: Literal["random_pairs", "ring", "exponential", "complete"] = GASLOC.topology,
+        seed: int = GASLOC.seed,
         outer_optimizer: Optional[OuterOptimizerFactory] = None,
-        momentum_on: Literal["mixed", "sent"] = "mixed",
+        momentum_on: Literal["mixed", "sent"] = GASLOC.momentum_on,
         **kwargs: Any,
     ) -> None:
         algorithm = GASLoC(

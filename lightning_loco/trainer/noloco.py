@@ -7,6 +7,7 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_loco.algorithms.defaults import NOLOCO
 from lightning_loco.algorithms.noloco import NoLoCo, stability_interval
 from lightning_loco.trainer.base import OuterStepStrategy
 
@@ -16,12 +17,12 @@ class NoLoCoArguments:
 
     def __init__(
         self,
-        sync_every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.5,
-        averaging_rate: Optional[float] = None,
-        group_size: int = 2,
-        seed: int = 0,
+        sync_every: int = NOLOCO.sync_every,
+        outer_lr: float = NOLOCO.outer_lr,
+        outer_momentum: float = NOLOCO.outer_momentum,
+        averaging_rate: Optional[float] = NOLOCO.averaging_rate,
+        group_size: int = NOLOCO.group_size,
+        seed: int = NOLOCO.seed,
         **kwargs: Any,
     ) -> None:
         algorithm = NoLoCo(outer_lr=outer_lr, outer_momentum=outer_momentum, averaging_rate=averaging_rate,
