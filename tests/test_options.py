@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -301,3 +302,64 @@ def test_every_option_takes_effect_alone(name):
             alone = run_once(name, {option: value})
             if alone is not None:  # overlap_merge alone is refused (merge-needs-overlap)
                 assert differs(alone, plain), (option, value)
+
+
+# ---------------------------------------------------------------- the papers' defaults, written once
+
+
+def test_each_paper_default_is_written_once_in_the_library():
+    """algorithms/defaults.py writes each default of NoLoCo, DiLoCo and GASLoC; no other module of the algorithms,
+    the strategies (Trainer and Fabric) or the rules writes one again as a literal: not as a parameter's default
+    of that name, not in a message of ``check_positive`` or ``check_momentum``, not compared with an attribute of
+    that name (a number or a flag)."""
+    import ast
+
+    from lightning_loco.algorithms.defaults import DILOCO, GASLOC, NOLOCO
+
+    paper = {(n, type(v), v) for c in (NOLOCO, DILOCO, GASLOC) for n, v in c._asdict().items() if v is not None}
+    package = ROOT / "lightning_loco"
+    found: list[str] = []
+    for folder in ("algorithms", "trainer", "fabric", "replica"):
+        for path in sorted((package / folder).glob("*.py")):
+            if path.name == "defaults.py":
+                continue
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                pairs: list[tuple[str, ast.expr]] = []
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # a parameter's default
+                    args = node.args.posonlyargs + node.args.args
+                    pairs += list(zip([a.arg for a in args[len(args) - len(node.args.defaults):]], node.args.defaults))
+                    pairs += [(a.arg, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("check_positive", "check_momentum"):
+                    name = ast.literal_eval(node.args[0]).split(" ")[0]  # the default a message names
+                    pairs += [(name, a) for a in node.args[2:]]
+                elif isinstance(node, ast.Compare):  # an argument compared with a numeric default
+                    sides = [node.left, *node.comparators]
+                    attrs = [s.attr for s in sides if isinstance(s, ast.Attribute)]
+                    literal = [s for s in sides if isinstance(s, (ast.Constant, ast.Tuple))]
+                    pairs += [(a, s) for a in attrs for s in literal if not isinstance(getattr(s, "value", 0), str)]
+                for name, value in pairs:
+                    literals = value.elts if isinstance(value, ast.Tuple) else [value]
+                    if any(isinstance(v, ast.Constant) and (name, type(v.value), v.value) in paper for v in literals):
+                        found.append(f"{path.relative_to(ROOT)}:{value.lineno}: {name}={ast.unparse(value)}")
+    assert found == [], "a paper default written again (read it from lightning_loco.algorithms.defaults):\n" + \
+        "\n".join(found)
+    defaults = (ROOT / "lightning_loco" / "algorithms" / "defaults.py").read_text()
+    for constant in (NOLOCO, DILOCO, GASLOC):
+        for name, value in constant._asdict().items():  # each written once, in its class
+            written = f'"{value}"' if isinstance(value, str) else repr(value)
+            lines = re.findall(rf"^    {name}: [^=\n]+= {re.escape(written)}(?:  #.*)?$", defaults, re.M)
+            assert len(lines) == sum(name in c._fields and c._asdict()[name] == value for c in (NOLOCO, DILOCO, GASLOC))
+
+
+def test_the_driver_imports_no_rule():
+    from test_package_layout import imports, modules
+
+    known = modules()
+    seen, todo = set(), ["lightning_loco.driver.driver"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += imports(name, known[name], known)[0]
+    assert not {m for m in seen if m.startswith("lightning_loco.replica.rule")}, sorted(seen)

@@ -86,7 +86,7 @@ STABLE_MOMENTUM_SENT = {"random_pairs": (0.8, 0.6), "ring": (0.95, 0.95), "expon
 
 
 def stability_note(topology: str, gossip_step: float, outer_momentum: Optional[float],
-                   momentum_on: str = "mixed") -> Optional[str]:
+                   momentum_on: str = GASLOC.momentum_on) -> Optional[str]:
     """A warning text if (α, γ) lies outside what our consensus simulation found stable for this form,
     else None. ``outer_momentum`` None means a custom outer optimizer, for which γ means nothing: only α
     is checked then."""
