@@ -363,3 +363,15 @@ def test_the_driver_imports_no_rule():
             seen.add(name)
             todo += imports(name, known[name], known)[0]
     assert not {m for m in seen if m.startswith("lightning_loco.replica.rule")}, sorted(seen)
+
+
+def test_disjoint_optimizers_fires_for_a_fabric_loop_from_its_optimizers():
+    from lightning_loco.fabric.strategy import _fit
+
+    shared = torch.nn.Parameter(torch.zeros(4))
+    optimizers = [torch.optim.SGD([shared, torch.nn.Parameter(torch.zeros(2))], lr=1), torch.optim.SGD([shared], lr=1)]
+    fit = _fit(optimizers, None, torch.device("cpu"))
+    assert fit.shared_parameter == ((4,), 0, 1)
+    with pytest.raises(RefusedOptions) as refused:
+        check_rules("fit", Facts(strategy_class("fabric:noloco")().options, fit=fit, loop="fabric"))
+    assert refused.value.rules == ("disjoint-optimizers",)

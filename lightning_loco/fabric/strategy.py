@@ -286,12 +286,8 @@ class FabricOuterStepStrategy(DDPStrategy):
             raise RuntimeError(f"{type(self).__name__}: set up the model and its optimizers with fabric.setup(model, "
                                "optimizer) before stepping.")
         assert self._groups is not None
-        params = [p for o in self._optimizers for g in o.param_groups for p in g["params"]]
         check_rules("fit", Facts(self.options, fit=_fit(self._optimizers, self.max_steps, self.root_device),
-                                 loop="fabric"))
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError(f"{type(self).__name__}: a parameter belongs to two optimizers; give each parameter to "
-                             "one optimizer (each keeps its own outer state).")
+                                 loop="fabric"))  # disjoint-optimizers among them
         self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self._groups, self.layout,
                               self.comm_device(), label=f"Replica {self.replica_index}")
         self.run.start(self._optimizers, self._resumed_outer, None,
@@ -456,10 +452,12 @@ class _ReplicaBackwardSync(_BackwardSyncControl):
 
 def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
     """What the ``fit`` rules look at, as a Fabric loop tells it."""
+    from lightning_loco.replica.rule_table import shared_parameter
     from lightning_loco.replica.rules import Fit
 
-    return Fit(parameters=tuple(sum(len(g["params"]) for g in o.param_groups) for o in optimizers),
-               max_steps=max_steps if max_steps is not None else -1, model_device=device.type)
+    params = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
+    return Fit(parameters=tuple(len(p) for p in params), max_steps=max_steps if max_steps is not None else -1,
+               model_device=device.type, shared_parameter=shared_parameter(params))
 
 
 def _restore(strategy: FabricOuterStepStrategy, state: dict[str, Any], checkpoint: dict[str, Any],

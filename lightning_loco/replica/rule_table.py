@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 from lightning_loco.replica.options import Options
 
@@ -49,6 +49,17 @@ class Facts:
     launch: Optional[Launch] = None
     fit: Optional[Fit] = None
     loop: Literal["trainer", "fabric"] = "trainer"  # whose training loop: Lightning's Trainer, or a Fabric loop
+
+
+def shared_parameter(parameters: Sequence[Sequence[Any]]) -> Optional[tuple[tuple[int, ...], int, int]]:
+    """:attr:`Fit.shared_parameter` of optimizers that hold ``parameters`` (a list per optimizer): the shape of the
+    first parameter found in two of them, and the two optimizers; None where each belongs to one."""
+    owner: dict[int, int] = {}
+    for k, params in enumerate(parameters):
+        for p in params:
+            if owner.setdefault(id(p), k) != k:
+                return tuple(p.shape), owner[id(p)], k
+    return None
 
 
 # ---------------------------------------------------------------- the table of rules

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_loco.driver.fragments import next_round_step
+from lightning_loco.replica.rule_table import shared_parameter
 from lightning_loco.replica.rules import Fit, Launch
 from lightning_loco.replica.run import params_of
 from lightning_loco.replica.short_runs import warn_if_short
@@ -23,12 +24,7 @@ def fit_facts(trainer: "pl.Trainer", module: "pl.LightningModule", optimizers: l
               device: torch.device) -> Fit:
     """What the rules checked when ``fit`` starts look at: the optimizers' parameters, the loop's length,
     validation and the callbacks that save by a replica's own step count, the model's device."""
-    owner: dict[int, int] = {}
-    shared = None
-    for k, optimizer in enumerate(optimizers):
-        for p in params_of(optimizer):
-            if shared is None and owner.setdefault(id(p), k) != k:
-                shared = (tuple(p.shape), owner[id(p)], k)
+    shared = shared_parameter([params_of(o) for o in optimizers])
     validates = trainer.limit_val_batches != 0 and is_overridden("validation_step", module)
     return Fit(
         parameters=tuple(len(params_of(o)) for o in optimizers), max_steps=trainer.max_steps,
