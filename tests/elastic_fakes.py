@@ -199,6 +199,7 @@ class FakeMembership:
         self.history: list[dict[str, Any]] = []
         self.failures = 0
         self.closed = False
+        self.group_errors: list[dict[str, Any]] = []  # as Membership's: groups that could not be set up
         self.landed = 0  # tensors the last heal received in place
 
     def _next(self) -> Optional[Script]:

@@ -28,7 +28,9 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.plugin import ElasticPlugin
 from lightning_loco.elastic.ranks import ReplicaRankError, publish, read
 from lightning_loco.elastic.transport import ElasticTransport
+from lightning_loco.replica.options import WireConfig
 from lightning_loco.transport import InProcessNetwork
+from lightning_loco.wire.codecs import roundtrip_segments, segments
 
 from elastic_fakes import FakeMembership, H, Hub, Room, Runner, Script, ThreadRanks, in_threads
 
@@ -38,7 +40,7 @@ IDS = ("A", "B")
 
 
 def ranked_runners(make, hubs: list[Hub], script: list[Script], rooms: dict[str, Room],
-                   sharded: bool = False) -> dict[tuple[str, int], Runner]:
+                   sharded: bool = False, wire: Any = None, size: int = SIZE) -> dict[tuple[str, int], Runner]:
     """Replica r of IDS as len(hubs) ranks: rank i's memberships over hubs[i] (its own process groups), the
     replica's ranks over rooms[r]; every rank of replica r starts as the static launch's replica r. ``sharded``
     (FSDP2 inside): rank i holds a part of its own, of SHARDS[i] values, as the static launch's replica r would."""
@@ -46,7 +48,7 @@ def ranked_runners(make, hubs: list[Hub], script: list[Script], rooms: dict[str,
         config = ElasticConfig(lighthouse="127.0.0.1:1", replica_id=rid)
         transport = ElasticTransport(config, membership=FakeMembership(hubs[rank], rid, script),
                                      ranks=ThreadRanks(rid, rank, rooms[rid]), sharded=sharded)
-        return Runner(index, transport, ElasticPlugin(transport), make(), size=SHARDS[rank] if sharded else SIZE)
+        return Runner(index, transport, ElasticPlugin(transport), make(), wire, size=SHARDS[rank] if sharded else size)
 
     return {(rid, rank): build(rid, index, rank) for index, rid in enumerate(IDS) for rank in range(len(hubs))}
 
@@ -137,6 +139,46 @@ def test_a_round_one_rank_could_not_take_is_taken_alone_by_the_whole_replica():
     message = str(errors[0])
     assert "A rank of replica 'B' stopped or cannot be reached while rank 0 was agreeing" in message, message
     assert "leaves the membership as a whole" in message and "Restart all 2 of its processes" in message
+
+
+@pytest.mark.filterwarnings("ignore:.*finished the round alone")
+def test_a_group_sum_taken_alone_by_two_ranks_delivers_each_slice_as_its_codec_would_and_keeps_the_residual_true():
+    """int8 with error feedback, two ranks per replica: each rank encodes its own slice, whose int8 blocks start
+    at the slice's start (40 values in blocks of 16, cut 20 | 20: the blocks of the whole payload would straddle
+    the cut). B dies after round 0, and A's ranks take round 1 alone: each applies the payload x it would have
+    sent as the codec delivers it, slice by slice, and keeps the rest as the residual, so that what was applied
+    and what is kept add up to x exactly (and the residual is the one the round computed before posting)."""
+    k, size = 2, 40
+    wire = WireConfig("int8", block_size=16, error_feedback=True)
+    hubs, rooms = [Hub(timeout=30.0) for _ in range(k)], {rid: Room(k) for rid in IDS}
+    ranked = ranked_runners(NoLoCo, hubs, [Script(quorum_id=1, switch=0, members=IDS)], rooms, wire=wire, size=size)
+    in_threads(*[lambda r=r: r.run(H) for r in ranked.values()])  # round 0 together
+    for hub in hubs:
+        hub.kill("B")
+    rooms["B"].kill()
+    codec = wire.resolve(False).codec
+    expected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def replica_a(rank: int) -> None:
+        runner = ranked[("A", rank)]
+        runner.run(H - 1)
+        runner.inner_step()
+        slot, algorithm = runner.driver.slots[0], runner.driver.algorithm
+        state = copy.deepcopy(slot.state)
+        sent = algorithm.payload(state, slot.flat.gather()) + slot.residual
+        delivered = roundtrip_segments(sent, codec, segments(size, k))
+        assert not torch.equal(delivered, codec.roundtrip(sent))  # the slices' blocks are not the whole's
+        expected[rank] = (algorithm.apply(state, 2 * delivered, 2), sent - delivered)
+        runner.driver.after_inner_step(0)
+
+    in_threads(lambda: replica_a(0), lambda: replica_a(1))
+    for rank in range(k):
+        runner = ranked[("A", rank)]
+        assert [r["alone"] for r in runner.driver.plugin.rounds] == [False, True]
+        weights, residual = expected[rank]
+        assert torch.equal(runner.driver.slots[0].residual, residual)
+        assert torch.equal(runner.param.detach(), weights)
+    assert torch.equal(ranked[("A", 0)].param.detach(), ranked[("A", 1)].param.detach())
 
 
 # ---------------------------------------------------------------- the real membership, over a Lighthouse in-process

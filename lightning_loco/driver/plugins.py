@@ -45,6 +45,7 @@ class Driver(Protocol):
     transport: Transport
     wire: Optional[WireFormat]
     slots: list[Any]  # OuterSlot: its flat parameters, outer state and counters
+    reports: list[Any]  # OuterStepReport: one per landed round, the last one the landing's
 
     def state_dict(self) -> list[dict[str, Any]]: ...
 

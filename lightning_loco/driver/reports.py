@@ -47,6 +47,9 @@ class OuterStepReport:
     # The transport finished the round without the peers the schedule gave it (an elastic replica whose
     # exchange failed or whose partner was late): ``peers`` are whom it was to meet, and it met nobody.
     alone: bool = False
+    # Elastic replicas: memberships whose process group this replica could not set up so far (a transient
+    # failure of the rendezvous: their rounds were taken alone); None in the static launch.
+    membership_errors: Optional[int] = None
 
 
 def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:

@@ -15,20 +15,22 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_loco.elastic.data import slot_of
+from lightning_loco.elastic.torchft_version import TORCHFT_VERSION, check_torchft_version
 
 EXTRA = "pip install 'lightning-loco[elastic]'"
-TORCHFT_VERSION = "0.2.0"  # the version the extra pins and the tests run
 
 
 def require_torchft() -> Any:
-    """Returns the ``torchft`` module, or raises ``ImportError`` naming the extra to install."""
+    """Returns the ``torchft`` module, or raises ``ImportError`` naming the extra to install (or the supported
+    version, when another one is installed)."""
     try:
-        return importlib.import_module("torchft")
+        module = importlib.import_module("torchft")
     except ImportError as err:
         raise ImportError(
             f"Elastic replicas (elastic=ElasticConfig(...)) need torchft, which is not installed: {err}. Install the "
             f"extra with `{EXTRA}` (torchft=={TORCHFT_VERSION}), or leave elastic=None for the static launch."
         ) from err
+    return check_torchft_version(module)
 
 
 def lighthouse_url(address: str) -> str:

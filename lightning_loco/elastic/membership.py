@@ -25,7 +25,9 @@ How a membership is agreed, with K = ``membership_every``:
 Each membership has its own process group (torchft's reconfigurable ``ProcessGroupGloo``, configured in
 the background as soon as the quorum is known, with ``outer_step_timeout`` as its timeout); an
 unchanged membership whose members saw no failure keeps its group. A group that cannot be set up (a
-member died during the rendezvous) leaves every member of that membership training alone until the next.
+member died during the rendezvous) leaves every member of that membership training alone until the next,
+and is counted; an error that no new rendezvous cures stops the run
+(:mod:`~lightning_loco.elastic.group_setup`).
 
 A replica of several ranks is one member: rank 0 alone talks to the Lighthouse; see
 :mod:`~lightning_loco.elastic.ranks` for how the other ranks take part.
@@ -50,6 +52,7 @@ import torch.distributed as dist
 
 from lightning_loco.elastic import data, healing
 from lightning_loco.elastic.config import ElasticConfig, require_torchft
+from lightning_loco.elastic.group_setup import GroupSetupError, group_setup_failed
 from lightning_loco.elastic.keys import group_prefix, rank_prefix
 from lightning_loco.elastic.plan import Plan, View, make_plan
 from lightning_loco.elastic.ranks import ReplicaRankError, ReplicaRanks, publish, read
@@ -132,6 +135,7 @@ class Membership:
         self.sync = False
         self.history: list[dict[str, Any]] = []  # one entry per membership taken up
         self.waits: list[float] = []  # seconds the main thread waited for a quorum, one per switch
+        self.group_errors: list[dict[str, Any]] = []  # memberships whose group could not be set up (transient)
         self._request: Optional[_Request] = None
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._heartbeat, name="lightning_loco-heartbeat", daemon=True)
@@ -210,7 +214,8 @@ class Membership:
         request.thread.start()
 
     def _configure(self, plan: Plan) -> Optional[Any]:
-        """A new process group over the plan's members (a rendezvous in its store); None if it fails."""
+        """A new process group over the plan's members (a rendezvous in its store); None if it fails for a
+        transient reason (:mod:`~lightning_loco.elastic.group_setup`)."""
         from torchft.process_group import ProcessGroupGloo
 
         pg = ProcessGroupGloo(timeout=timedelta(seconds=self.config.outer_step_timeout))
@@ -218,9 +223,8 @@ class Membership:
             pg.configure(group_prefix(plan.store_address, self.rank), self.replica_id,
                          plan.members.index(self.replica_id), len(plan.members))
             return pg
-        except Exception as err:
-            log.warning("Replica %r: the process group of membership %d could not be set up (%s); this membership's "
-                        "rounds are taken alone.", self.replica_id, plan.quorum_id, err)
+        except Exception as err:  # transient: counted, and this membership's rounds are taken alone; else raised
+            group_setup_failed(self.config.name, plan.quorum_id, err, self.group_errors)
             return None
 
     # ------------------------------------------------------------------ the main thread, between rounds
@@ -289,7 +293,7 @@ class Membership:
                               f"a membership from the Lighthouse at {config.url}")
         self.waits.append(time.perf_counter() - waited)
         took = (request.ended or time.perf_counter()) - request.asked
-        if isinstance(request.error, ReplicaRankError):
+        if isinstance(request.error, (ReplicaRankError, GroupSetupError)):
             raise request.error
         if not done:
             raise RuntimeError(

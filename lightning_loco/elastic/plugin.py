@@ -9,7 +9,8 @@
   replica's state to joiners);
 * before each round, checks that the round has a membership, and records the round's group as replica ids;
 * after each round lands, records whether it was taken alone or dropped (the driver itself drops a
-  collective round finished alone, and puts its error-feedback residual back as it was);
+  collective round finished alone, and puts its error-feedback residual back as it was), and counts in its
+  report the memberships whose process group could not be set up so far (``membership_errors``);
 * at the end, leaves the membership (the heartbeats stop).
 
 **What a joiner takes.** The driver's state (anchor, outer state, counters), the live weights, and the
@@ -31,6 +32,7 @@ heal from one with the most (:func:`~lightning_loco.elastic.membership.make_plan
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -110,6 +112,9 @@ class ElasticPlugin(DriverPlugin):
                             "group": list(self.transport.member_ids(group))})
 
     def after_landing(self, landing: Landing) -> None:
+        reports = self.driver.reports  # the landing's report, just left: it counts the groups that failed so far
+        errors = len(getattr(self.membership, "group_errors", ()))
+        reports[-1] = dataclasses.replace(reports[-1], membership_errors=errors)
         self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED,
                                dropped=landing.outcome is Outcome.DROPPED)
         self.committed += landing.outcome is Outcome.EXCHANGED

@@ -20,7 +20,8 @@ Lighthouse drops a dead replica from it.
 
 A partner that is alive but late (``straggler_timeout``) is left out of that round only, and the group
 stays open: see :mod:`~lightning_loco.elastic.straggler`. A round taken alone with a lossy codec applies
-this replica's payload as the codec delivers it, so that an error-feedback residual stays true.
+this replica's payload as the codec delivers it (slice by slice, as it would have been sent), so that an
+error-feedback residual stays true.
 
 A replica of several ranks (``ranks``): each rank moves its own slice on its own group (with the same rank
 of the other members) and the replica's ranks all-gather the result, as on the static launch. With FSDP2
@@ -50,7 +51,7 @@ from lightning_loco.elastic.waiting import no_stop
 from lightning_loco.elastic.works import CollectivePeer, PeerFailed, PeerWork, wait_all
 from lightning_loco.transport.base import FIRST_ROUND, Pending, RoundId, Transport, TransportStats, sum_in_group_order
 from lightning_loco.wire import coded
-from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
+from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes, roundtrip_segments, segments
 
 
 class RankOutcome(IntEnum):
@@ -73,6 +74,7 @@ class ElasticPending(Pending):
         self.transport: ElasticTransport = transport
         self.works, self.payload, self.finish, self.group_size = works, payload, finish, group_size
         self.alone, self.codec, self.round_id = alone, codec, round_id
+        self.parts: list[tuple[int, int]] = []  # the segments the codec encodes one by one (none: the whole)
         self.error: Optional[BaseException] = None
         self.agreed = False  # a replica of several ranks: its ranks agree on this round's outcome (it was posted)
 
@@ -81,7 +83,7 @@ class ElasticPending(Pending):
 
     def _alone(self) -> Tensor:
         assert self.payload is not None
-        own = self.payload if self.codec is None else self.codec.roundtrip(self.payload)
+        own = self.payload if self.codec is None else roundtrip_segments(self.payload, self.codec, self.parts)
         return own.clone() if self.group_size == 1 else own * self.group_size
 
     def _receive(self) -> Tensor:
@@ -129,9 +131,17 @@ class ElasticPending(Pending):
             self.transport.partner_failed(self.peers, why, t)
 
     def abandon(self, timeout: float) -> bool:
-        finished = self.done()
-        self.works = []
-        return finished
+        """Gives the exchange up to ``timeout`` seconds, then drops it; returns whether it finished (every
+        operation ended, none failed). A thread waits on each operation still open (a gloo work tells its end
+        only to a waiter, and a wait of its own timeout would close the group): each ends with its operation,
+        or when the membership's group is closed."""
+        works, self.works = self.works, []
+        if self._result is not None or not works:
+            return True
+        deadline = time.perf_counter() + timeout
+        for work in works:
+            work.watch()
+        return all(work.succeeded(deadline - time.perf_counter()) for work in works)
 
 
 class ElasticTransport(Transport):
@@ -243,13 +253,16 @@ class ElasticTransport(Transport):
         return part if self.ranks is None or self.sharded else self.ranks.gather(part, like)
 
     def _start(self, payload: Tensor, others: tuple[int, ...], size: int, codec: Optional[Codec],
-               post: Callable[[], ElasticPending], round_id: RoundId) -> ElasticPending:
+               post: Callable[[], ElasticPending], round_id: RoundId, chunks: int = 1) -> ElasticPending:
         """Posts a round's exchange with ``post`` on the membership's group, or makes it a round alone: the
         group is closed (until the next membership) or posting failed (gloo may fail at once when a peer is
-        already gone)."""
+        already gone). ``chunks``: the parts each slice is encoded in (an all-reduce: one per member), which a
+        round alone delivers as the exchange would."""
         view = self.membership.view
         alone = ElasticPending(self, [], payload, payload.clone, size, 0, others, alone=True, codec=codec,
                                round_id=round_id)
+        # a lossy round encodes slice by slice (and chunk by chunk in an all-reduce): alone, the same segments
+        alone.parts = segments(payload.numel(), self.slices_per_replica, chunks) if codec is not None else []
         if view is None or view.pg is None or not view.ok:
             return alone
         self._lingering = [(pg, w) for pg, w in self._lingering if pg is view.pg and not w.is_completed()]
@@ -261,7 +274,7 @@ class ElasticTransport(Transport):
             self.partner_failed(others, failure.error, round_id.outer_step)
             return alone
         pending.payload, pending.group_size, pending.codec, pending.agreed = payload, size, codec, True
-        pending.round_id = round_id
+        pending.round_id, pending.parts = round_id, alone.parts
         return pending
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> ElasticPending:
@@ -323,7 +336,7 @@ class ElasticTransport(Transport):
 
             return self.pending([work], finish, ring_all_reduce_bytes(part.numel() * part.element_size(), n), others)
 
-        return self._start(payload, others, n, lossy, post, round_id)
+        return self._start(payload, others, n, lossy, post, round_id, chunks=n)
 
     def close(self) -> None:
         self._lingering = []

@@ -61,6 +61,10 @@ class PeerWork:
         """Whether the operation ended within ``timeout`` seconds (after :meth:`watch`)."""
         return self._done.wait(max(0.0, timeout))
 
+    def succeeded(self, timeout: float) -> bool:
+        """Whether the operation ended without failing within ``timeout`` seconds (after :meth:`watch`)."""
+        return self.finished(timeout) and self._error is None
+
     def wait(self) -> None:
         """Waits for the operation; a failure is a :class:`PeerFailed` naming the partner."""
         self._wait_once()

@@ -203,6 +203,7 @@ class OuterStepMonitor(L.Callback):
             "phase_steps": report.phase_steps,
             "compute_seconds": report.compute_seconds,
             "compute_share": report.compute_share,
+            "membership_errors": report.membership_errors,  # elastic: groups that could not be set up, so far
         }
         if report.overlap_steps:
             values.update(overlap_steps=report.overlap_steps, exchange_seconds=report.exchange_seconds,
