@@ -38,17 +38,11 @@ from lightning_loco.algorithms.step_weighted import with_merge
 from lightning_loco.driver import fragments as streaming
 from lightning_loco.driver import rounds
 from lightning_loco.driver.flat import FlatParameters
-from lightning_loco.driver.overlap import (
-    AutoOverlap,
-    InFlight,
-    auto_cap,
-    choose_overlap,
-    correction_norm,
-    merge_at_landing,
-)
-from lightning_loco.driver.pacing import AUTO, AutoSeconds, Pacing, SharedStepTimes, StepTimes, compute_share
+from lightning_loco.driver.overlap import AutoOverlap, InFlight, auto_cap, choose_overlap, merge_at_landing
+from lightning_loco.driver.pacing import AUTO, AutoSeconds, Pacing, SharedStepTimes, StepTimes
 from lightning_loco.driver.plugins import DriverPlugin, Landing, Outcome
-from lightning_loco.driver.reports import OuterStepReport, peer_distance
+from lightning_loco.driver.record import Landed, Record
+from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.driver.slots import OuterSlot, load_slots
 from lightning_loco.replica.options import Options
 from lightning_loco.transport.base import RoundId, Transport
@@ -239,10 +233,7 @@ class OuterStepDriver:
         if slot.fragment == 0:  # one entry per H steps and optimizer, as with F = 1
             self.rounds_started.append((index, t))
         weights = slot.flat.gather()  # the snapshot S
-        before = norm = None
-        if self.track_norms:
-            before = slot.state.anchor.clone()
-            norm = torch.linalg.vector_norm(weights - before).item()
+        record = Record.before_post(self.track_norms, slot.state.anchor, weights)
         merge = self.overlap_merge if tau else "none"
         snapshot = weights
         if tau and schedule.collective:
@@ -252,12 +243,11 @@ class OuterStepDriver:
         residual_before = None
         if slot.residual is not None and schedule.collective and self.transport.may_go_alone:
             residual_before = slot.residual.clone()  # a round this transport finishes alone is dropped: see _land
-        posted = rounds.post(
-            algorithm, slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
-            residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
-            measure_error=self.track_norms, schedule=schedule,
-            round_id=RoundId(t, optimizer=index, fragment=slot.fragment),
-        )
+        payload = rounds.prepare(algorithm, slot.state, weights, t, self.transport, wire=self.wire,
+                                 residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
+                                 schedule=schedule)
+        record.sending(payload)
+        posted = rounds.send(payload, self.transport, RoundId(t, optimizer=index, fragment=slot.fragment))
         posted_at = self.clock()
         if tau:
             posted.pending.watch()  # so that polls see when the transfer is done
@@ -268,24 +258,23 @@ class OuterStepDriver:
         slot.in_flight = InFlight(
             outer_step=t, start_step=slot.inner_steps, land_step=slot.inner_steps + tau, group=posted.group,
             pending=posted.pending, reference=reference, merge=merge, collective=posted.collective,
-            posted_at=posted_at, pseudo_gradient_norm=norm, anchor_before=before, own_payload=posted.own,
-            compression_error_norm=posted.compression_error, residual_before=residual_before,
+            posted_at=posted_at, residual_before=residual_before, record=record,
         )
         slot.outer_steps += 1
-        slot.phase.spent = slot.in_flight.start_seconds = self.clock() - ended
+        slot.phase.spent = record.start_seconds = self.clock() - ended
 
     def _land(self, index: int, slot: OuterSlot, final: bool = False) -> None:
         """Completes the round in flight: waits for the exchange if it is still running, commits the
         outer state, and sets (τ = 0) or merges (τ > 0) the live weights. ``final``: the merge takes
         ``algorithm.final_weights`` in place of the new anchor, and the outer step's own live weights
-        are kept in ``slot.outer_weights``."""
+        are kept in ``slot.outer_weights``. The round's record makes its report."""
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
         landed = self.clock()
-        pending, algorithm = flight.pending, slot.algorithm or self.algorithm
+        pending, algorithm, size = flight.pending, slot.algorithm or self.algorithm, len(flight.group)
         total = pending.wait()
         waited = self.clock()
-        if pending.alone and len(flight.group) > 1 and flight.collective:
+        if pending.alone and size > 1 and flight.collective:
             # Finished alone, a collective round would move this replica's anchor apart from the others':
             # it is dropped (outer state unchanged, the error-feedback residual as it was before the round:
             # the dropped payload's loss is not kept), and the next round's payload covers both stretches.
@@ -293,13 +282,10 @@ class OuterStepDriver:
                 slot.residual.copy_(flight.residual_before)
             self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, Outcome.DROPPED, final))
             return
-        distance = None
-        if flight.own_payload is not None:
-            distance = peer_distance(flight.own_payload, total, len(flight.group))
-        final_weights = algorithm.final_weights(slot.state, total, len(flight.group)) if final else None
-        new_anchor = algorithm.apply(slot.state, total, len(flight.group))
-        tau = slot.inner_steps - flight.start_step  # fewer than planned if fit ended first
-        exchange = correction = None
+        flight.record.received(total, size)
+        final_weights = algorithm.final_weights(slot.state, total, size) if final else None
+        new_anchor = algorithm.apply(slot.state, total, size)
+        exchange = change = None
         if flight.merge == "none":
             if final_weights is not None:
                 slot.outer_weights = new_anchor.clone()
@@ -311,29 +297,17 @@ class OuterStepDriver:
                 slot.outer_weights = merged
                 merged, change = merge_at_landing(flight.merge, live, final_weights, flight.reference)
             slot.flat.scatter(merged)
-            correction = correction_norm(change)
             exchange = flight.exchange_seconds if flight.exchange_seconds is not None else waited - flight.posted_at
-        update_norm = None
-        if flight.anchor_before is not None:
-            update_norm = torch.linalg.vector_norm(slot.state.anchor - flight.anchor_before).item()
         if slot.auto is not None:
             slot.auto.observe_exchange(exchange if exchange is not None else waited - flight.posted_at)
-        seconds = flight.start_seconds + self.clock() - landed
-        phase_steps, compute = slot.phase.ended if slot.phase.ended is not None else (None, None)
-        spent = slot.phase.spent + self.clock() - landed  # the round's time, on the phases' clock
-        self.reports.append(
-            OuterStepReport(
-                optimizer_index=index, outer_step=flight.outer_step, inner_step=slot.inner_steps,
-                peers=tuple(j for j in flight.group if j != self.transport.replica),
-                bytes_sent=pending.nbytes, bytes_received=pending.nbytes, comm_seconds=waited - landed,
-                seconds=seconds, phase_steps=phase_steps, compute_seconds=compute,
-                compute_share=compute_share(compute, spent),
-                pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
-                overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
-                final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
-                peer_ids=self.plugin.peer_ids(flight.group), fragment=slot.fragment, alone=pending.alone,
-            )
+        landing = Landed(
+            optimizer_index=index, fragment=slot.fragment, outer_step=flight.outer_step, inner_step=slot.inner_steps,
+            group=flight.group, pending=pending, overlap_steps=slot.inner_steps - flight.start_step,
+            change=change, exchange_seconds=exchange, comm_seconds=waited - landed, landed_at=landed,
+            done_at=self.clock(), final=final_weights is not None,
         )
+        self.reports.append(flight.record.report(landing, slot.state.anchor, slot.phase, self.transport.replica,
+                                                 self.plugin.peer_ids(flight.group)))
         if flight.merge != "none":  # overlapped: the landing's time is not the next phase's compute
             slot.phase.excluded += self.clock() - landed
         outcome = Outcome.ALONE if pending.alone else Outcome.EXCHANGED
