@@ -65,10 +65,9 @@ class OuterStepDriver:
             reports' seconds.
         agree_overlap: with replicas of several ranks, makes the ranks of a replica agree on τ
             (they all-gather at the landing); given τ, returns the agreed τ.
-        agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
-            agree on whether a round is due (given 0 or 1, returns the largest over the replica).
-        agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
-            rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
+        agree_seconds: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
+            agree on their phase's seconds (given this rank's, returns the largest): rounds and
+            ``nominal_step`` are then the same on all of them.
         step_times: with ``sync_seconds="auto"``, where replicas tell each other their step times
             (:class:`~lightning_loco.driver.pacing.StepTimes`; default: a board of this driver alone).
 
@@ -87,7 +86,6 @@ class OuterStepDriver:
         plugin: Optional[DriverPlugin] = None,
         clock: Callable[[], float] = time.perf_counter,
         agree_overlap: Optional[Callable[[int], int]] = None,
-        agree_due: Optional[Callable[[int], int]] = None,
         agree_seconds: Optional[Callable[[float], float]] = None,
         step_times: Optional[StepTimes] = None,
     ) -> None:
@@ -109,22 +107,22 @@ class OuterStepDriver:
         auto = None
         if sync_seconds == AUTO:
             auto = AutoSeconds(self.sync_every, transport.replica, step_times or SharedStepTimes())
-        self.pacing = None if sync_seconds is None else Pacing(self.sync_every, sync_seconds, clock, agree_due,
-                                                               agree_seconds, auto)
+        self.pacing = None
+        if sync_seconds is not None:
+            self.pacing = Pacing(self.sync_every, sync_seconds, clock, agree_seconds, auto)
         self.plugin = plugin if plugin is not None else DriverPlugin()
         self.plugin.attach(self)
 
     @classmethod
     def of(cls, algorithm: OuterAlgorithm, transport: Transport, sync_every: int, *, label: str = "",
            plugin: Optional[DriverPlugin] = None, clock: Callable[[], float] = time.perf_counter,
-           agree_overlap: Optional[Callable[[int], int]] = None, agree_due: Optional[Callable[[int], int]] = None,
+           agree_overlap: Optional[Callable[[int], int]] = None,
            agree_seconds: Optional[Callable[[float], float]] = None, step_times: Optional[StepTimes] = None,
            **options: Any) -> OuterStepDriver:
         """A driver of ``algorithm`` every ``sync_every`` steps, with ``options`` as the strategies take them
         (``overlap_steps``, ``fragments``, ``pacing``, ``wire``, ...: :meth:`Options.build`)."""
         return cls(Options.build(algorithm, sync_every, **options), transport, label=label, plugin=plugin,
-                   clock=clock, agree_overlap=agree_overlap, agree_due=agree_due, agree_seconds=agree_seconds,
-                   step_times=step_times)
+                   clock=clock, agree_overlap=agree_overlap, agree_seconds=agree_seconds, step_times=step_times)
 
     def add(self, flat: FlatParameters) -> OuterSlot:
         """Adds an optimizer's parameters (as F fragments: :func:`lightning_loco.driver.fragments.layout`); the
