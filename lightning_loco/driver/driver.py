@@ -18,7 +18,12 @@ The round that ends training can land without the outer step's momentum extrapol
 sets the live weights to the algorithm's ``final_weights``, keeping the outer step's own live weights
 aside in case training goes on after all (``restore_outer_weights``; checkpoints keep them too).
 
-Each finished round leaves an :class:`OuterStepReport`. The Lightning strategies
+Whether a step is the last one is the caller's to say (``last``, ``land_all``); the driver decides it
+only where its own counters set the run's end (``ends_by_driver_steps``: ``last_step``, under
+``sync_seconds`` or for a plug-in that changes the counters).
+
+Each finished round leaves an :class:`OuterStepReport`, made by the round's record
+(:mod:`lightning_loco.driver.record`), not by the round. The Lightning strategies
 (:mod:`lightning_loco.trainer`) call the driver from their hooks; tests drive it directly over
 the in-process transport (:mod:`lightning_loco.transport.in_process`).
 """
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -71,30 +75,22 @@ class OuterStepDriver:
         step_times: with ``sync_seconds="auto"``, where replicas tell each other their step times
             (:class:`~lightning_loco.driver.pacing.StepTimes`; default: a board of this driver alone).
 
-    Under ``final_outer_step="average"`` (the default, as on the strategies and the simulator) a round
-    that lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
-    live weights to ``algorithm.final_weights``, without the momentum extrapolation. With a lossy wire
-    format and error feedback every slot keeps a residual.
+    ``final_outer_step="average"`` is the default, as on the strategies and the simulator. With a lossy
+    wire format and error feedback every slot keeps a residual.
     """
 
-    def __init__(
-        self,
-        options: Options,
-        transport: Transport,
-        *,
-        label: str = "",
-        plugin: Optional[DriverPlugin] = None,
-        clock: Callable[[], float] = time.perf_counter,
-        agree_overlap: Optional[Callable[[int], int]] = None,
-        agree_seconds: Optional[Callable[[float], float]] = None,
-        step_times: Optional[StepTimes] = None,
-    ) -> None:
+    def __init__(self, options: Options, transport: Transport, *, label: str = "",
+                 plugin: Optional[DriverPlugin] = None, clock: Callable[[], float] = time.perf_counter,
+                 agree_overlap: Optional[Callable[[int], int]] = None,
+                 agree_seconds: Optional[Callable[[float], float]] = None,
+                 step_times: Optional[StepTimes] = None) -> None:
         options.algorithm.check_num_replicas(transport.num_replicas)
         self.options = options
         wire = options.wire_format
         self.algorithm = with_merge(options.algorithm, options.merge)
         self.transport, self.sync_every, self.fragments = transport, options.sync_every, options.fragments
         self.wire: Optional[WireFormat] = wire if wire.lossy else None
+        self.error_feedback = self.wire is not None and self.wire.error_feedback
         self.overlap_steps, self.overlap_merge = options.overlap_steps, options.overlap_merge
         self.agree_overlap = agree_overlap
         self.final_outer_step, self.label = options.final_outer_step, label or f"Replica {transport.replica}"
@@ -236,11 +232,8 @@ class OuterStepDriver:
         snapshot = weights
         if tau and schedule.collective:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
-        if self.wire is not None and self.wire.error_feedback and slot.residual is None:
-            slot.residual = torch.zeros(algorithm.payload_numel(slot.state), device=slot.state.anchor.device)
-        residual_before = None
-        if slot.residual is not None and schedule.collective and self.transport.may_go_alone:
-            residual_before = slot.residual.clone()  # a round this transport finishes alone is dropped: see _land
+        residual_before = slot.residual_for_round(  # a collective round this transport finishes alone is dropped
+            algorithm, self.error_feedback, droppable=schedule.collective and self.transport.may_go_alone)
         payload = rounds.prepare(algorithm, slot.state, weights, t, self.transport, wire=self.wire,
                                  residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
                                  schedule=schedule)
@@ -272,12 +265,8 @@ class OuterStepDriver:
         pending, algorithm, size = flight.pending, slot.algorithm or self.algorithm, len(flight.group)
         total = pending.wait()
         waited = self.clock()
-        if pending.alone and size > 1 and flight.collective:
-            # Finished alone, a collective round would move this replica's anchor apart from the others':
-            # it is dropped (outer state unchanged, the error-feedback residual as it was before the round:
-            # the dropped payload's loss is not kept), and the next round's payload covers both stretches.
-            if slot.residual is not None and flight.residual_before is not None:
-                slot.residual.copy_(flight.residual_before)
+        if pending.alone and size > 1 and flight.collective:  # finished alone, a collective round is dropped
+            slot.drop(flight)
             self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, Outcome.DROPPED, final))
             return
         flight.record.received(total, size)
@@ -331,32 +320,17 @@ class OuterStepDriver:
     def restore_outer_weights(self) -> bool:
         """Training goes on after rounds that landed as final (a resumed checkpoint, or an end that did
         not come): their live weights become the outer step's again. Returns whether any did."""
-        restored = False
-        for slot in self.slots:
-            if slot.outer_weights is not None:
-                slot.flat.scatter(slot.outer_weights)
-                slot.outer_weights = None
-                restored = True
-        return restored
+        return any([slot.restore_outer_weights() for slot in self.slots])  # a list: every slot's, restored
 
     def abandon_all(self, timeout: float) -> list[threading.Thread]:
         """Drops every round in flight after giving its exchange up to ``timeout`` seconds (training
         stopped). Returns the threads still waiting on an exchange: their process group must outlive
         them."""
         lingering = []
-        for slot in self.slots:
-            flight, slot.in_flight = slot.in_flight, None
-            if flight is None:
-                continue
-            if not flight.pending.abandon(timeout=timeout):
-                warnings.warn(
-                    f"{self.label}: training stopped while outer step {flight.outer_step} was in flight and its "
-                    "exchange did not finish; the round was dropped.",
-                    stacklevel=2,
-                )
-            watcher = flight.pending.watcher
-            if watcher is not None and watcher.is_alive():
-                lingering.append(watcher)
+        for slot in self.slots:  # a loop, not a comprehension: the warning names abandon_all's caller
+            thread = slot.abandon(timeout, self.label)
+            if thread is not None:
+                lingering.append(thread)
         return lingering
 
     # ------------------------------------------------------------------ checkpoints
@@ -370,4 +344,4 @@ class OuterStepDriver:
         outer state, rounds in flight and the outer step's live weights after a final landing (applied
         by :meth:`restore_outer_weights` once training goes on). Raises ``ValueError`` when the
         optimizers' parameters or the fragments do not match what was saved."""
-        load_slots(self.slots, saved, self.transport, self.wire is not None and self.wire.error_feedback, self.clock)
+        load_slots(self.slots, saved, self.transport, self.error_feedback, self.clock)
