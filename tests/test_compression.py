@@ -209,10 +209,10 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step_of_the_tr
         states = [algorithm.init_state(torch.zeros(64), [torch.Size([64])]) for _ in range(2)]
         sent = torch.zeros(64)
         for t in range(rounds):
-            posted = [post_round(algorithm, states[i], delta.clone(), t, network.transport(i), keep_own=True,
-                                     wire=WireConfig("int8", block_size=8).resolve(False), residual=residuals[i])
+            posted = [post_round(algorithm, states[i], delta.clone(), t, network.transport(i),
+                                 wire=WireConfig("int8", block_size=8).resolve(False), residual=residuals[i])
                       for i in range(2)]
-            sent += codec.roundtrip(posted[0].own)  # what replica 0's peer decoded from it
+            sent += codec.roundtrip(posted[0].payload)  # what replica 0's peer decoded from it (as sent)
             for p in posted:
                 p.pending.wait()
         error = (sent - rounds * delta).abs().max().item()

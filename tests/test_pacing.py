@@ -234,19 +234,20 @@ def test_resuming_mid_phase_continues_bitwise(name, merge):
 
 
 def test_the_ranks_of_a_replica_post_when_any_of_them_is_due():
-    asked: dict[int, list[int]] = {0: [], 1: []}
+    asked: dict[int, list[float]] = {0: [], 1: []}
 
     def agree_for(i: int):
-        def agree(due: int) -> int:
-            asked[i].append(due)
-            return 1 if len(asked[i]) == 2 else due  # another rank of replica i is due at its second step
-        return agree
+        def agree_seconds(seconds: float) -> float:
+            asked[i].append(seconds)
+            # another rank of replica i is due at its second step: its clock says the whole phase is spent
+            return 100.0 if len(asked[i]) == 2 else seconds
+        return agree_seconds
 
     network = InProcessNetwork(2, timeout=10.0)
-    replicas = [PacedReplica(i, network, NoLoCo(), 1, 8, 100.0, agree_due=agree_for(i)) for i in range(2)]
+    replicas = [PacedReplica(i, network, NoLoCo(), 1, 8, 100.0, agree_seconds=agree_for(i)) for i in range(2)]
     threaded(replicas, 2)
     for r in replicas:
-        assert asked[r.i] == [0, 0]  # asked once per step, with this rank's own answer (not due by itself)
+        assert asked[r.i] == [1.0, 2.0]  # asked once per step, with this rank's own seconds (not due by itself)
         assert [x.phase_steps for x in r.driver.reports] == [2]
 
 
@@ -257,7 +258,7 @@ def test_the_ranks_of_a_replica_agree_on_their_phase_seconds_for_rounds_and_nomi
         asked.append(seconds)
         return seconds + 1.0  # another rank of the replica: its clock says one second more
 
-    pacing = Pacing(sync_every=10, sync_seconds=5.0, clock=clock, agree=lambda due: 1 / 0, agree_seconds=agree_seconds)
+    pacing = Pacing(sync_every=10, sync_seconds=5.0, clock=clock, agree_seconds=agree_seconds)
     phase = Phase()
     clock.now = 1.0
     assert not pacing.due(phase, outer_steps=0, steps=2)  # agreed 2 s: (2 + ½)·1 s < 5 s
@@ -266,7 +267,7 @@ def test_the_ranks_of_a_replica_agree_on_their_phase_seconds_for_rounds_and_nomi
     assert pacing.nominal_step(phase, 0, 2) == 4.0  # between decisions: the latest agreed seconds
     clock.now = 3.5
     assert pacing.due(phase, outer_steps=0, steps=4)  # agreed 4.5 s: (4 + ½)·1.125 s ≥ 5 s; alone it is not
-    assert asked == [1.0, 3.5]  # once per step, with this rank's own seconds; ``agree`` is not asked
+    assert asked == [1.0, 3.5]  # once per step, with this rank's own seconds
     phase.end(4, 3.5)
     phase.restart(3.5)
     assert pacing.nominal_step(phase, outer_steps=1, inner_steps=4) == 10.0  # a new phase: nothing agreed yet

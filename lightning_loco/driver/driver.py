@@ -18,7 +18,12 @@ The round that ends training can land without the outer step's momentum extrapol
 sets the live weights to the algorithm's ``final_weights``, keeping the outer step's own live weights
 aside in case training goes on after all (``restore_outer_weights``; checkpoints keep them too).
 
-Each finished round leaves an :class:`OuterStepReport`. The Lightning strategies
+Whether a step is the last one is the caller's to say (``last``, ``land_all``); the driver decides it
+only where its own counters set the run's end (``ends_by_driver_steps``: ``last_step``, under
+``sync_seconds`` or for a plug-in that changes the counters).
+
+Each finished round leaves an :class:`OuterStepReport`, made by the round's record
+(:mod:`lightning_loco.driver.record`), not by the round. The Lightning strategies
 (:mod:`lightning_loco.trainer`) call the driver from their hooks; tests drive it directly over
 the in-process transport (:mod:`lightning_loco.transport.in_process`).
 """
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
@@ -38,17 +42,11 @@ from lightning_loco.algorithms.step_weighted import with_merge
 from lightning_loco.driver import fragments as streaming
 from lightning_loco.driver import rounds
 from lightning_loco.driver.flat import FlatParameters
-from lightning_loco.driver.overlap import (
-    AutoOverlap,
-    InFlight,
-    auto_cap,
-    choose_overlap,
-    correction_norm,
-    merge_at_landing,
-)
-from lightning_loco.driver.pacing import AUTO, AutoSeconds, Pacing, SharedStepTimes, StepTimes, compute_share
+from lightning_loco.driver.overlap import AutoOverlap, InFlight, auto_cap, choose_overlap, merge_at_landing
+from lightning_loco.driver.pacing import AUTO, AutoSeconds, Pacing, SharedStepTimes, StepTimes
 from lightning_loco.driver.plugins import DriverPlugin, Landing, Outcome
-from lightning_loco.driver.reports import OuterStepReport, peer_distance
+from lightning_loco.driver.record import Landed, Record
+from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.driver.slots import OuterSlot, load_slots
 from lightning_loco.replica.options import Options
 from lightning_loco.transport.base import RoundId, Transport
@@ -71,38 +69,28 @@ class OuterStepDriver:
             reports' seconds.
         agree_overlap: with replicas of several ranks, makes the ranks of a replica agree on τ
             (they all-gather at the landing); given τ, returns the agreed τ.
-        agree_due: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
-            agree on whether a round is due (given 0 or 1, returns the largest over the replica).
-        agree_seconds: in place of ``agree_due``, the ranks agree on their phase's seconds (given this
-            rank's, returns the largest): rounds and ``nominal_step`` are then the same on all of them.
+        agree_seconds: with ``sync_seconds`` and replicas of several ranks, makes the ranks of a replica
+            agree on their phase's seconds (given this rank's, returns the largest): rounds and
+            ``nominal_step`` are then the same on all of them.
         step_times: with ``sync_seconds="auto"``, where replicas tell each other their step times
             (:class:`~lightning_loco.driver.pacing.StepTimes`; default: a board of this driver alone).
 
-    Under ``final_outer_step="average"`` (the default, as on the strategies and the simulator) a round
-    that lands at the end of training (``after_inner_step(..., last=True)``, ``land_all``) sets the
-    live weights to ``algorithm.final_weights``, without the momentum extrapolation. With a lossy wire
-    format and error feedback every slot keeps a residual.
+    ``final_outer_step="average"`` is the default, as on the strategies and the simulator. With a lossy
+    wire format and error feedback every slot keeps a residual.
     """
 
-    def __init__(
-        self,
-        options: Options,
-        transport: Transport,
-        *,
-        label: str = "",
-        plugin: Optional[DriverPlugin] = None,
-        clock: Callable[[], float] = time.perf_counter,
-        agree_overlap: Optional[Callable[[int], int]] = None,
-        agree_due: Optional[Callable[[int], int]] = None,
-        agree_seconds: Optional[Callable[[float], float]] = None,
-        step_times: Optional[StepTimes] = None,
-    ) -> None:
+    def __init__(self, options: Options, transport: Transport, *, label: str = "",
+                 plugin: Optional[DriverPlugin] = None, clock: Callable[[], float] = time.perf_counter,
+                 agree_overlap: Optional[Callable[[int], int]] = None,
+                 agree_seconds: Optional[Callable[[float], float]] = None,
+                 step_times: Optional[StepTimes] = None) -> None:
         options.algorithm.check_num_replicas(transport.num_replicas)
         self.options = options
         wire = options.wire_format
         self.algorithm = with_merge(options.algorithm, options.merge)
         self.transport, self.sync_every, self.fragments = transport, options.sync_every, options.fragments
         self.wire: Optional[WireFormat] = wire if wire.lossy else None
+        self.error_feedback = self.wire is not None and self.wire.error_feedback
         self.overlap_steps, self.overlap_merge = options.overlap_steps, options.overlap_merge
         self.agree_overlap = agree_overlap
         self.final_outer_step, self.label = options.final_outer_step, label or f"Replica {transport.replica}"
@@ -115,22 +103,22 @@ class OuterStepDriver:
         auto = None
         if sync_seconds == AUTO:
             auto = AutoSeconds(self.sync_every, transport.replica, step_times or SharedStepTimes())
-        self.pacing = None if sync_seconds is None else Pacing(self.sync_every, sync_seconds, clock, agree_due,
-                                                               agree_seconds, auto)
+        self.pacing = None
+        if sync_seconds is not None:
+            self.pacing = Pacing(self.sync_every, sync_seconds, clock, agree_seconds, auto)
         self.plugin = plugin if plugin is not None else DriverPlugin()
         self.plugin.attach(self)
 
     @classmethod
     def of(cls, algorithm: OuterAlgorithm, transport: Transport, sync_every: int, *, label: str = "",
            plugin: Optional[DriverPlugin] = None, clock: Callable[[], float] = time.perf_counter,
-           agree_overlap: Optional[Callable[[int], int]] = None, agree_due: Optional[Callable[[int], int]] = None,
+           agree_overlap: Optional[Callable[[int], int]] = None,
            agree_seconds: Optional[Callable[[float], float]] = None, step_times: Optional[StepTimes] = None,
            **options: Any) -> OuterStepDriver:
         """A driver of ``algorithm`` every ``sync_every`` steps, with ``options`` as the strategies take them
         (``overlap_steps``, ``fragments``, ``pacing``, ``wire``, ...: :meth:`Options.build`)."""
         return cls(Options.build(algorithm, sync_every, **options), transport, label=label, plugin=plugin,
-                   clock=clock, agree_overlap=agree_overlap, agree_due=agree_due, agree_seconds=agree_seconds,
-                   step_times=step_times)
+                   clock=clock, agree_overlap=agree_overlap, agree_seconds=agree_seconds, step_times=step_times)
 
     def add(self, flat: FlatParameters) -> OuterSlot:
         """Adds an optimizer's parameters (as F fragments: :func:`lightning_loco.driver.fragments.layout`); the
@@ -239,25 +227,18 @@ class OuterStepDriver:
         if slot.fragment == 0:  # one entry per H steps and optimizer, as with F = 1
             self.rounds_started.append((index, t))
         weights = slot.flat.gather()  # the snapshot S
-        before = norm = None
-        if self.track_norms:
-            before = slot.state.anchor.clone()
-            norm = torch.linalg.vector_norm(weights - before).item()
+        record = Record.before_post(self.track_norms, slot.state.anchor, weights)
         merge = self.overlap_merge if tau else "none"
         snapshot = weights
         if tau and schedule.collective:
             snapshot = weights.clone()  # an all-reduce sums its payload in place, and θ may be it: keep S apart
-        if self.wire is not None and self.wire.error_feedback and slot.residual is None:
-            slot.residual = torch.zeros(algorithm.payload_numel(slot.state), device=slot.state.anchor.device)
-        residual_before = None
-        if slot.residual is not None and schedule.collective and self.transport.may_go_alone:
-            residual_before = slot.residual.clone()  # a round this transport finishes alone is dropped: see _land
-        posted = rounds.post(
-            algorithm, slot.state, weights, t, self.transport, keep_own=self.track_norms, wire=self.wire,
-            residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
-            measure_error=self.track_norms, schedule=schedule,
-            round_id=RoundId(t, optimizer=index, fragment=slot.fragment),
-        )
+        residual_before = slot.residual_for_round(  # a collective round this transport finishes alone is dropped
+            algorithm, self.error_feedback, droppable=schedule.collective and self.transport.may_go_alone)
+        payload = rounds.prepare(algorithm, slot.state, weights, t, self.transport, wire=self.wire,
+                                 residual=slot.residual, who=f"{self.label}, optimizer {index}{part}, outer step {t}",
+                                 schedule=schedule)
+        record.sending(payload)
+        posted = rounds.send(payload, self.transport, RoundId(t, optimizer=index, fragment=slot.fragment))
         posted_at = self.clock()
         if tau:
             posted.pending.watch()  # so that polls see when the transfer is done
@@ -268,38 +249,30 @@ class OuterStepDriver:
         slot.in_flight = InFlight(
             outer_step=t, start_step=slot.inner_steps, land_step=slot.inner_steps + tau, group=posted.group,
             pending=posted.pending, reference=reference, merge=merge, collective=posted.collective,
-            posted_at=posted_at, pseudo_gradient_norm=norm, anchor_before=before, own_payload=posted.own,
-            compression_error_norm=posted.compression_error, residual_before=residual_before,
+            posted_at=posted_at, residual_before=residual_before, record=record,
         )
         slot.outer_steps += 1
-        slot.phase.spent = slot.in_flight.start_seconds = self.clock() - ended
+        slot.phase.spent = record.start_seconds = self.clock() - ended
 
     def _land(self, index: int, slot: OuterSlot, final: bool = False) -> None:
         """Completes the round in flight: waits for the exchange if it is still running, commits the
         outer state, and sets (τ = 0) or merges (τ > 0) the live weights. ``final``: the merge takes
         ``algorithm.final_weights`` in place of the new anchor, and the outer step's own live weights
-        are kept in ``slot.outer_weights``."""
+        are kept in ``slot.outer_weights``. The round's record makes its report."""
         flight, slot.in_flight = slot.in_flight, None
         assert flight is not None
         landed = self.clock()
-        pending, algorithm = flight.pending, slot.algorithm or self.algorithm
+        pending, algorithm, size = flight.pending, slot.algorithm or self.algorithm, len(flight.group)
         total = pending.wait()
         waited = self.clock()
-        if pending.alone and len(flight.group) > 1 and flight.collective:
-            # Finished alone, a collective round would move this replica's anchor apart from the others':
-            # it is dropped (outer state unchanged, the error-feedback residual as it was before the round:
-            # the dropped payload's loss is not kept), and the next round's payload covers both stretches.
-            if slot.residual is not None and flight.residual_before is not None:
-                slot.residual.copy_(flight.residual_before)
+        if pending.alone and size > 1 and flight.collective:  # finished alone, a collective round is dropped
+            slot.drop(flight)
             self.plugin.after_landing(Landing(index, flight.outer_step, flight.group, Outcome.DROPPED, final))
             return
-        distance = None
-        if flight.own_payload is not None:
-            distance = peer_distance(flight.own_payload, total, len(flight.group))
-        final_weights = algorithm.final_weights(slot.state, total, len(flight.group)) if final else None
-        new_anchor = algorithm.apply(slot.state, total, len(flight.group))
-        tau = slot.inner_steps - flight.start_step  # fewer than planned if fit ended first
-        exchange = correction = None
+        flight.record.received(total, size)
+        final_weights = algorithm.final_weights(slot.state, total, size) if final else None
+        new_anchor = algorithm.apply(slot.state, total, size)
+        exchange = change = None
         if flight.merge == "none":
             if final_weights is not None:
                 slot.outer_weights = new_anchor.clone()
@@ -311,29 +284,17 @@ class OuterStepDriver:
                 slot.outer_weights = merged
                 merged, change = merge_at_landing(flight.merge, live, final_weights, flight.reference)
             slot.flat.scatter(merged)
-            correction = correction_norm(change)
             exchange = flight.exchange_seconds if flight.exchange_seconds is not None else waited - flight.posted_at
-        update_norm = None
-        if flight.anchor_before is not None:
-            update_norm = torch.linalg.vector_norm(slot.state.anchor - flight.anchor_before).item()
         if slot.auto is not None:
             slot.auto.observe_exchange(exchange if exchange is not None else waited - flight.posted_at)
-        seconds = flight.start_seconds + self.clock() - landed
-        phase_steps, compute = slot.phase.ended if slot.phase.ended is not None else (None, None)
-        spent = slot.phase.spent + self.clock() - landed  # the round's time, on the phases' clock
-        self.reports.append(
-            OuterStepReport(
-                optimizer_index=index, outer_step=flight.outer_step, inner_step=slot.inner_steps,
-                peers=tuple(j for j in flight.group if j != self.transport.replica),
-                bytes_sent=pending.nbytes, bytes_received=pending.nbytes, comm_seconds=waited - landed,
-                seconds=seconds, phase_steps=phase_steps, compute_seconds=compute,
-                compute_share=compute_share(compute, spent),
-                pseudo_gradient_norm=flight.pseudo_gradient_norm, update_norm=update_norm,
-                overlap_steps=tau, exchange_seconds=exchange, correction_norm=correction, peer_distance=distance,
-                final=final_weights is not None, compression_error_norm=flight.compression_error_norm,
-                peer_ids=self.plugin.peer_ids(flight.group), fragment=slot.fragment, alone=pending.alone,
-            )
+        landing = Landed(
+            optimizer_index=index, fragment=slot.fragment, outer_step=flight.outer_step, inner_step=slot.inner_steps,
+            group=flight.group, pending=pending, overlap_steps=slot.inner_steps - flight.start_step,
+            change=change, exchange_seconds=exchange, comm_seconds=waited - landed, landed_at=landed,
+            done_at=self.clock(), final=final_weights is not None,
         )
+        self.reports.append(flight.record.report(landing, slot.state.anchor, slot.phase, self.transport.replica,
+                                                 self.plugin.peer_ids(flight.group)))
         if flight.merge != "none":  # overlapped: the landing's time is not the next phase's compute
             slot.phase.excluded += self.clock() - landed
         outcome = Outcome.ALONE if pending.alone else Outcome.EXCHANGED
@@ -359,32 +320,17 @@ class OuterStepDriver:
     def restore_outer_weights(self) -> bool:
         """Training goes on after rounds that landed as final (a resumed checkpoint, or an end that did
         not come): their live weights become the outer step's again. Returns whether any did."""
-        restored = False
-        for slot in self.slots:
-            if slot.outer_weights is not None:
-                slot.flat.scatter(slot.outer_weights)
-                slot.outer_weights = None
-                restored = True
-        return restored
+        return any([slot.restore_outer_weights() for slot in self.slots])  # a list: every slot's, restored
 
     def abandon_all(self, timeout: float) -> list[threading.Thread]:
         """Drops every round in flight after giving its exchange up to ``timeout`` seconds (training
         stopped). Returns the threads still waiting on an exchange: their process group must outlive
         them."""
         lingering = []
-        for slot in self.slots:
-            flight, slot.in_flight = slot.in_flight, None
-            if flight is None:
-                continue
-            if not flight.pending.abandon(timeout=timeout):
-                warnings.warn(
-                    f"{self.label}: training stopped while outer step {flight.outer_step} was in flight and its "
-                    "exchange did not finish; the round was dropped.",
-                    stacklevel=2,
-                )
-            watcher = flight.pending.watcher
-            if watcher is not None and watcher.is_alive():
-                lingering.append(watcher)
+        for slot in self.slots:  # a loop, not a comprehension: the warning names abandon_all's caller
+            thread = slot.abandon(timeout, self.label)
+            if thread is not None:
+                lingering.append(thread)
         return lingering
 
     # ------------------------------------------------------------------ checkpoints
@@ -398,4 +344,4 @@ class OuterStepDriver:
         outer state, rounds in flight and the outer step's live weights after a final landing (applied
         by :meth:`restore_outer_weights` once training goes on). Raises ``ValueError`` when the
         optimizers' parameters or the fragments do not match what was saved."""
-        load_slots(self.slots, saved, self.transport, self.wire is not None and self.wire.error_feedback, self.clock)
+        load_slots(self.slots, saved, self.transport, self.error_feedback, self.clock)

@@ -22,12 +22,13 @@ import math
 import statistics
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
+from lightning_loco.driver.record import Record
 from lightning_loco.transport.base import Pending
 
 MERGES = ("predict_correct", "delayed")
@@ -71,13 +72,9 @@ class InFlight:
     merge: str
     collective: bool = False  # the round is one all-reduce (its schedule's, computed once when posted)
     posted_at: float = 0.0  # on the driver's clock
-    pseudo_gradient_norm: Optional[float] = None
-    anchor_before: Optional[Tensor] = None  # kept only when norms are tracked
-    own_payload: Optional[Tensor] = None  # kept only when norms are tracked (for the peer distance)
-    start_seconds: float = 0.0  # time the start took from training (posting, prediction)
     exchange_seconds: Optional[float] = None  # seconds from posting until the exchange was first seen complete
-    compression_error_norm: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload sent (lossy wire formats)
     residual_before: Optional[Tensor] = None  # the error-feedback residual before a round that may be dropped
+    record: Record = field(default_factory=Record)  # what is observed of the round (lightning_loco.driver.record)
 
     def poll(self, now: float) -> None:
         """Notes when the exchange is first seen complete (non-blocking; ``now`` on the driver's clock:
@@ -175,6 +172,3 @@ def choose_overlap(auto: AutoOverlap, agree: Optional[Callable[[int], int]], lab
         )
     return tau
 
-
-def correction_norm(correction: Tensor) -> float:
-    return torch.linalg.vector_norm(correction).item()

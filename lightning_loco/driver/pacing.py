@@ -187,24 +187,21 @@ class Pacing:
             counted in.
         sync_seconds: T, the compute time of an inner phase.
         clock: seconds on this replica's own clock (injectable, so that tests are deterministic).
-        agree: with replicas of several ranks, makes the ranks of a replica agree (given 0 or 1, returns
-            the largest over the replica's ranks): a rank whose clock says "due" makes all of them post.
-        agree_seconds: with replicas of several ranks, in place of ``agree``: given this rank's phase
-            seconds, returns the largest over the replica's ranks. Every rank then decides on the same
+        agree_seconds: with replicas of several ranks, given this rank's phase seconds, returns the
+            largest over the replica's ranks. Every rank then decides on the same
             seconds (a round is due when it is due on the slowest clock, which is when any rank is due:
             :func:`phase_due` grows with the seconds) and :meth:`nominal_step` follows them too, so
             that the ranks' learning rates, and hence their weights, stay the same.
     """
 
     def __init__(self, sync_every: int, sync_seconds: Union[float, str], clock: Callable[[], float],
-                 agree: Optional[Callable[[int], int]] = None,
                  agree_seconds: Optional[Callable[[float], float]] = None,
                  auto: Optional[AutoSeconds] = None) -> None:
         if sync_seconds == AUTO and auto is None:
             raise ValueError("sync_seconds='auto' needs the replicas' step times (an AutoSeconds)")
         self.sync_every, self.auto = sync_every, auto if sync_seconds == AUTO else None
         self.sync_seconds = math.inf if sync_seconds == AUTO else float(sync_seconds)
-        self.clock, self.agree, self.agree_seconds = clock, agree, agree_seconds
+        self.clock, self.agree_seconds = clock, agree_seconds
         self.max_steps: Optional[int] = None  # the run's nominal length, when it ends on a round
         self.rounds: Optional[int] = None  # R = ⌈max_steps / H⌉
 
@@ -233,8 +230,6 @@ class Pacing:
         if self.max_steps is not None:
             assert self.rounds is not None
             due = outer_steps < self.rounds and (due or steps >= self.max_steps)
-        if self.agree is not None and self.agree_seconds is None:
-            due = bool(self.agree(int(due)))
         phase.decision = (steps, due)
         return due
 

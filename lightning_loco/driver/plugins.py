@@ -131,8 +131,3 @@ class DriverPlugin:
         own = self.driver.transport.replica
         return tuple(str(j) for j in group if j != own)
 
-
-def no_plugin(transport: object) -> DriverPlugin:
-    """The static launch's plug-in factory: a plug-in that does nothing (a module-level function, so that
-    strategies that hold it still pickle for spawned ranks)."""
-    return DriverPlugin()

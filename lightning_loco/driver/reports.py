@@ -1,19 +1,16 @@
-"""What the driver reports of each finished round, and the free spread signal it carries.
+"""What the driver reports of each finished round.
 
 An :class:`OuterStepReport` is left by every round that landed on this replica (one per optimizer,
 fragment and round): its peers, bytes, the time it cost training, the inner phase that led to it (its
 inner steps H_i, its compute, and the share of wall time that compute had), and, when norms are
-tracked (the monitor asks for them), the norms and the peer distance.
-:mod:`lightning_loco.trainer.monitoring` logs them.
+tracked (the monitor asks for them), the norms and the peer distance. :mod:`lightning_loco.driver.record`
+builds them; :mod:`lightning_loco.trainer.monitoring` logs them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-
-import torch
-from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -51,11 +48,3 @@ class OuterStepReport:
     # failure of the rendezvous: their rounds were taken alone); None in the static launch.
     membership_errors: Optional[int] = None
 
-
-def peer_distance(own: Tensor, group_sum: Tensor, group_size: int) -> Optional[float]:
-    """‖own payload − the group's mean payload‖: how far this replica stood from the replicas it just
-    met, known after every exchange at no extra cost. ``None`` for a replica that met nobody."""
-    if group_size < 2:
-        return None
-    mean = group_sum.to(own.device) / group_size
-    return torch.linalg.vector_norm(own - mean).item()

@@ -13,9 +13,12 @@ The algorithms (:mod:`lightning_loco.algorithms`) are maths on flat tensors; the
    identity (:class:`~lightning_loco.transport.base.RoundId`) and returns a
    :class:`~lightning_loco.transport.base.Pending`, which travels while training goes on.
 
-The driver (:mod:`lightning_loco.driver.driver`) calls :func:`post` when a round is due and, at the landing,
-``pending.wait()`` and ``algorithm.apply``. :func:`step` is the two together, blocking, for studies
-and benchmarks that time one outer step.
+Steps 1-3 are :func:`prepare` (a :class:`Payload`), step 4 :func:`send`; :func:`post` is the two.
+The driver (:mod:`lightning_loco.driver.driver`) calls them when a round is due (its record,
+:mod:`lightning_loco.driver.record`, looks at the payload in between) and, at the landing,
+``pending.wait()`` and ``algorithm.apply``. :func:`step` is the whole round, blocking, for studies
+and benchmarks that time one outer step. Nothing here observes: the mechanism's inputs go in, the
+payload and the exchange come out.
 """
 
 from __future__ import annotations
@@ -23,13 +26,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.algorithms.schedules import Round
 from lightning_loco.transport.base import Pending, RoundId, Transport
-from lightning_loco.wire.codecs import WireFormat, check_payload, roundtrip_segments, segments
+from lightning_loco.wire.codecs import Codec, WireFormat, check_payload, roundtrip_segments, segments
+
+
+@dataclass
+class Payload:
+    """What this replica sends in one round, checked and ready for the transport."""
+
+    tensor: Tensor  # a collective round's transport sums into it in place
+    group: tuple[int, ...]
+    collective: bool  # an all-reduce (else point-to-point sums inside ``group``)
+    codec: Optional[Codec] = None  # the lossy codec it travels in (None: float32 as it is, or nobody to send to)
+    parts: tuple[tuple[int, int], ...] = ()  # the segments the transport encodes apart (with a codec)
+    lost: Optional[Tensor] = None  # with error feedback: what the codec loses of it (the new residual)
+
+    def loss(self) -> Optional[Tensor]:
+        """D(Q(x)) − x of the payload x, ``None`` without a lossy codec: computed once, before it is sent."""
+        if self.lost is None and self.codec is not None:
+            self.lost = self.tensor - roundtrip_segments(self.tensor, self.codec, self.parts)
+        return self.lost
 
 
 @dataclass
@@ -40,59 +60,66 @@ class Posted:
     collective: bool  # an all-reduce, which sums in place into ``payload``
     payload: Tensor
     pending: Pending
-    own: Optional[Tensor] = None  # the payload as sent, when asked for (``post(keep_own=True)``)
-    compression_error: Optional[float] = None  # ‖D(Q(x)) − x‖ of the payload x sent (lossy wire formats)
 
 
-def post(
-    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: Transport,
-    keep_own: bool = False, wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None, who: str = "",
-    measure_error: bool = False, schedule: Optional[Round] = None, round_id: Optional[RoundId] = None,
-) -> Posted:
-    """Starts round ``outer_step`` for this replica: computes its payload from ``weights`` and posts
-    the group's sum on ``transport`` (it travels while the caller goes on). The state is not
-    changed until ``algorithm.apply``. With ``keep_own``, ``Posted.own`` is this replica's payload as
-    sent (a copy taken before an all-reduce starts summing into it).
-
-    ``wire``: the wire format (default: float32 as it is). A payload with NaN or inf raises
-    :class:`~lightning_loco.wire.codecs.PayloadError` naming ``who`` before anything is sent, whatever
-    the format. With a lossy codec and ``residual`` (the error-feedback residual e, updated in
-    place), the payload sent is Δ + e and e becomes what the codec loses of it.
-    ``Posted.compression_error`` is ‖D(Q(x)) − x‖ of the payload x sent, known with a residual and
-    computed with ``measure_error``. ``schedule``: the round's, when the caller computed it already;
-    ``round_id``: the round's identity on the transport (default: outer step ``outer_step``)."""
+def prepare(
+    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: Transport, *,
+    wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None, who: str = "",
+    schedule: Optional[Round] = None,
+) -> Payload:
+    """This replica's payload for round ``outer_step``, computed from ``weights`` and checked; nothing is
+    sent and the outer state is not changed. ``wire``, ``residual``, ``who`` and ``schedule`` as in :func:`post`."""
     round_ = schedule if schedule is not None else algorithm.schedule(outer_step, transport.num_replicas)
-    round_id = round_id if round_id is not None else RoundId(outer_step)
     group = round_.group_of(transport.replica)
     who = who or f"Replica {transport.replica}, outer step {outer_step}"
     payload = algorithm.payload(state, weights)
     codec = wire.codec if wire is not None and wire.lossy else None
     talks = len(group) > 1 or (round_.collective and transport.num_replicas > 1)
-    if codec is not None and not talks:
-        codec = None  # nobody to send to: nothing is encoded, nothing is lost
-    error = None
-    if codec is not None and (residual is not None or measure_error):
-        if residual is not None:
-            if residual.numel() != payload.numel():
-                raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
-            payload = payload + residual  # a new tensor: never the live weights
-        check_payload(payload, codec, who)
-        parts = segments(payload.numel(), transport.slices_per_replica,
-                         transport.num_replicas if round_.collective else 1)
-        lost = payload - roundtrip_segments(payload, codec, parts)
-        if residual is not None:
-            residual.copy_(lost)
-        error = torch.linalg.vector_norm(lost).item()
+    if codec is None or not talks:  # nobody to send to: nothing is encoded, nothing is lost
+        check_payload(payload, None, who)
+        return Payload(payload, tuple(group), round_.collective)
+    if residual is not None:
+        if residual.numel() != payload.numel():
+            raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
+        payload = payload + residual  # a new tensor: never the live weights
+    check_payload(payload, codec, who)
+    parts = segments(payload.numel(), transport.slices_per_replica, transport.num_replicas if round_.collective else 1)
+    sent = Payload(payload, tuple(group), round_.collective, codec, tuple(parts))
+    if residual is not None:
+        lost = sent.loss()
+        assert lost is not None
+        residual.copy_(lost)
+    return sent
+
+
+def send(payload: Payload, transport: Transport, round_id: RoundId) -> Posted:
+    """Posts the group's sum of ``payload`` on ``transport`` as round ``round_id`` (it travels while the
+    caller goes on)."""
+    if payload.collective:
+        pending = transport.start_all_reduce_sum(payload.tensor, payload.codec, round_id)
     else:
-        check_payload(payload, codec, who)
-    own = None
-    if keep_own:
-        own = payload.clone() if round_.collective else payload
-    if round_.collective:
-        pending = transport.start_all_reduce_sum(payload, codec, round_id)
-    else:
-        pending = transport.start_group_sum(payload, group, codec, round_id)
-    return Posted(tuple(group), round_.collective, payload, pending, own, error)
+        pending = transport.start_group_sum(payload.tensor, payload.group, payload.codec, round_id)
+    return Posted(payload.group, payload.collective, payload.tensor, pending)
+
+
+def post(
+    algorithm: OuterAlgorithm, state: OuterState, weights: Tensor, outer_step: int, transport: Transport, *,
+    wire: Optional[WireFormat] = None, residual: Optional[Tensor] = None, who: str = "",
+    schedule: Optional[Round] = None, round_id: Optional[RoundId] = None,
+) -> Posted:
+    """Starts round ``outer_step`` for this replica: computes its payload from ``weights`` and posts
+    the group's sum on ``transport`` (it travels while the caller goes on). The state is not
+    changed until ``algorithm.apply``.
+
+    ``wire``: the wire format (default: float32 as it is). A payload with NaN or inf raises
+    :class:`~lightning_loco.wire.codecs.PayloadError` naming ``who`` before anything is sent, whatever
+    the format. With a lossy codec and ``residual`` (the error-feedback residual e, updated in
+    place), the payload sent is Δ + e and e becomes what the codec loses of it. ``schedule``: the
+    round's, when the caller computed it already; ``round_id``: the round's identity on the transport
+    (default: outer step ``outer_step``). :func:`prepare` and :func:`send` are its two halves."""
+    payload = prepare(algorithm, state, weights, outer_step, transport, wire=wire, residual=residual, who=who,
+                      schedule=schedule)
+    return send(payload, transport, round_id if round_id is not None else RoundId(outer_step))
 
 
 def step(

@@ -10,10 +10,13 @@ tensors and plain values a replica's checkpoint file holds.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
 from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
@@ -79,6 +82,45 @@ class OuterSlot:
         self.phase.load_state_dict(entry.get("phase"), self.inner_steps, now)  # its compute so far counts
         flight = entry.get("in_flight")
         self.in_flight = None if flight is None else InFlight.from_state_dict(flight, transport, device, now)
+
+    def residual_for_round(self, algorithm: OuterAlgorithm, error_feedback: bool, droppable: bool) -> Optional[Tensor]:
+        """Before a round of ``algorithm``: with ``error_feedback``, the residual starts at zero if it has not
+        yet. Returns a copy of it for a round that may be dropped (``droppable``: restored then), else None."""
+        if error_feedback and self.residual is None:
+            self.residual = torch.zeros(algorithm.payload_numel(self.state), device=self.state.anchor.device)
+        return self.residual.clone() if self.residual is not None and droppable else None
+
+    def drop(self, flight: InFlight) -> None:
+        """Drops ``flight``, a collective round the transport finished alone: applied, it would move this
+        replica's anchor apart from the others'. The outer state stays as it was, the error-feedback
+        residual as it was before the round (the dropped payload's loss is not kept), and the next
+        round's payload covers both stretches."""
+        if self.residual is not None and flight.residual_before is not None:
+            self.residual.copy_(flight.residual_before)
+
+    def restore_outer_weights(self) -> bool:
+        """After a final landing, sets the live weights to the outer step's own again (training goes on).
+        Returns whether there were any."""
+        if self.outer_weights is None:
+            return False
+        self.flat.scatter(self.outer_weights)
+        self.outer_weights = None
+        return True
+
+    def abandon(self, timeout: float, label: str) -> Optional[threading.Thread]:
+        """Drops the round in flight, if any, after giving its exchange up to ``timeout`` seconds (a warning
+        naming ``label`` says so when it did not finish). Returns the thread still waiting on it, if one is."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return None
+        if not flight.pending.abandon(timeout=timeout):
+            warnings.warn(
+                f"{label}: training stopped while outer step {flight.outer_step} was in flight and its "
+                "exchange did not finish; the round was dropped.",
+                stacklevel=3,
+            )
+        watcher = flight.pending.watcher
+        return watcher if watcher is not None and watcher.is_alive() else None
 
 
 def load_slots(slots: Sequence[OuterSlot], saved: Sequence[dict[str, Any]], transport: Any, error_feedback: bool,
