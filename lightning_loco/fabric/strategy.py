@@ -1,10 +1,10 @@
 """The outer-step strategies for Lightning Fabric: a Fabric loop's ``optimizer.step()`` is the inner step.
 
 :class:`FabricOuterStepStrategy` is Fabric's ``DDPStrategy`` without the wrapper between replicas (with
-``ranks_per_replica`` = k > 1, torch's ``DistributedDataParallel`` over the replica's own k ranks), and the same
-:class:`~lightning_loco.replica.run.ReplicaRun` as the Trainer's strategies: the same options, rules, driver,
-algorithm and transport, so that a Fabric loop and a ``Trainer.fit`` of the same module and batches take the
-same rounds, bit for bit (``tests/test_fabric.py``).
+``ranks_per_replica`` = k > 1, torch's ``DistributedDataParallel`` over the replica's own k ranks), an adapter of
+Fabric's hooks to the same :class:`~lightning_loco.replica.replica.Replica` as the Trainer's strategies: the same
+options, rules, layout, driver, algorithm, transport and checkpoint files, so that a Fabric loop and a
+``Trainer.fit`` of the same module and batches take the same rounds, bit for bit (``tests/test_fabric.py``).
 
 What the Fabric loop owns, the strategy is told or asked:
 

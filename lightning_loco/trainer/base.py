@@ -1,14 +1,14 @@
-"""Lightning glue shared by every low-communication strategy: hooks in, the replica's run out.
+"""Lightning glue shared by every low-communication strategy: hooks in, the replica out.
 
 ``OuterStepStrategy`` is a ``DDPStrategy`` that never wraps the model across replicas; launching,
-the process group and the ``DistributedSampler`` stay Lightning's. Every real optimizer step
-(``optimizer_step`` fires once per update, after accumulation, clipping and the precision plugin)
-reaches the replica's :class:`~lightning_loco.replica.run.ReplicaRun`, the same Lightning-free glue the
-Fabric strategies drive. What differs by replica layout (whole or FSDP2) is asked of ``self.layout``
-(:mod:`.layout`), what differs by run mode (static or elastic) of ``self.mode``
-(:mod:`lightning_loco.replica.modes`); the options and their rules are :mod:`lightning_loco.replica.options`'s.
-Checkpoint hooks are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private
-Lightning symbols in ``_compat.py``.
+the process group and the ``DistributedSampler`` stay Lightning's. It is an adapter of the Trainer's hooks to
+its :class:`~lightning_loco.replica.replica.Replica` (``self.replica``), the same Lightning-free replica the
+Fabric strategies adapt: its run mode, layout (whole or FSDP2), process groups, run of rounds, checkpoint
+payloads and consensus. Every real optimizer step (``optimizer_step`` fires once per update, after
+accumulation, clipping and the precision plugin) reaches the replica's
+:class:`~lightning_loco.replica.run.ReplicaRun`. The options and their rules are
+:mod:`lightning_loco.replica.options`'s. Checkpoint hooks are in ``checkpointing.py``, fit's facts and warnings
+in ``setup.py``, private Lightning symbols in ``_compat.py``.
 """
 
 from __future__ import annotations
