@@ -85,6 +85,10 @@ class ReplicaViews(DDPStrategy):
         """The replica's run of rounds during ``fit`` (None otherwise)."""
         return self.replica.run
 
+    @run.setter
+    def run(self, run: Optional[ReplicaRun]) -> None:
+        self.replica.run = run
+
     @property
     def transport_factory(self) -> TransportFactory:
         return self.replica.transport_factory
