@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import signal as _signal
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional
 
 log = logging.getLogger("lightning_loco")
@@ -45,6 +46,14 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
      "replace the broadcast in the SIGTERM handler"),
     ("lightning.pytorch.trainer.connectors.signal_connector", "_SignalConnector.register_signal_handlers",
      "reads the SIGTERM handler when a run starts"),
+    # Fabric's strategies
+    ("lightning.fabric.strategies.strategy", "_BackwardSyncControl",
+     "hold back gradient synchronisation inside a replica (fabric.no_backward_sync)"),
+    ("lightning.fabric.strategies.model_parallel", "_FSDPNoSync", "hold back FSDP2's reduce-scatters in a replica"),
+    ("lightning.fabric.strategies.strategy", "Strategy._convert_stateful_objects_in_state",
+     "take the state fabric.save is given"),
+    ("lightning.fabric.strategies.strategy", "_validate_keys_for_strict_loading", "load fabric.load's state strictly"),
+    ("lightning.fabric.utilities.types", "_Stateful", "restore fabric.load's stateful objects"),
 )
 # Optional: Lightning < 2.5.2 has no per-batch SIGTERM broadcast, so there is nothing to replace.
 OPTIONAL_SYMBOLS: tuple[tuple[str, str, str], ...] = (
@@ -53,6 +62,8 @@ OPTIONAL_SYMBOLS: tuple[tuple[str, str, str], ...] = (
 )
 # Instance attributes set by DDPStrategy.__init__ (checked on a fresh instance).
 PRIVATE_ATTRIBUTES: tuple[str, ...] = ("_ddp_kwargs", "_timeout", "_layer_sync", "_process_group_backend")
+# Instance attributes set by Fabric's DDPStrategy.__init__ (checked on a fresh instance).
+FABRIC_PRIVATE_ATTRIBUTES: tuple[str, ...] = ("_backward_sync_control",)
 
 
 class LightningCompatibilityError(ImportError):
@@ -76,10 +87,14 @@ def missing_symbols() -> list[str]:
             _resolve(module, path)
         except (ImportError, AttributeError):
             missing.append(f"{module}.{path}")
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
     from lightning.pytorch.strategies import DDPStrategy
 
     probe = DDPStrategy()
     missing += [f"DDPStrategy().{name}" for name in PRIVATE_ATTRIBUTES if not hasattr(probe, name)]
+    fabric_probe = FabricDDPStrategy()
+    missing += [f"lightning.fabric DDPStrategy().{name}" for name in FABRIC_PRIVATE_ATTRIBUTES
+                if not hasattr(fabric_probe, name)]
     return missing
 
 
@@ -250,3 +265,45 @@ def materialize_sharded_module(module: Any, device: Any) -> None:
     from lightning.fabric.utilities.init import _materialize_distributed_module
 
     _materialize_distributed_module(module, device)
+
+
+# ---------------------------------------------------------------- Fabric
+
+
+def set_backward_sync_control(strategy: Any, no_backward_sync: Callable[[Any, bool], AbstractContextManager]) -> None:
+    """Gives a Fabric strategy the control ``fabric.no_backward_sync(model)`` asks: ``no_backward_sync(module,
+    enabled)`` returns the context that holds gradient synchronisation back."""
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    class _Control(_BackwardSyncControl):
+        def no_backward_sync(self, module: Any, enabled: bool) -> AbstractContextManager:
+            return no_backward_sync(module, enabled)
+
+    strategy._backward_sync_control = _Control()
+
+
+def fsdp_no_sync(module: Any, enabled: bool) -> AbstractContextManager:
+    """Fabric's own context that holds FSDP2's reduce-scatters back (``ModelParallelStrategy``'s)."""
+    from lightning.fabric.strategies.model_parallel import _FSDPNoSync
+
+    return _FSDPNoSync(module=module, enabled=enabled)
+
+
+def convert_stateful_objects(strategy: Any, state: dict[str, Any], filter: dict[str, Any]) -> dict[str, Any]:
+    """The state ``fabric.save`` was given, with modules, optimizers and stateful objects as their state dicts
+    (Fabric's own conversion)."""
+    return strategy._convert_stateful_objects_in_state(state, filter=filter)
+
+
+def validate_keys_for_strict_loading(requested: Any, loaded: Any, strict: bool) -> None:
+    """Fabric's check of ``fabric.load``'s keys: with ``strict``, every requested key must be in the file."""
+    from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+
+    _validate_keys_for_strict_loading(requested, loaded, strict=strict)
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether Fabric restores ``obj`` by its ``load_state_dict`` (it has ``state_dict`` and ``load_state_dict``)."""
+    from lightning.fabric.utilities.types import _Stateful
+
+    return isinstance(obj, _Stateful)

@@ -65,7 +65,7 @@ def sharded(fit: Fit) -> Any:
     from lightning_loco.replica.layout import ShardedReplicas
     from lightning_loco.replica.options import FSDPConfig
 
-    return ShardedReplicas(SimpleNamespace(lightning_module=fit.lightning_module), FSDPConfig())
+    return ShardedReplicas(SimpleNamespace(module=fit.lightning_module), FSDPConfig())
 
 
 def _local(obj: Any) -> Any:

@@ -48,6 +48,40 @@ def test_the_names_resolve_to_the_fabric_strategies(name):
     assert fabric.strategy.sync_every == TRAINER[name]().sync_every  # the same defaults as the Trainer's
 
 
+def _package_imports(path: Path) -> set[str]:
+    """The ``lightning_loco`` modules a file imports (deferred imports included), as dotted names."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lightning_loco")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_loco"):
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_the_fabric_strategies_import_no_trainer_module():
+    """Fabric's strategy and checkpoint hooks, and every package module they reach, import nothing of the Trainer's
+    glue (``lightning_loco.trainer``): both adapt the same replica (the package's ``__init__``, which registers
+    every strategy, aside)."""
+    package = Path(__file__).resolve().parents[1]
+    seen: set[str] = set()
+    todo = ["lightning_loco.fabric.strategy", "lightning_loco.fabric.checkpointing"]
+    while todo:
+        name = todo.pop()
+        if name in seen or name in ("lightning_loco", "lightning_loco.fabric"):
+            continue
+        seen.add(name)
+        path = package / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        if path.exists():  # a name imported from a module (a class, a function) is not a file
+            todo += sorted(_package_imports(path))
+    assert {"lightning_loco.replica.replica", "lightning_loco.replica.run"} <= seen
+    assert not [m for m in seen if m.startswith("lightning_loco.trainer")]
+
+
 def test_fabric_takes_the_trainers_options_and_max_steps():
     import inspect
 

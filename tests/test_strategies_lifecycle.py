@@ -259,3 +259,31 @@ def test_a_lightning_without_one_of_them_fails_naming_it(monkeypatch):
     with pytest.raises(_compat.LightningCompatibilityError, match="_sync_module_states") as err:
         _compat.check_lightning()
     assert "pip install" in str(err.value)
+
+
+@pytest.mark.parametrize("module, name", [
+    ("lightning.fabric.strategies.model_parallel", "_FSDPNoSync"),
+    ("lightning.fabric.strategies.strategy", "_validate_keys_for_strict_loading"),
+    ("lightning.fabric.utilities.types", "_Stateful"),
+])
+def test_a_lightning_without_one_of_fabrics_fails_naming_it(monkeypatch, module, name):
+    """Fabric's private names are checked with the Trainer's, at import, not met mid-run."""
+    import importlib
+
+    monkeypatch.delattr(importlib.import_module(module), name)
+    with pytest.raises(_compat.LightningCompatibilityError, match=name):
+        _compat.check_lightning()
+
+
+def test_a_fabric_strategy_without_its_backward_sync_control_fails_naming_it(monkeypatch):
+    from lightning.fabric.strategies import DDPStrategy
+
+    init = DDPStrategy.__init__
+
+    def without(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        del self._backward_sync_control
+
+    monkeypatch.setattr(DDPStrategy, "__init__", without)
+    with pytest.raises(_compat.LightningCompatibilityError, match="_backward_sync_control"):
+        _compat.check_lightning()

@@ -1,10 +1,10 @@
 """The outer-step strategies for Lightning Fabric: a Fabric loop's ``optimizer.step()`` is the inner step.
 
 :class:`FabricOuterStepStrategy` is Fabric's ``DDPStrategy`` without the wrapper between replicas (with
-``ranks_per_replica`` = k > 1, torch's ``DistributedDataParallel`` over the replica's own k ranks), and the same
-:class:`~lightning_loco.replica.run.ReplicaRun` as the Trainer's strategies: the same options, rules, driver,
-algorithm and transport, so that a Fabric loop and a ``Trainer.fit`` of the same module and batches take the
-same rounds, bit for bit (``tests/test_fabric.py``).
+``ranks_per_replica`` = k > 1, torch's ``DistributedDataParallel`` over the replica's own k ranks), an adapter of
+Fabric's hooks to the same :class:`~lightning_loco.replica.replica.Replica` as the Trainer's strategies: the same
+options, rules, layout, driver, algorithm, transport and checkpoint files, so that a Fabric loop and a
+``Trainer.fit`` of the same module and batches take the same rounds, bit for bit (``tests/test_fabric.py``).
 
 What the Fabric loop owns, the strategy is told or asked:
 
@@ -31,7 +31,6 @@ healed replica's step counts.
 
 from __future__ import annotations
 
-import uuid
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -41,9 +40,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -51,20 +48,23 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_loco import _compat
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.replica import checkpoints, consensus
-from lightning_loco.replica.layout import replica_layout
-from lightning_loco.replica.modes import run_mode
+from lightning_loco.fabric.checkpointing import ReplicaCheckpoints
+from lightning_loco.replica.layout import ReplicaLayout
+from lightning_loco.replica.modes import TransportFactory
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName, check_int
-from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.replica.replica import Replica
 from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.replica.short_runs import warn_if_short
 
+_compat.check_lightning()  # a Lightning without the private symbols we use fails here, naming them
 
-class FabricOuterStepStrategy(DDPStrategy):
+
+class FabricOuterStepStrategy(ReplicaCheckpoints):
     """Replicas that train apart and meet every ``sync_every`` optimizer steps, in a Fabric loop. Each
     algorithm's strategy passes its ``algorithm`` and ``sync_every``; the other arguments are the Trainer
     strategies' (docs/options.md), and:
@@ -118,22 +118,17 @@ class FabricOuterStepStrategy(DDPStrategy):
         if max_steps is not None:
             check_int("max_steps", max_steps, "It is the loop's number of optimizer steps (None: call finish()).")
         self.max_steps = max_steps
-        self.mode = run_mode(None)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which only wraps inside a replica.
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
             timeout=timeout, start_method=start_method,
         )
-        self._backward_sync_control = _ReplicaBackwardSync()
-        self.layout = replica_layout(self, self.options.replica_sharding, root_is_called=True)
-        self.transport_factory = self.mode.transport_factory(transport_factory)
-        self.run: Optional[ReplicaRun] = None  # from the first optimizer step to finish()
+        _compat.set_backward_sync_control(self, _no_backward_sync)
+        self.replica = Replica(self.options, self, root_is_called=True)
         self.finished = False  # finish() ran: training ended
-        self._groups: Optional[ProcessGroups] = None
         self._module: Optional[weakref.ReferenceType] = None
         self._optimizers: list[Optimizer] = []
-        self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from fabric.load, until the run starts
         self.outer_step_reports: list[OuterStepReport] = []
 
     @classmethod
@@ -142,7 +137,7 @@ class FabricOuterStepStrategy(DDPStrategy):
         if cls.strategy_name:
             strategy_registry.register(cls.strategy_name, cls, description=cls.description, override=True)
 
-    # ------------------------------------------------------------------ what the run and its layout read
+    # ------------------------------------------------------------------ what users and the replica read
 
     @property
     def algorithm(self) -> OuterAlgorithm:
@@ -158,39 +153,43 @@ class FabricOuterStepStrategy(DDPStrategy):
 
     @property
     def num_replicas(self) -> int:
-        return self.world_size // self.ranks_per_replica
+        return self.replica.num_replicas
 
     @property
     def replica_index(self) -> int:
-        return self.global_rank // self.ranks_per_replica
+        return self.replica.replica_index
 
     @property
-    def outer_state_device(self) -> torch.device:
-        device = self.options.outer_state_device
-        return device if device is not None else self.root_device
-
-    @property
-    def lightning_module(self) -> Optional[nn.Module]:
-        """The module given to ``fabric.setup`` (unwrapped), as the replica's layout reads it."""
+    def replica_module(self) -> Optional[nn.Module]:
+        """The module given to ``fabric.setup`` (unwrapped): the replica's model."""
         return self._module() if self._module is not None else None
 
     @property
-    def model(self) -> Optional[nn.Module]:
-        return self.lightning_module
+    def layout(self) -> ReplicaLayout:
+        return self.replica.layout
 
     @property
-    def precision_plugin(self) -> Precision:
-        return self.precision
+    def transport_factory(self) -> TransportFactory:
+        return self.replica.transport_factory
+
+    @transport_factory.setter
+    def transport_factory(self, factory: TransportFactory) -> None:
+        self.replica.transport_factory = factory
+
+    @property
+    def run(self) -> Optional[ReplicaRun]:
+        """The replica's run of rounds, from the first optimizer step to ``finish()``."""
+        return self.replica.run
 
     @property
     def driver(self) -> Any:
         """The replica's :class:`~lightning_loco.driver.driver.OuterStepDriver` once training started (None before)."""
-        return self.run.driver if self.run is not None else None
+        return self.replica.driver
 
     @property
     def outer_steps(self) -> int:
         """Rounds started by the first optimizer (resumed ones included; 0 before training)."""
-        return self.driver.slots[0].outer_steps if self.driver is not None and self.driver.slots else 0
+        return self.run.outer_steps() if self.run is not None else 0
 
     @override
     @property
@@ -219,10 +218,7 @@ class FabricOuterStepStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        backend = self._get_process_group_backend()
-        self._groups = ProcessGroups(self.ranks_per_replica, backend, self._timeout)
-        self._groups.create_replica_groups()
-        self.layout.setup_distributed(backend, self._timeout)
+        self.replica.setup_distributed(self._get_process_group_backend(), self._timeout)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # DDP inside a replica only
@@ -240,9 +236,9 @@ class FabricOuterStepStrategy(DDPStrategy):
         self.layout.sync_initial_weights()
         if self.ranks_per_replica == 1 or self.layout.sharded:
             return module
-        assert self._groups is not None
+        assert self.replica.groups is not None
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=self._groups.replica)
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=self.replica.groups.replica)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -256,7 +252,7 @@ class FabricOuterStepStrategy(DDPStrategy):
             )
         if self.layout.sharded:
             loose = sum(not isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
-            if self.lightning_module is None or loose:
+            if self.replica_module is None or loose:
                 raise RuntimeError(
                     f"{type(self).__name__} with replica_sharding: the optimizer holds {loose} parameter(s) that are "
                     "not the sharded model's. Set up the model first, then create the optimizer over its sharded "
@@ -282,41 +278,35 @@ class FabricOuterStepStrategy(DDPStrategy):
 
     def _start(self) -> None:
         """At the first optimizer step, before it: the outer state starts at the weights every replica shares."""
-        if self.lightning_module is None or not self._optimizers:
+        if self.replica_module is None or not self._optimizers:
             raise RuntimeError(f"{type(self).__name__}: set up the model and its optimizers with fabric.setup(model, "
                                "optimizer) before stepping.")
-        assert self._groups is not None
         check_rules("fit", Facts(self.options, fit=_fit(self._optimizers, self.max_steps, self.root_device),
                                  loop="fabric"))  # disjoint-optimizers among them
-        self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self._groups, self.layout,
-                              self.comm_device(), label=f"Replica {self.replica_index}")
-        self.run.start(self._optimizers, self._resumed_outer, None,
-                       self.max_steps if self.max_steps is not None else -1)
-        self._resumed_outer = None
-        self.outer_step_reports = self.run.driver.reports
+        run = self.replica.start(self._optimizers, None, self.max_steps if self.max_steps is not None else -1)
+        self.outer_step_reports = run.driver.reports
         if self.max_steps is not None and self.is_global_zero:
             warn_if_short(self.algorithm, self.max_steps, self.sync_every, rank_zero_warn)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """The inner step (Fabric's precision plugin steps the optimizer), then the driver's turn: rounds start
+        """The inner step (Fabric's precision plugin steps the optimizer), then the replica's turn: rounds start
         and land when due, and the last of ``max_steps`` ends training."""
         if self.finished:
             raise RuntimeError(f"{type(self).__name__}: training ended (finish() ran, or max_steps={self.max_steps} "
                                "was reached); a new run needs a new Fabric.")
         if self.run is None:
             self._start()
-        assert self.run is not None
+        run = self.run
+        assert run is not None
         output = super().optimizer_step(optimizer, **kwargs)
         index = next((i for i, o in enumerate(self._optimizers) if o is optimizer), None)
         if index is None:
             raise RuntimeError(f"{type(self).__name__} has no outer state for this optimizer: step the optimizers "
                                "returned by fabric.setup.")
         max_steps = self.max_steps if self.max_steps is not None else -1
-        driver = self.run.driver
-        self.run.after_step(index, optimizer, max_steps, lambda: max_steps >= 0 and driver.last_step(index, max_steps),
-                            type(self).__name__)
-        if max_steps >= 0 and all(s.inner_steps >= max_steps for s in (d[0] for d in driver.optimizer_slots)):
+        run.after_step(index, optimizer, max_steps, who=type(self).__name__)  # the loop ends at max_steps
+        if run.reached(max_steps):
             self.finish()
         return output
 
@@ -329,19 +319,12 @@ class FabricOuterStepStrategy(DDPStrategy):
         self.finished = True
         if self.run is not None:
             self.run.end()
-        if self.options.averages_at_end and self.lightning_module is not None:
+        if self.options.averages_at_end and self.replica_module is not None:
             self.average_replicas()
 
     @override
     def teardown(self) -> None:
-        if self.run is not None:
-            lingering = self.run.close(self.abandon_timeout_s)
-            self.run = None
-        else:
-            lingering = []
-        if self._groups is not None:
-            self._groups.destroy(lingering)
-            self._groups = None
+        self.replica.close(self.abandon_timeout_s)
         super().teardown()
 
     # ------------------------------------------------------------------ the consensus (global collectives)
@@ -349,105 +332,28 @@ class FabricOuterStepStrategy(DDPStrategy):
     def average_replicas(self) -> None:
         """Sets every replica to the replicas' average: parameters and floating-point buffers, one all-reduce.
         Collective: every rank must call it."""
-        for tensors, group in self.layout.consensus_parts():
-            consensus.average_into(tensors, self.comm_device(), group)
-        self.layout.weights_changed()
+        self.replica.average()
 
     def consensus_state_dict(self) -> Optional[dict[str, Any]]:
         """The replicas' average as a plain state dict of full tensors (floating-point entries averaged, others this
         replica's), for ``torch.save`` or another model's ``load_state_dict``. Collective: every rank must call it;
         with ``replica_sharding`` global rank 0 gets the dict and the others None, else every rank gets it."""
-        module = self.lightning_module
+        module = self.replica_module
         assert module is not None, "set up the model with fabric.setup first"
-        return self.layout.checkpoint_consensus(module.state_dict())
-
-    # ------------------------------------------------------------------ checkpoints (collective)
-
-    @override
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        """Every replica's own file (the state as ``fabric.save`` was given it, and the outer state; with
-        ``replica_sharding`` every rank's own shards), then the main file on global rank 0: the same state with each
-        module's weights the replicas' average (full tensors; sharded inner optimizer states stay in the replica
-        files). Collective."""
-        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        save_id = self.broadcast(uuid.uuid4().hex[:12])
-        averaged = {}
-        for key, value in converted.items():
-            if isinstance(state[key], nn.Module):
-                averaged[key] = self.layout.checkpoint_consensus(value)
-            elif not (self.layout.sharded and isinstance(state[key], Optimizer)):
-                averaged[key] = value
-        outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
-        replica = checkpoints.replica_payload({"state_dict": converted}, save_id, self.replica_index, self.num_replicas,
-                                              self.algorithm.name, outer)
-        sidecar_dir = checkpoints.sidecar_dir(path, save_id)
-        mine, shard = self.layout.replica_file(replica)
-        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
-            checkpoints.write_replica(sidecar_dir, self.replica_index, mine, shard)
-        self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
-        if self.is_global_zero:
-            meta = checkpoints.main_meta(path, save_id, self.algorithm.name, self.num_replicas,
-                                         shards=self.layout.shards())
-            step = {"global_step": self.driver.slots[0].inner_steps if self.driver is not None else -1}
-            checkpoints.write_manifest(sidecar_dir, path, step, meta)  # the save is complete
-            self.checkpoint_io.save_checkpoint({**averaged, checkpoints.META_KEY: meta}, path,
-                                               storage_options=storage_options)
-            checkpoints.remove_sidecars(path, keep=sidecar_dir)
-
-    @override
-    def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restores ``state`` from this replica's own file, and the outer state (taken up at the next optimizer
-        step); a checkpoint of another number of replicas restores every replica from the main file's average,
-        with fresh outer state. Collective."""
-        if self.run is not None:
-            raise RuntimeError(f"{type(self).__name__}: load checkpoints before training starts (before the first "
-                               "optimizer.step()), so that the outer state starts from them.")
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        payload = checkpoints.read_own_replica(checkpoint, path, self.replica_index, self.num_replicas,
-                                               self.algorithm.name, agree=consensus.first_error,
-                                               **self.layout.replica_shard())
-        sharded_main = payload is None and (checkpoint.get(checkpoints.META_KEY) or {}).get("shards") is not None
-        checkpoint.pop(checkpoints.META_KEY, None)
-        self._resumed_outer = None
-        if payload is not None:
-            checkpoint = dict(payload["state_dict"])
-            self._resumed_outer = payload["outer"]
-        if not state:
-            return checkpoint
-        if isinstance(state, (nn.Module, Optimizer)):
-            raise TypeError(f"{type(self).__name__} loads a checkpoint into a dict of objects, as fabric.save was "
-                            "given one: fabric.load(path, {'model': model, 'optimizer': optimizer, ...}).")
-        fresh = [k for k, v in state.items() if sharded_main and isinstance(v, Optimizer) and k not in checkpoint]
-        if fresh:  # a sharded run's main file keeps no inner optimizer state (its shards are in the replica files)
-            rank_zero_warn(f"{path} holds no state for {fresh} (a main file written with replica_sharding): "
-                           "they start fresh, as the Trainer's inner optimizers do from such a file.")
-        return _restore(self, state, checkpoint, strict, skip=fresh)
-
-    @override
-    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """As the replica's layout loads a module (sharded: shard by shard, from this rank's own shards or from
-        full tensors, a main file)."""
-        self.layout.load_module_state(module, state_dict, strict)
+        return self.replica.consensus_state_dict(module.state_dict())
 
 
-class _ReplicaBackwardSync(_BackwardSyncControl):
+def _no_backward_sync(module: nn.Module, enabled: bool) -> AbstractContextManager:
     """``fabric.no_backward_sync(model)`` (gradient accumulation): DDP's ``no_sync`` inside a replica of several
     ranks, FSDP2's reduce-scatters held back in a sharded one (Fabric's own control for FSDP2); with one rank per
     replica no gradient is synchronised anyway, so there is nothing to hold back."""
+    from torch.distributed.fsdp import FSDPModule
 
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        from torch.distributed.fsdp import FSDPModule
-
-        if enabled and isinstance(module, DistributedDataParallel):
-            return module.no_sync()
-        if enabled and any(isinstance(m, FSDPModule) for m in module.modules()):
-            from lightning.fabric.strategies.model_parallel import _FSDPNoSync
-
-            return _FSDPNoSync(module=module, enabled=enabled)
-        return nullcontext()
+    if enabled and isinstance(module, DistributedDataParallel):
+        return module.no_sync()
+    if enabled and any(isinstance(m, FSDPModule) for m in module.modules()):
+        return _compat.fsdp_no_sync(module, enabled)
+    return nullcontext()
 
 
 def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
@@ -458,25 +364,3 @@ def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.de
     params = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
     return Fit(parameters=tuple(len(p) for p in params), max_steps=max_steps if max_steps is not None else -1,
                model_device=device.type, shared_parameter=shared_parameter(params))
-
-
-def _restore(strategy: FabricOuterStepStrategy, state: dict[str, Any], checkpoint: dict[str, Any],
-             strict: bool, skip: list[str]) -> dict[str, Any]:
-    """Fabric's restore of ``state``'s objects from ``checkpoint`` (modules, optimizers, stateful objects; other
-    values replaced in ``state``), but for the keys in ``skip``; returns what ``state`` did not ask for."""
-    from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-    from lightning.fabric.utilities.types import _Stateful
-
-    _validate_keys_for_strict_loading([k for k in state if k not in skip], checkpoint.keys(), strict=strict)
-    for name, obj in state.copy().items():
-        if name not in checkpoint:
-            continue
-        if isinstance(obj, nn.Module):
-            strategy.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
-        elif isinstance(obj, Optimizer):  # sharded replicas: this rank's shards become DTensors like its parameters
-            obj.load_state_dict(strategy.layout.optimizer_state(obj, checkpoint.pop(name)))
-        elif isinstance(obj, _Stateful):
-            obj.load_state_dict(checkpoint.pop(name))
-        else:
-            state[name] = checkpoint.pop(name)
-    return checkpoint

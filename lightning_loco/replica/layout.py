@@ -29,16 +29,14 @@ from lightning_loco.replica.options import FSDPConfig
 
 
 class Host(Protocol):
-    """The strategy, as its layout sees it."""
+    """The replica (:class:`~lightning_loco.replica.replica.Replica`), as its layout sees it."""
 
     @property
     def ranks_per_replica(self) -> int: ...
 
     @property
-    def lightning_module(self) -> Any: ...
-
-    @property
-    def model(self) -> Any: ...
+    def module(self) -> Any:
+        """The model the replica trains, unwrapped (None before the loop gave it)."""
 
     @property
     def root_device(self) -> torch.device: ...
@@ -57,9 +55,6 @@ class Host(Protocol):
 
     @property
     def outer_state_device(self) -> torch.device: ...
-
-    @property
-    def precision_plugin(self) -> Any: ...
 
     def comm_device(self) -> torch.device: ...
 
@@ -80,8 +75,9 @@ class ReplicaLayout:
         raise RuntimeError("The device mesh exists with replica_sharding='fsdp' only, once the processes started.")
 
     def tensor_init_context(self, empty_init: Optional[bool],
-                            default: Callable[[Optional[bool]], AbstractContextManager[None]]
-                            ) -> AbstractContextManager[None]:
+                            default: Callable[[Optional[bool]], AbstractContextManager[None]],
+                            precision: Callable[[], AbstractContextManager[None]]) -> AbstractContextManager[None]:
+        """Where the model's layers are built: the strategy's ``default``, or (sharded) ``precision``'s context."""
         return default(empty_init)
 
     def configure_ddp(self, default: Callable[[], None]) -> None:
@@ -94,7 +90,7 @@ class ReplicaLayout:
 
     def sync_initial_weights(self) -> None:
         """Every replica starts from global rank 0's weights, as ``DistributedDataParallel`` would."""
-        _compat.sync_module_states(self.host.model)
+        _compat.sync_module_states(self.host.module)
 
     def flat_parameters(self, params: list[torch.Tensor]) -> FlatParameters:
         """An optimizer's parameters as the driver sees them."""
@@ -109,11 +105,11 @@ class ReplicaLayout:
     def consensus_parts(self) -> list[tuple[list[torch.Tensor], Optional[Any]]]:
         """The tensors the consensus averages, each with the group it is averaged over (None: all ranks):
         the parameters and the floating-point buffers."""
-        module = self.host.lightning_module
+        module = self.host.module
         return [(list(module.parameters()) + [b for b in module.buffers() if b.is_floating_point()], None)]
 
     def replica_spread(self) -> float:
-        return consensus.spread(list(self.host.lightning_module.parameters()), self.host.comm_device())
+        return consensus.spread(list(self.host.module.parameters()), self.host.comm_device())
 
     def checkpoint_consensus(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
         """The main file's consensus model (a collective)."""
@@ -184,8 +180,8 @@ class ShardedReplicas(ReplicaLayout):
     def setup_distributed(self, backend: str, timeout: Any) -> None:
         host = self.host
         self._mesh = sharding.replica_mesh(host.root_device.type, host.ranks_per_replica, backend, timeout)
-        if host.lightning_module is not None:
-            host.lightning_module._device_mesh = self.device_mesh  # what configure_model reads
+        if host.module is not None:
+            host.module._device_mesh = self.device_mesh  # what configure_model reads
 
     @property
     def device_mesh(self) -> Any:
@@ -201,15 +197,16 @@ class ShardedReplicas(ReplicaLayout):
         return self._mesh.slice_group
 
     def tensor_init_context(self, empty_init: Optional[bool],
-                            default: Callable[[Optional[bool]], AbstractContextManager[None]]
-                            ) -> AbstractContextManager[None]:
-        return self._build_where_they_are(empty_init)
+                            default: Callable[[Optional[bool]], AbstractContextManager[None]],
+                            precision: Callable[[], AbstractContextManager[None]]) -> AbstractContextManager[None]:
+        return self._build_where_they_are(empty_init, precision)
 
     @contextmanager
-    def _build_where_they_are(self, empty_init: Optional[bool]) -> Generator[None, None, None]:
+    def _build_where_they_are(self, empty_init: Optional[bool],
+                              precision: Callable[[], AbstractContextManager[None]]) -> Generator[None, None, None]:
         # As ModelParallelStrategy: layers are built where they are (on the meta device with
         # empty_init=True), not whole on the accelerator; fully_shard moves each rank's shards there.
-        with torch.device("meta") if empty_init else nullcontext(), self.host.precision_plugin.tensor_init_context():
+        with torch.device("meta") if empty_init else nullcontext(), precision():
             yield
 
     def configure_ddp(self, default: Callable[[], None]) -> None:
@@ -221,7 +218,7 @@ class ShardedReplicas(ReplicaLayout):
         meta-device parameters. The layout check is one ``all_gather_object`` over the slice group, here
         at setup only."""
         host = self.host
-        module = host.lightning_module
+        module = host.module
         if not any(isinstance(p, DTensor) for p in module.parameters()):
             sharding.broadcast_whole(module, host.comm_device())  # every rank starts from global rank 0's weights
             sharding.auto_shard(module, self.device_mesh["data_parallel"], self.config, self.root_is_called)
@@ -234,7 +231,7 @@ class ShardedReplicas(ReplicaLayout):
     def sync_initial_weights(self) -> None:
         """Every replica starts from replica 0's weights (its shards, rank by rank)."""
         host = self.host
-        sharding.broadcast_first_replica(host.lightning_module, host.comm_device(), self.slice_group,
+        sharding.broadcast_first_replica(host.module, host.comm_device(), self.slice_group,
                                          host.ranks_per_replica)
 
     def flat_parameters(self, params: list[torch.Tensor]) -> FlatParameters:
@@ -247,13 +244,13 @@ class ShardedReplicas(ReplicaLayout):
 
     def weights_changed(self) -> None:
         """FSDP2 drops unsharded copies it still holds."""
-        sharding.reshard(self.host.lightning_module)
+        sharding.reshard(self.host.module)
 
     def consensus_parts(self) -> list[tuple[list[torch.Tensor], Optional[Any]]]:
-        return sharding.consensus_parts(self.host.lightning_module, self.slice_group)
+        return sharding.consensus_parts(self.host.module, self.slice_group)
 
     def replica_spread(self) -> float:
-        shards, group = sharding.consensus_parts(self.host.lightning_module, self.slice_group)[0]
+        shards, group = sharding.consensus_parts(self.host.module, self.slice_group)[0]
         return consensus.spread(shards, self.host.comm_device(), group, replicas=self.host.num_replicas)
 
     def checkpoint_consensus(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -279,7 +276,7 @@ class ShardedReplicas(ReplicaLayout):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool,
                               default: Callable[..., None]) -> None:
-        sharding.load_state_dict(self.host.lightning_module, checkpoint["state_dict"], strict=strict)
+        sharding.load_state_dict(self.host.module, checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any], optimizers: list[Any],
                                   default: Callable[[Mapping[str, Any]], None]) -> None:
@@ -289,10 +286,10 @@ class ShardedReplicas(ReplicaLayout):
 
     def export_tree(self, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's local shards as plain tensors, and how the model is sharded."""
-        return {**sharding.local_tree(state), "layout": sharding.layout(self.host.lightning_module)}
+        return {**sharding.local_tree(state), "layout": sharding.layout(self.host.module)}
 
     def module_state(self) -> Optional[list[Any]]:
-        return sharding.layout(self.host.lightning_module)
+        return sharding.layout(self.host.module)
 
     def load_module_state(self, module: Any, state: Mapping[str, Any], strict: bool = False) -> None:
         sharding.load_state_dict(module, state, strict=strict)  # shard by shard, into this rank's DTensors

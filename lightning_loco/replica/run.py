@@ -124,11 +124,14 @@ class ReplicaRun:
         driver.before_training()
 
     def after_step(self, index: int, optimizer: torch.optim.Optimizer, max_steps: int,
-                   loop_ends: Callable[[], bool], who: str = "") -> bool:
+                   loop_ends: Optional[Callable[[], bool]] = None, who: str = "") -> bool:
         """Counts one real inner step of optimizer ``index``; lands and starts rounds when they are due.
-        ``loop_ends()`` says whether the training loop ends after this step (where the loop's own count
-        decides). Returns whether training must stop now because the driver ends the run (under pacing,
-        the run ends on a round; a healed replica took the others' step count)."""
+        Whether this step is the last of training is decided here: by the driver's count against
+        ``max_steps`` where the driver ends the run, or where the loop gives no ``loop_ends`` (a loop that
+        ends at ``max_steps`` of every optimizer); else ``loop_ends()`` says whether the training loop ends
+        after this step (its own count: epochs, the last batch). Returns whether training must stop now
+        because the driver ends the run (under pacing, the run ends on a round; a healed replica took the
+        others' step count)."""
         driver = self.driver
         if index >= len(driver.optimizer_slots):
             raise RuntimeError(
@@ -142,9 +145,25 @@ class ReplicaRun:
                 "give the optimizer all its parameters from the start (frozen ones included)."
             )
         by_driver = driver.ends_by_driver_steps and max_steps >= 0
-        last = driver.last_step(index, max_steps) if by_driver else loop_ends()
+        if by_driver or loop_ends is None:
+            last = max_steps >= 0 and driver.last_step(index, max_steps)
+        else:
+            last = loop_ends()
         driver.after_inner_step(index, last=last)
         return by_driver and last
+
+    def inner_steps(self, index: int = 0) -> int:
+        """The inner steps optimizer ``index`` took (resumed ones included)."""
+        return self.driver.optimizer_slots[index][0].inner_steps
+
+    def outer_steps(self) -> int:
+        """Rounds started by the first optimizer (by its first fragment), resumed ones included."""
+        slots = self.driver.slots
+        return slots[0].outer_steps if slots else 0
+
+    def reached(self, max_steps: int) -> bool:
+        """Whether every optimizer took ``max_steps`` inner steps (-1: no such end)."""
+        return max_steps >= 0 and all(s[0].inner_steps >= max_steps for s in self.driver.optimizer_slots)
 
     def before_batch(self) -> None:
         """Rounds that landed as the last (``final_outer_step="average"``) before more training, from a

@@ -1,15 +1,15 @@
-"""Lightning glue shared by every low-communication strategy: hooks in, the replica's run out.
+"""Lightning glue shared by every low-communication strategy: hooks in, the replica out.
 
 ``OuterStepStrategy`` is a ``DDPStrategy`` that never wraps the model across replicas; launching,
-the process group and the ``DistributedSampler`` stay Lightning's. Every real optimizer step
-(``optimizer_step`` fires once per update, after accumulation, clipping and the precision plugin)
-reaches the replica's :class:`~lightning_loco.replica.run.ReplicaRun`, the same Lightning-free glue the
-Fabric strategies drive. What differs by replica layout (whole or FSDP2) is asked of ``self.layout``
-(:mod:`.layout`), what differs by run mode (static or elastic) of ``self.mode``
-(:mod:`lightning_loco.replica.modes`); the options are
-:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.replica.rules`'s.
-Checkpoint hooks are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private
-Lightning symbols in ``_compat.py``.
+the process group and the ``DistributedSampler`` stay Lightning's. It is an adapter of the Trainer's hooks to
+its :class:`~lightning_loco.replica.replica.Replica` (``self.replica``), the same Lightning-free replica the
+Fabric strategies adapt: its run mode, layout (whole or FSDP2), process groups, run of rounds, checkpoint
+payloads and consensus. Every real optimizer step (``optimizer_step`` fires once per update, after
+accumulation, clipping and the precision plugin) reaches the replica's
+:class:`~lightning_loco.replica.run.ReplicaRun`. The options are
+:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.replica.rules`'s. Checkpoint hooks
+are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private Lightning symbols in
+``_compat.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import time
 import weakref
 from collections.abc import Generator, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -38,13 +38,9 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver import lr_schedules
 from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.replica import consensus
-from lightning_loco.replica.layout import replica_layout
-from lightning_loco.replica.modes import TransportFactory, run_mode
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
-from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.replica.replica import Replica
 from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
-from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.trainer import setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (
@@ -118,24 +114,19 @@ class OuterStepStrategy(ReplicaCheckpoints):
             outer_state_device=outer_state_device, transport_factory=transport_factory, elastic=elastic,
             start_method=start_method,
         )
-        self.mode = run_mode(self.options.elastic)
         # No **kwargs to DDPStrategy: it would hand them to DistributedDataParallel, which we never build.
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
-        self.layout = replica_layout(self, self.options.replica_sharding)
-        self.transport_factory: TransportFactory = self.mode.transport_factory(transport_factory)
+        self.replica = Replica(self.options, self)  # its mode, layout, process groups, run, checkpoints, consensus
         self.pacing_clock: Callable[[], float] = time.perf_counter  # the driver's clock (tests replace it)
-        self.run: Optional[ReplicaRun] = None  # during fit
-        self._groups: Optional[ProcessGroups] = None
         self._sync_batchnorm = False
         self._trained_module: Optional[weakref.ReferenceType] = None
         # each undoes one of our changes to Lightning's trainer (see _compat.py)
         self._restore_signal_handler: Optional[Callable[[], None]] = None  # from setup to teardown
         self._restore_sigterm_check: Optional[Callable[[], None]] = None  # while training
-        self._resumed_outer: Optional[list[dict[str, Any]]] = None  # from fit(ckpt_path=...), until training starts
         self._final_outer_steps = 0
         self._nominal_schedulers: list[Any] = []  # with pacing: Lightning's step-interval scheduler configs, in fit
         self._said_why_ended = False  # the end of fit was logged
@@ -180,15 +171,13 @@ class OuterStepStrategy(ReplicaCheckpoints):
         backend = self._get_process_group_backend()
         if backend != "nccl":
             _compat.destroy_process_group_at_exit()
-        timeout = self.mode.replica_timeout(self._timeout)
-        self._groups = ProcessGroups(self.ranks_per_replica, backend, timeout)
-        self._groups.create_replica_groups()
-        self.layout.setup_distributed(backend, timeout)
+        self.replica.setup_distributed(backend, self._timeout)
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        with self.layout.tensor_init_context(empty_init, super().tensor_init_context):
+        with self.layout.tensor_init_context(empty_init, super().tensor_init_context,
+                                             self.precision_plugin.tensor_init_context):
             yield
 
     @override
@@ -202,8 +191,8 @@ class OuterStepStrategy(ReplicaCheckpoints):
         own. With k > 1 (whole replicas), torch's ``DistributedDataParallel`` over the replica's process
         group averages gradients inside the replica at every step, and never across replicas."""
         def inside_the_replica() -> None:
-            assert self._groups is not None
-            self._ddp_kwargs["process_group"] = self._groups.replica
+            assert self.replica.groups is not None
+            self._ddp_kwargs["process_group"] = self.replica.groups.replica
             DDPStrategy.configure_ddp(self)
 
         self.layout.configure_ddp(inside_the_replica)
@@ -213,7 +202,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         # Only fit(ckpt_path=...) may restore outer state; load_checkpoint runs after setup.
-        self._resumed_outer = None
+        self.replica.resumed_outer = None
         if self._restore_signal_handler is None:  # Trainer registers its signal handlers after setup
             self._restore_signal_handler = _compat.local_sigterm_handler(trainer)
         self.accelerator.setup(trainer)
@@ -243,18 +232,12 @@ class OuterStepStrategy(ReplicaCheckpoints):
         super().on_train_start()
         trainer = self.module.trainer
         self._trained_module = weakref.ref(self.lightning_module)
-        assert self._groups is not None
         name = self.mode.replica_name(self.replica_index)
-        self.run = ReplicaRun(
-            self.options, self.transport_factory, self.mode, self._groups, self.layout, self.comm_device(),
-            label=f"Replica {self.replica_index}", clock=self.pacing_clock,
-            check_stop=stop_on_sigterm(trainer, f"Replica {name!r}"),
-        )
         # what a healing elastic replica takes beyond the driver's state: optimizers, schedulers, loop counters
         state = LightningTrainingState(trainer, self.layout).for_plugin()
-        self.run.start(self.optimizers, self._resumed_outer, state, trainer.max_steps, self.track_norms)
-        self._resumed_outer = None
-        self.outer_step_reports, self.rounds_started = self.run.driver.reports, self.run.driver.rounds_started
+        run = self.replica.start(self.optimizers, state, trainer.max_steps, clock=self.pacing_clock,
+                                 check_stop=stop_on_sigterm(trainer, f"Replica {name!r}"), track_norms=self.track_norms)
+        self.outer_step_reports, self.rounds_started = run.driver.reports, run.driver.rounds_started
         BetweenSteps.insert(trainer)  # the plug-in's between_steps, before any callback sees a batch's step
         self._said_why_ended = False
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
@@ -329,17 +312,13 @@ class OuterStepStrategy(ReplicaCheckpoints):
         if self._restore_signal_handler is not None:
             self._restore_signal_handler()
             self._restore_signal_handler = None
-        lingering = []
         if self.run is not None:  # rounds are only left in flight after an interrupted fit: on_train_end lands them
             self._say_why_ended(interrupted=True)
             self._final_outer_steps = self.outer_steps
-            lingering = self.run.close(self.abandon_timeout_s)  # elastic: leaves the membership (heartbeats stop)
-        # The outer state (float32 anchors, momenta, outer optimizer state, buffers in flight: 2-3 model
-        # copies, on the accelerator by default) goes now; outer_step_reports and the module's weights stay.
-        self.run, self._resumed_outer = None, None
-        if self._groups is not None:
-            self._groups.destroy(lingering)
-            self._groups = None
+        # elastic: leaves the membership (heartbeats stop). The outer state (float32 anchors, momenta, outer
+        # optimizer state, buffers in flight: 2-3 model copies, on the accelerator by default) goes now, and the
+        # process groups; outer_step_reports and the module's weights stay.
+        self.replica.close(self.abandon_timeout_s)
         super().teardown()
 
     # ------------------------------------------------------------------ state dicts
@@ -357,9 +336,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     def average_replicas(self) -> None:
         """Sets every replica to the replicas' average: parameters and floating-point buffers, one
         all-reduce (two with sharded replicas). Collective: every rank must call it."""
-        for tensors, group in self.layout.consensus_parts():
-            consensus.average_into(tensors, self.comm_device(), group)
-        self.layout.weights_changed()
+        self.replica.average()
 
     def consensus_state_dict(self) -> Optional[dict[str, Any]]:
         """The replicas' average as a plain state dict of full tensors, for ``torch.save`` or another model's
@@ -372,23 +349,16 @@ class OuterStepStrategy(ReplicaCheckpoints):
                 "consensus_state_dict() averages over every replica, and elastic replicas have no collective over "
                 "each other; save this replica's own weights (its checkpoint) instead."
             )
-        return self.layout.checkpoint_consensus(self.module.state_dict())
+        return self.replica.consensus_state_dict(self.module.state_dict())
 
     @contextmanager
     def consensus_weights(self) -> Iterator[None]:
         """Swaps the replicas' average into the model, and this replica's own weights back afterwards
         (exactly, whatever the dtype). Collective: every rank must enter it."""
-        device, keep_on = self.comm_device(), self.outer_state_device
-        try:
-            with ExitStack() as stack:
-                for tensors, group in self.layout.consensus_parts():
-                    stack.enter_context(consensus.swapped_in(tensors, device, keep_on, group))
-                self.layout.weights_changed()
-                yield
-        finally:
-            self.layout.weights_changed()
+        with self.replica.consensus_weights():
+            yield
 
     def replica_spread(self) -> float:
         """RMS distance of the replicas' parameters from their mean (two all-reduces; every rank must
         call it): the papers' weight-spread diagnostic."""
-        return self.layout.replica_spread()
+        return self.replica.spread()

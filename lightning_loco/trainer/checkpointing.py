@@ -1,15 +1,15 @@
 """Checkpoint hooks of the strategies: every replica's own file, and the consensus in the main file.
 
-The file layout, its checks and errors are :mod:`lightning_loco.replica.checkpoints`; this class only
-connects them to Lightning's ``Strategy`` hooks (Lightning calls each of them on every rank), asking
-the replica's layout (:mod:`.layout`) what differs when a replica is sharded.
+The save and load of the replica payloads are the replica's (:meth:`~lightning_loco.replica.replica.Replica.save`,
+:meth:`~lightning_loco.replica.replica.Replica.load`, the same as Fabric's; the file layout, its checks and errors
+are :mod:`lightning_loco.replica.checkpoints`); this class only connects them to Lightning's ``Strategy`` hooks
+(Lightning calls each of them on every rank), and resolves a "last" checkpoint behind a newer complete one.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
-import uuid
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_loco.replica import checkpoints, consensus
+from lightning_loco.replica import checkpoints
 from lightning_loco.trainer.views import ReplicaViews
 
 
@@ -28,10 +28,7 @@ class ReplicaCheckpoints(ReplicaViews):
     batch counts differ from rank 0's, which the main file holds), so that each replica resumes from its
     own place in its own data."""
 
-    # OuterStepStrategy's, which these hooks read
-    layout: Any  # lightning_loco.replica.layout.ReplicaLayout
-    _resumed_outer: Optional[list[dict[str, Any]]]
-    _trained_module: Any
+    _trained_module: Any  # OuterStepStrategy's, which load_checkpoint resets
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -42,27 +39,15 @@ class ReplicaCheckpoints(ReplicaViews):
         """Writes this replica's file on every rank, then the main file (consensus weights) on rank 0.
         Collective: Lightning calls it on every rank. Sharded replicas: every rank writes its own
         shards, and the main file holds the full consensus model and no inner optimizer state."""
-        if self.driver is not None:
-            self.driver.plugin.check_savable()  # e.g. an elastic heal into the outer state stopped part way
-        save_id = self.broadcast(uuid.uuid4().hex[:12])
-        averaged = self.layout.checkpoint_consensus(checkpoint["state_dict"])
-        outer = self.driver.state_dict() if self.driver is not None else []  # completes a round in flight
-        replica = checkpoints.replica_payload(checkpoint, save_id, self.replica_index, self.num_replicas,
-                                              self.algorithm.name, outer)
-        if self.options.pacing is not None:  # replicas at different step counts: each keeps its own loops' progress
-            replica["loops"] = checkpoint.get("loops")
-        sidecar_dir = checkpoints.sidecar_dir(filepath, save_id)
-        mine, shard = self.layout.replica_file(replica)
-        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
-            checkpoints.write_replica(sidecar_dir, self.replica_index, mine, shard)
-        self.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
-        if self.is_global_zero:
-            meta = checkpoints.main_meta(filepath, save_id, self.algorithm.name, self.num_replicas,
-                                         shards=self.layout.shards())
-            checkpoints.write_manifest(sidecar_dir, filepath, checkpoint, meta)  # the save is complete
+
+        def write_main(averaged: Any, meta: dict[str, Any]) -> None:
             main = self.layout.main_file({**checkpoint, "state_dict": averaged, checkpoints.META_KEY: meta})
             self.checkpoint_io.save_checkpoint(main, filepath, storage_options=storage_options)
-            checkpoints.remove_sidecars(filepath, keep=sidecar_dir)
+
+        # replicas at different step counts (pacing): each keeps its own loops' progress
+        extra = {"loops": checkpoint.get("loops")} if self.options.pacing is not None else None
+        self.replica.save(filepath, checkpoint, lambda: self.replica.consensus_state_dict(checkpoint["state_dict"]),
+                          write_main, step=checkpoint, extra=extra)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -80,20 +65,15 @@ class ReplicaCheckpoints(ReplicaViews):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if self._is_last_checkpoint(checkpoint_path):
             checkpoint_path, checkpoint = self._newest_instead_of_last(checkpoint_path, checkpoint, weights_only)
-        payload = checkpoints.read_own_replica(
-            checkpoint, checkpoint_path, self.replica_index, self.num_replicas, self.algorithm.name,
-            agree=consensus.first_error, **self.layout.replica_shard(),
-        )
-        self._resumed_outer = None
+        fitting = self.module.trainer.state.fn == TrainerFn.FITTING  # only fit takes up the outer state
+        payload = self.replica.load(checkpoint, checkpoint_path, resume=fitting)
         if payload is None:
             return checkpoint  # a plain checkpoint, or another number of replicas: every replica starts from it
         checkpoint["state_dict"] = payload["state_dict"]
         for key in ("optimizer_states", "lr_schedulers", "loops"):  # "loops": saved under pacing only
             if payload.get(key) is not None:
                 checkpoint[key] = payload[key]
-        if self.module.trainer.state.fn == TrainerFn.FITTING:
-            self._resumed_outer = payload["outer"]
-        else:
+        if not fitting:
             self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's
         return checkpoint
 

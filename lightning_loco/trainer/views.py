@@ -18,8 +18,10 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.driver.slots import OuterSlot
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.replica.modes import RunMode
+from lightning_loco.replica.layout import ReplicaLayout
+from lightning_loco.replica.modes import RunMode, TransportFactory
 from lightning_loco.replica.options import Options
+from lightning_loco.replica.replica import Replica
 from lightning_loco.replica.run import ReplicaRun
 
 
@@ -27,8 +29,7 @@ class ReplicaViews(DDPStrategy):
     """Properties over the strategy's options, run and launch."""
 
     options: Options
-    mode: RunMode
-    run: Optional[ReplicaRun]  # during fit
+    replica: Replica  # the Lightning-free replica the strategy adapts its hooks to
     outer_step_reports: list[OuterStepReport]
     _final_outer_steps: int
 
@@ -70,9 +71,41 @@ class ReplicaViews(DDPStrategy):
     # ------------------------------------------------------------------ the replica
 
     @property
+    def mode(self) -> RunMode:
+        """The static launch or an elastic replica (:mod:`lightning_loco.replica.modes`)."""
+        return self.replica.mode
+
+    @property
+    def layout(self) -> ReplicaLayout:
+        """Whole or FSDP2-sharded replicas (:mod:`lightning_loco.replica.layout`)."""
+        return self.replica.layout
+
+    @property
+    def run(self) -> Optional[ReplicaRun]:
+        """The replica's run of rounds during ``fit`` (None otherwise)."""
+        return self.replica.run
+
+    @run.setter
+    def run(self, run: Optional[ReplicaRun]) -> None:
+        self.replica.run = run
+
+    @property
+    def transport_factory(self) -> TransportFactory:
+        return self.replica.transport_factory
+
+    @transport_factory.setter
+    def transport_factory(self, factory: TransportFactory) -> None:
+        self.replica.transport_factory = factory
+
+    @property
+    def replica_module(self) -> Optional["pl.LightningModule"]:
+        """The model the replica trains (None before the Trainer connected one)."""
+        return self.lightning_module
+
+    @property
     def driver(self) -> Any:
         """The replica's :class:`~lightning_loco.driver.driver.OuterStepDriver` during ``fit`` (None otherwise)."""
-        return self.run.driver if self.run is not None else None
+        return self.replica.driver
 
     @property
     def module(self) -> "pl.LightningModule":
@@ -83,16 +116,15 @@ class ReplicaViews(DDPStrategy):
 
     @property
     def outer_state_device(self) -> torch.device:
-        device = self.options.outer_state_device
-        return device if device is not None else self.root_device
+        return self.replica.outer_state_device
 
     @property
     def num_replicas(self) -> int:
-        return self.world_size // self.ranks_per_replica
+        return self.replica.num_replicas
 
     @property
     def replica_index(self) -> int:
-        return self.global_rank // self.ranks_per_replica
+        return self.replica.replica_index
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

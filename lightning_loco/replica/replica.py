@@ -1,0 +1,245 @@
+"""One replica of a low-communication run, as any training loop's strategy drives it: no Lightning here.
+
+:class:`Replica` is built from the run's :class:`~lightning_loco.replica.options.Options` and the strategy that
+hosts it (its :class:`Adapter`: ranks, devices, the model and the collectives of its loop). It owns what both
+the Trainer's strategies (:mod:`lightning_loco.trainer`) and the Fabric strategies (:mod:`lightning_loco.fabric`)
+do alike, so that they only translate their loops' hooks to it:
+
+* the run mode (static or elastic, :mod:`.modes`) and the transport factory it gives;
+* the layout of the model over the replica's ranks, whole or FSDP2-sharded (:mod:`.layout`), which reads the
+  replica for its ranks, devices and model;
+* the process groups (:mod:`.process_groups`), from the launch to the end of training;
+* the run of rounds (:class:`~lightning_loco.replica.run.ReplicaRun`) during training, and whether an
+  optimizer step is the last (:meth:`ReplicaRun.after_step`);
+* the one save and load of the replica payloads: every replica's own file and the consensus main file
+  (:mod:`.checkpoints` holds the file format);
+* the consensus (:mod:`.consensus`): the average, its state dict, its spread.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.driver.plugins import TrainingState
+from lightning_loco.replica import checkpoints, consensus
+from lightning_loco.replica.layout import ReplicaLayout, replica_layout
+from lightning_loco.replica.modes import TransportFactory, run_mode
+from lightning_loco.replica.options import Options
+from lightning_loco.replica.process_groups import ProcessGroups
+from lightning_loco.replica.run import ReplicaRun
+
+
+class Adapter(Protocol):
+    """The training loop's strategy, as its replica sees it."""
+
+    @property
+    def replica_module(self) -> Optional[Any]:
+        """The model this replica trains, unwrapped (None before the loop gave it one)."""
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def comm_device(self) -> torch.device: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def barrier(self, name: Optional[str] = None) -> None: ...
+
+
+class Replica:
+    """One replica: its mode, layout, process groups, run, checkpoints and consensus (see the module docstring).
+
+    Args:
+        options: the run's options (their build rules already checked by the strategy).
+        adapter: the strategy hosting the replica.
+        root_is_called: the loop calls the module itself (a Fabric loop), which the FSDP2 layout's automatic
+            policy must know.
+    """
+
+    def __init__(self, options: Options, adapter: Adapter, root_is_called: bool = False) -> None:
+        self.options = options
+        self.adapter = adapter
+        self.mode = run_mode(options.elastic)
+        self.layout: ReplicaLayout = replica_layout(self, options.replica_sharding, root_is_called)
+        self.transport_factory: TransportFactory = self.mode.transport_factory(options.transport_factory)
+        self.groups: Optional[ProcessGroups] = None  # from the launch to the end of training
+        self.run: Optional[ReplicaRun] = None  # during training
+        self.resumed_outer: Optional[list[dict[str, Any]]] = None  # from a loaded checkpoint, until training starts
+
+    # ------------------------------------------------------------------ what the layout and the strategies read
+
+    @property
+    def algorithm(self) -> OuterAlgorithm:
+        return self.options.algorithm
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.options.ranks_per_replica
+
+    @property
+    def num_replicas(self) -> int:
+        return self.adapter.world_size // self.ranks_per_replica
+
+    @property
+    def replica_index(self) -> int:
+        return self.adapter.global_rank // self.ranks_per_replica
+
+    @property
+    def module(self) -> Any:
+        return self.adapter.replica_module
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.adapter.root_device
+
+    @property
+    def global_rank(self) -> int:
+        return self.adapter.global_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.adapter.is_global_zero
+
+    @property
+    def outer_state_device(self) -> torch.device:
+        device = self.options.outer_state_device
+        return device if device is not None else self.adapter.root_device
+
+    def comm_device(self) -> torch.device:
+        return self.adapter.comm_device()
+
+    @property
+    def driver(self) -> Any:
+        """The run's :class:`~lightning_loco.driver.driver.OuterStepDriver` during training (None otherwise)."""
+        return self.run.driver if self.run is not None else None
+
+    # ------------------------------------------------------------------ launch, training, end
+
+    def setup_distributed(self, backend: str, timeout: Optional[timedelta]) -> None:
+        """Once the default process group exists: the replica's own groups (with the mode's timeout) and the
+        layout's."""
+        timeout = self.mode.replica_timeout(timeout)
+        self.groups = ProcessGroups(self.ranks_per_replica, backend, timeout)
+        self.groups.create_replica_groups()
+        self.layout.setup_distributed(backend, timeout)
+
+    def start(self, optimizers: Sequence[torch.optim.Optimizer], training_state: Optional[TrainingState],
+              max_steps: int, *, clock: Callable[[], float] = time.perf_counter,
+              check_stop: Optional[Callable[[str], None]] = None, track_norms: bool = False) -> ReplicaRun:
+        """Training starts: the run of rounds over ``optimizers``, from a resumed outer state if a checkpoint
+        was loaded (see :meth:`ReplicaRun.start`)."""
+        assert self.groups is not None, "the replica's process groups are created at launch"
+        stop = {} if check_stop is None else {"check_stop": check_stop}
+        self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self.groups, self.layout,
+                              self.comm_device(), label=f"Replica {self.replica_index}", clock=clock, **stop)
+        self.run.start(optimizers, self.resumed_outer, training_state, max_steps, track_norms)
+        self.resumed_outer = None
+        return self.run
+
+    def close(self, abandon_timeout: float) -> None:
+        """Training stopped, however: the run lets go (rounds in flight dropped after up to ``abandon_timeout``
+        seconds) and the process groups are destroyed once the threads still exchanging are done with them."""
+        lingering = self.run.close(abandon_timeout) if self.run is not None else []
+        self.run, self.resumed_outer = None, None
+        if self.groups is not None:
+            self.groups.destroy(lingering)
+            self.groups = None
+
+    # ------------------------------------------------------------------ the consensus (global collectives)
+
+    def average(self) -> None:
+        """Sets every replica to the replicas' average: parameters and floating-point buffers, one all-reduce
+        (two with sharded replicas). Collective."""
+        for tensors, group in self.layout.consensus_parts():
+            consensus.average_into(tensors, self.comm_device(), group)
+        self.layout.weights_changed()
+
+    def consensus_state_dict(self, state: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """``state`` (a module's state dict) with its floating-point entries averaged over the replicas, as full
+        tensors (sharded replicas: on global rank 0 only, None elsewhere). Collective."""
+        return self.layout.checkpoint_consensus(state)
+
+    @contextmanager
+    def consensus_weights(self) -> Iterator[None]:
+        """Swaps the replicas' average into the model, and this replica's own weights back afterwards (exactly,
+        whatever the dtype). Collective."""
+        device, keep_on = self.comm_device(), self.outer_state_device
+        try:
+            with ExitStack() as stack:
+                for tensors, group in self.layout.consensus_parts():
+                    stack.enter_context(consensus.swapped_in(tensors, device, keep_on, group))
+                self.layout.weights_changed()
+                yield
+        finally:
+            self.layout.weights_changed()
+
+    def spread(self) -> float:
+        """RMS distance of the replicas' parameters from their mean (two all-reduces). Collective."""
+        return self.layout.replica_spread()
+
+    # ------------------------------------------------------------------ checkpoints (collective)
+
+    def save(self, path: Any, contents: Mapping[str, Any], main_consensus: Callable[[], Any],
+             write_main: Callable[[Any, dict[str, Any]], None], step: Optional[Mapping[str, Any]] = None,
+             extra: Optional[Mapping[str, Any]] = None) -> None:
+        """Writes every replica's own file, then the main file on global rank 0. Collective.
+
+        Args:
+            path: the main file.
+            contents: what the replica file keeps of the loop's state (its ``state_dict``, and where there are
+                any, ``optimizer_states`` and ``lr_schedulers``).
+            main_consensus: computes the main file's consensus (a collective, before the outer state is read:
+                reading it lands a round in flight).
+            write_main: writes the main file, given the consensus and the save's metadata (global rank 0 only).
+            step: the ``global_step`` (and ``epoch``) the save's manifest records (None: this replica's count
+                of inner steps).
+            extra: more entries of the replica file (e.g. a paced replica's own loops' progress).
+        """
+        driver = self.driver
+        if driver is not None:
+            driver.plugin.check_savable()  # e.g. an elastic heal into the outer state stopped part way
+        save_id = self.adapter.broadcast(uuid.uuid4().hex[:12])
+        averaged = main_consensus()
+        outer = driver.state_dict() if driver is not None else []  # completes a round in flight
+        name, index, count = self.algorithm.name, self.replica_index, self.num_replicas
+        replica = checkpoints.replica_payload(contents, save_id, index, count, name, outer)
+        replica.update(extra or {})
+        sidecar_dir = checkpoints.sidecar_dir(path, save_id)
+        mine, shard = self.layout.replica_file(replica)
+        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
+            checkpoints.write_replica(sidecar_dir, index, mine, shard)
+        self.adapter.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
+        if self.is_global_zero:
+            meta = checkpoints.main_meta(path, save_id, name, count, shards=self.layout.shards())
+            if step is None:
+                step = {"global_step": self.run.inner_steps() if self.run is not None else -1}
+            checkpoints.write_manifest(sidecar_dir, path, step, meta)  # the save is complete
+            write_main(averaged, meta)
+            checkpoints.remove_sidecars(path, keep=sidecar_dir)
+
+    def load(self, checkpoint: Mapping[str, Any], path: Any, resume: bool = True) -> Optional[dict[str, Any]]:
+        """This replica's own file of the loaded main file ``checkpoint`` (None: every replica starts from the
+        main file's consensus: a plain checkpoint, or another number of replicas). With ``resume`` its outer state
+        is taken up when training starts. Collective: the ranks agree on any error."""
+        payload = checkpoints.read_own_replica(checkpoint, path, self.replica_index, self.num_replicas,
+                                               self.algorithm.name, agree=consensus.first_error,
+                                               **self.layout.replica_shard())
+        self.resumed_outer = payload["outer"] if payload is not None and resume else None
+        return payload
