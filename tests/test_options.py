@@ -1,4 +1,4 @@
-"""The options (``lightning_loco.replica.options``) and their one table of rules (``lightning_loco.replica.rules``),
+"""The options (``lightning_loco.replica.options``) and their one table of rules (``lightning_loco.rules``),
 without processes.
 
 What the table says is proved here: every rule refuses its own example (and no other rule does), the
@@ -25,7 +25,7 @@ from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.replica.options import Options
-from lightning_loco.replica.rules import (
+from lightning_loco.rules import (
     RULES,
     Facts,
     Fit,
@@ -161,11 +161,11 @@ def test_rule_names_are_unique_and_each_has_its_facts():
 
 def test_docs_options_md_renders_the_table_as_it_is():
     text = (ROOT / "docs" / "options.md").read_text()
-    start, end = "<!-- rules: generated from lightning_loco.replica.rules.RULES -->", "<!-- end of rules -->"
+    start, end = "<!-- rules: generated from lightning_loco.rules.RULES -->", "<!-- end of rules -->"
     assert start in text and end in text
     rendered = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert rendered == rules_table(), \
-        "docs/options.md is out of date: paste lightning_loco.replica.rules.rules_table()"
+        "docs/options.md is out of date: paste lightning_loco.rules.rules_table()"
 
 
 # ---------------------------------------------------------------- the surface
@@ -362,7 +362,7 @@ def test_the_driver_imports_no_rule():
         if name not in seen:
             seen.add(name)
             todo += imports(name, known[name], known)[0]
-    assert not {m for m in seen if m.startswith("lightning_loco.replica.rule")}, sorted(seen)
+    assert not {m for m in seen if m.startswith("lightning_loco.rules")}, sorted(seen)
 
 
 def test_disjoint_optimizers_fires_for_a_fabric_loop_from_its_optimizers():

@@ -18,8 +18,8 @@ from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import SharedStepTimes
 from lightning_loco.replica.options import PacingConfig, WireConfig, pacing_config, wire_config
-from lightning_loco.replica.rules import build_options
 from lightning_loco.replica.short_runs import warn_if_short
+from lightning_loco.rules import build_options
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
     ReplicaContext,

@@ -7,7 +7,7 @@ reaches the replica's :class:`~lightning_loco.replica.run.ReplicaRun`, the same 
 Fabric strategies drive. What differs by replica layout (whole or FSDP2) is asked of ``self.layout``
 (:mod:`.layout`), what differs by run mode (static or elastic) of ``self.mode``
 (:mod:`lightning_loco.replica.modes`); the options are
-:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.replica.rules`'s.
+:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.rules`'s.
 Checkpoint hooks are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private
 Lightning symbols in ``_compat.py``.
 """
@@ -43,8 +43,8 @@ from lightning_loco.replica.layout import replica_layout
 from lightning_loco.replica.modes import TransportFactory, run_mode
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
 from lightning_loco.replica.process_groups import ProcessGroups
-from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.replica.run import ReplicaRun
+from lightning_loco.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.trainer import setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (

@@ -1,5 +1,5 @@
 """The rules about modes, checked when the strategy is built: elastic replicas, the wire's streams, a Fabric
-loop, and each outer step's own arguments (the second part of the table of :mod:`lightning_loco.replica.rules`)."""
+loop, and each outer step's own arguments (the second part of the table of :mod:`lightning_loco.rules`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from lightning_loco.algorithms import diloco, gasloc
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.diloco import DiLoCo
 from lightning_loco.algorithms.gasloc import GASLoC
-from lightning_loco.replica.rule_table import Facts, Rules
+from lightning_loco.rules.table import Facts, Rules
 
 A = TypeVar("A", bound=OuterAlgorithm)
 

@@ -1,7 +1,7 @@
-"""The machinery of the rules (:mod:`lightning_loco.replica.rules`): what a rule may look at (:class:`Facts`:
+"""The machinery of the rules (:mod:`lightning_loco.rules`): what a rule may look at (:class:`Facts`:
 the options, and what the launch and the fit add once known), one :class:`Rule`, the table :data:`RULES` in
 its parts (:class:`Rules`), and :class:`RefusedOptions`, what a refusal raises. The rules themselves are in
-``rules_options.py``, ``rules_modes.py`` and ``rules_runs.py``, a part each; :mod:`lightning_loco.replica.rules`
+``rules/options.py``, ``rules/modes.py`` and ``rules/runs.py``, a part each; :mod:`lightning_loco.rules`
 puts the parts together in the table's order and checks them."""
 
 from __future__ import annotations

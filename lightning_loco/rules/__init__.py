@@ -10,9 +10,9 @@ to do instead). A rule is checked as soon as the facts it needs exist:
 Whatever no rule refuses runs, and every option given takes effect: an option that only applies with
 another one is refused without it (``tests/test_options.py`` proves both). The adapters (the Trainer's and
 Fabric's strategies) and the simulator check the rules; the driver reads the options and knows none.
-The rules are defined, in the table's order, in ``rules_options.py`` (the options alone), ``rules_modes.py``
-(elastic replicas, the wire's streams, a Fabric loop, an algorithm's own arguments) and ``rules_runs.py``
-(the launch and the fit).
+The rules are defined, in the table's order, in ``rules/options.py`` (the options alone), ``rules/modes.py``
+(elastic replicas, the wire's streams, a Fabric loop, an algorithm's own arguments) and ``rules/runs.py``
+(the launch and the fit); their machinery is ``rules/table.py``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from lightning_loco.algorithms.base import OuterAlgorithm
-from lightning_loco.replica import rules_modes, rules_options, rules_runs
 from lightning_loco.replica.options import Options
-from lightning_loco.replica.rule_table import Facts, Fit, Launch, RefusedOptions, Rule, When
+from lightning_loco.rules import modes as _modes
+from lightning_loco.rules import options as _options
+from lightning_loco.rules import runs as _runs
+from lightning_loco.rules.table import Facts, Fit, Launch, RefusedOptions, Rule, When
 
-RULES: list[Rule] = [*rules_options.RULES, *rules_modes.RULES, *rules_runs.RULES]  # the table, in its order
+RULES: list[Rule] = [*_options.RULES, *_modes.RULES, *_runs.RULES]  # the table, in its order
 
 __all__ = ["RULES", "Facts", "Fit", "Launch", "RefusedOptions", "Rule", "build_options", "check_rules",
            "rules_table"]
