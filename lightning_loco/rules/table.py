@@ -42,13 +42,27 @@ class Fit:
 
 
 @dataclass(frozen=True)
+class Simulated:
+    """What the simulator adds to the options when it is built (its loop is ``"simulator"``)."""
+
+    gradient_averaging: bool = False  # DDP's gradient average at every step
+    step_seconds: bool = False  # modelled step times were given
+    max_steps: Optional[int] = None
+    batched: Any = "auto"  # True, False or "auto"
+
+
+Loop = Literal["trainer", "fabric", "simulator"]
+
+
+@dataclass(frozen=True)
 class Facts:
     """What a rule may look at: the options, and what the launch and the fit add once known."""
 
     options: Options
     launch: Optional[Launch] = None
     fit: Optional[Fit] = None
-    loop: Literal["trainer", "fabric"] = "trainer"  # whose training loop: Lightning's Trainer, or a Fabric loop
+    loop: Loop = "trainer"  # whose training loop: Lightning's Trainer, a Fabric loop, or the simulator's
+    simulated: Optional[Simulated] = None  # the simulator's own arguments (loop "simulator")
 
 
 def shared_parameter(parameters: Sequence[Sequence[Any]]) -> Optional[tuple[tuple[int, ...], int, int]]:
