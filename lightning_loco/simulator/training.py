@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.algorithms.defaults import NOLOCO
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import SharedStepTimes
@@ -64,7 +65,7 @@ class TrainingSimulator(Measurements, PacedRounds):
             epoch after epoch, with ``sampler.set_epoch`` where the loader has one.
         algorithm: the outer step; ``None`` trains the replicas independently (or as DDP with
             ``gradient_averaging``).
-        sync_every: H, optimizer steps between outer steps.
+        sync_every: H, optimizer steps between outer steps (default: NoLoCo's paper H).
         optimizers: builds a replica's inner optimizer from its module copy; it may return what
             ``configure_optimizers`` returns (an optimizer, or a dict with a step-interval
             ``lr_scheduler``). Default: ``module.configure_optimizers``.
@@ -108,7 +109,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         module: nn.Module,
         shards: Sequence[Iterable[Batch]],
         algorithm: OuterAlgorithm | None = None,
-        sync_every: int = 50,
+        sync_every: int = NOLOCO.sync_every,
         optimizers: OptimizersFn | None = None,
         loss: LossFn | None = None,
         gradient_clip_val: float | None = None,
