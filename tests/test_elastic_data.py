@@ -5,8 +5,10 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 from lightning_loco import ElasticConfig
+from lightning_loco.algorithms import NoLoCo
 from lightning_loco.elastic.data import order_seed, sampler_kwargs, shared_slots, slot_of
 from lightning_loco.replica.modes import RunMode
+from lightning_loco.rules import build_options
 
 torchft = pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
 
@@ -60,14 +62,16 @@ def test_replica_ids_name_their_slot_and_clashes_are_found():
     ({"data_slots": 2.5, "replica_id": "a"}, "data_slots must be an integer >= 1"),
 ])
 def test_data_fields_are_checked_with_the_fix(fields, message):
-    with pytest.raises(ValueError, match=message):
-        ElasticConfig(lighthouse="127.0.0.1:29510", **fields).check()
+    with pytest.raises(ValueError, match=message):  # a field's own value, or a rule of the fields together
+        build_options(NoLoCo(), 10, elastic=ElasticConfig(lighthouse="127.0.0.1:29510", **fields))
 
 
 def test_a_named_slot_or_an_explicit_one_is_accepted():
-    ElasticConfig(lighthouse="127.0.0.1:29510", replica_id="site-2", data_slots=3).check()
-    ElasticConfig(lighthouse="127.0.0.1:29510", replica_id="east", data_slots=3, data_slot=0).check()
-    ElasticConfig(lighthouse="127.0.0.1:29510", replica_id="east", data_slots=1).check()
+    for fields in ({"replica_id": "site-2", "data_slots": 3}, {"replica_id": "east", "data_slots": 3, "data_slot": 0},
+                   {"replica_id": "east", "data_slots": 1}):
+        config = ElasticConfig(lighthouse="127.0.0.1:29510", **fields)
+        config.check()
+        build_options(NoLoCo(), 10, elastic=config)
 
 
 def test_the_strategy_hands_lightning_the_replicas_part():

@@ -28,7 +28,7 @@ from lightning_loco import (
     NoLoCoFabricStrategy,
     NoLoCoStrategy,
 )
-from lightning_loco.replica.rules import RefusedOptions
+from lightning_loco.rules import RefusedOptions
 from lightning_loco.testing.launch import fork_ranks
 
 import tiny

@@ -28,7 +28,7 @@ from lightning_loco.driver.fragments import fragment_algorithm, fragment_seed, l
 from lightning_loco.driver.rounds import step as blocking_outer_step
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica.options import WireConfig
-from lightning_loco.replica.rules import build_options
+from lightning_loco.rules import build_options
 from lightning_loco.transport import InProcessNetwork
 
 from oracle import ReplicaSimulator

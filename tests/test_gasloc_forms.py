@@ -527,7 +527,7 @@ def test_an_unknown_form_is_refused_naming_the_allowed_values(value):
 
 
 def test_the_sent_form_refuses_a_custom_outer_optimizer_and_still_checks_gamma():
-    from lightning_loco.replica.rules import build_options
+    from lightning_loco.rules import build_options
 
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
     for build in (lambda **kwargs: build_options(GASLoC(**kwargs), 10), GASLoCStrategy):

@@ -18,7 +18,7 @@ from lightning_loco.algorithms.base import OuterAlgorithm, OuterState
 from lightning_loco.algorithms.schedules import Round, everyone, random_groups
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
-from lightning_loco.replica.rules import RefusedOptions, build_options
+from lightning_loco.rules import RefusedOptions, build_options
 from lightning_loco.trainer.base import OuterStepStrategy
 from lightning_loco.transport import InProcessNetwork
 

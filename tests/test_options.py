@@ -1,4 +1,4 @@
-"""The options (``lightning_loco.replica.options``) and their one table of rules (``lightning_loco.replica.rules``),
+"""The options (``lightning_loco.replica.options``) and their one table of rules (``lightning_loco.rules``),
 without processes.
 
 What the table says is proved here: every rule refuses its own example (and no other rule does), the
@@ -25,7 +25,7 @@ from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.replica.options import Options
-from lightning_loco.replica.rules import (
+from lightning_loco.rules import (
     RULES,
     Facts,
     Fit,
@@ -35,6 +35,7 @@ from lightning_loco.replica.rules import (
     check_rules,
     rules_table,
 )
+from lightning_loco.simulator import TrainingSimulator
 from lightning_loco.testing.launch import strategy_class
 from lightning_loco.trainer.base import OuterStepStrategy
 from lightning_loco.transport import InProcessNetwork
@@ -50,10 +51,11 @@ _ELASTIC = ElasticConfig("localhost:29510", replica_id="example")  # the example
 _ADAM = functools.partial(torch.optim.Adam, lr=1e-3)  # the examples' outer optimizer
 _PACED = {"pacing": 1.0}
 _PACED_FIT = {"parameters": (3,), "max_steps": 8}
+_SECONDS = [1.0, 2.0]  # the examples' modelled step times, for the simulator's two replicas
 
-# Each rule's example: a strategy's arguments (``"strategy"``: its name, default NoLoCo's) that this rule
-# alone refuses, and for a launch or fit rule the facts that make it refuse them (``"launch"``: Launch's
-# fields; ``"fit"``: Fit's).
+# Each rule's example: a strategy's arguments (``"strategy"``: its name, default NoLoCo's; ``"simulator"``: the
+# simulator's arguments, two replicas of NoLoCo) that this rule alone refuses, and for a launch or fit rule the
+# facts that make it refuse them (``"launch"``: Launch's fields; ``"fit"``: Fit's).
 EXAMPLES: dict[str, dict[str, Any]] = {
     "overlap-within-round": {"sync_every": 4, "overlap_steps": 4},
     "merge-needs-overlap": {"overlap_merge": "delayed"},
@@ -80,6 +82,13 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "streams-one-rank-per-replica": {"wire": WireConfig(streams=4), "ranks_per_replica": 2},
     "streams-own-transport": {"wire": WireConfig(streams=4), "transport_factory": lambda **kw: None},
     "elastic-no-average-at-end": {"elastic": _ELASTIC, "average_at_end": True},
+    "elastic-straggler-below-timeout": {"elastic": ElasticConfig("localhost:29510", replica_id="example",
+                                                                 outer_step_timeout=60.0, straggler_timeout=60.0)},
+    "elastic-data-slot-needs-slots": {"elastic": ElasticConfig("localhost:29510", replica_id="example", data_slot=1)},
+    "elastic-data-slot-below-slots": {"elastic": ElasticConfig("localhost:29510", replica_id="example", data_slots=2,
+                                                               data_slot=2)},
+    "elastic-replica-id-names-slot": {"elastic": ElasticConfig("localhost:29510", replica_id="example",
+                                                               data_slots=2)},
     "fabric-not-paced": {"strategy": "fabric:noloco", "pacing": 1.0},
     "fabric-not-elastic": {"strategy": "fabric:noloco", "elastic": _ELASTIC},
     "diloco-sgd-or-outer-optimizer": {"strategy": "diloco", "outer_momentum": 0.5, "outer_optimizer": _ADAM},
@@ -87,6 +96,15 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "gasloc-sent-default-optimizer": {"strategy": "gasloc", "momentum_on": "sent", "outer_optimizer": _ADAM},
     "gasloc-gossip-step-matchings": {"strategy": "gasloc", "topology": "complete", "gossip_step": 0.5},
     "gasloc-seed-random-pairs": {"strategy": "gasloc", "topology": "ring", "seed": 3},
+    "simulator-ddp-no-algorithm": {"strategy": "simulator", "gradient_averaging": True},
+    "simulator-one-stream": {"strategy": "simulator", "wire": WireConfig(streams=4)},
+    "simulator-step-seconds-whole-rounds": {"strategy": "simulator", "sync_every": 4, "fragments": 2,
+                                            "step_seconds": _SECONDS},
+    "simulator-step-seconds-synchronous": {"strategy": "simulator", "overlap_steps": 1, "step_seconds": _SECONDS},
+    "simulator-paced-step-seconds": {"strategy": "simulator", **_PACED, "max_steps": 8},
+    "simulator-paced-max-steps": {"strategy": "simulator", **_PACED, "step_seconds": _SECONDS},
+    "simulator-paced-replica-loop": {"strategy": "simulator", **_PACED, "step_seconds": _SECONDS, "max_steps": 8,
+                                     "batched": True},
     "sync-batchnorm": {"launch": {"nodes": 1, "devices": 2, "sync_batchnorm": True}},
     "elastic-one-replica-per-trainer": {"elastic": _ELASTIC, "launch": {"nodes": 1, "devices": 2}},
     "ranks-divide-processes": {"ranks_per_replica": 3, "launch": {"nodes": 1, "devices": 4}},
@@ -103,9 +121,11 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 }
 
 
-def strategy_of(example: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+def strategy_of(example: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The strategy class and the arguments of a rule's example (its facts left out)."""
     kwargs = {k: v for k, v in example.items() if k not in ("strategy", "launch", "fit")}
+    if example.get("strategy") == "simulator":
+        return functools.partial(TrainingSimulator, torch.nn.Linear(1, 1), [[], []], NoLoCo()), kwargs
     return strategy_class(example.get("strategy", "noloco")), kwargs
 
 
@@ -161,11 +181,11 @@ def test_rule_names_are_unique_and_each_has_its_facts():
 
 def test_docs_options_md_renders_the_table_as_it_is():
     text = (ROOT / "docs" / "options.md").read_text()
-    start, end = "<!-- rules: generated from lightning_loco.replica.rules.RULES -->", "<!-- end of rules -->"
+    start, end = "<!-- rules: generated from lightning_loco.rules.RULES -->", "<!-- end of rules -->"
     assert start in text and end in text
     rendered = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert rendered == rules_table(), \
-        "docs/options.md is out of date: paste lightning_loco.replica.rules.rules_table()"
+        "docs/options.md is out of date: paste lightning_loco.rules.rules_table()"
 
 
 # ---------------------------------------------------------------- the surface
@@ -309,9 +329,9 @@ def test_every_option_takes_effect_alone(name):
 
 def test_each_paper_default_is_written_once_in_the_library():
     """algorithms/defaults.py writes each default of NoLoCo, DiLoCo and GASLoC; no other module of the algorithms,
-    the strategies (Trainer and Fabric) or the rules writes one again as a literal: not as a parameter's default
-    of that name, not in a message of ``check_positive`` or ``check_momentum``, not compared with an attribute of
-    that name (a number or a flag)."""
+    the strategies (Trainer and Fabric), the rules or the simulator writes one again as a literal: not as a
+    parameter's default of that name, not in a message of ``check_positive`` or ``check_momentum``, not compared
+    with an attribute of that name (a number or a flag)."""
     import ast
 
     from lightning_loco.algorithms.defaults import DILOCO, GASLOC, NOLOCO
@@ -319,10 +339,10 @@ def test_each_paper_default_is_written_once_in_the_library():
     paper = {(n, type(v), v) for c in (NOLOCO, DILOCO, GASLOC) for n, v in c._asdict().items() if v is not None}
     package = ROOT / "lightning_loco"
     found: list[str] = []
-    for folder in ("algorithms", "trainer", "fabric", "replica"):
+    for folder in ("algorithms", "trainer", "fabric", "replica", "rules", "simulator"):
         for path in sorted((package / folder).glob("*.py")):
-            if path.name == "defaults.py":
-                continue
+            if path.name == "defaults.py" or path.relative_to(package).as_posix() == "simulator/data.py":
+                continue  # the defaults themselves; the data's seed=0 is DistributedSampler's, not an algorithm's
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 pairs: list[tuple[str, ast.expr]] = []
@@ -362,7 +382,7 @@ def test_the_driver_imports_no_rule():
         if name not in seen:
             seen.add(name)
             todo += imports(name, known[name], known)[0]
-    assert not {m for m in seen if m.startswith("lightning_loco.replica.rule")}, sorted(seen)
+    assert not {m for m in seen if m.startswith("lightning_loco.rules")}, sorted(seen)
 
 
 def test_disjoint_optimizers_fires_for_a_fabric_loop_from_its_optimizers():

@@ -23,7 +23,7 @@ from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import Pacing, Phase, phase_due, phase_steps
 from lightning_loco.replica.options import PacingConfig
-from lightning_loco.replica.rules import build_options
+from lightning_loco.rules import build_options
 from lightning_loco.transport import InProcessNetwork
 
 from oracle import ReplicaSimulator

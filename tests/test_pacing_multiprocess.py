@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_loco import NoLoCoStrategy
-from lightning_loco.replica.rules import Facts, check_rules
+from lightning_loco.rules import Facts, check_rules
 from lightning_loco.trainer.setup import fit_facts
 
 import tiny

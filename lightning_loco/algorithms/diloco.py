@@ -102,7 +102,7 @@ class DiLoCo(OuterAlgorithm):
 
 def sgd_beside_optimizer(a: DiLoCo) -> Optional[str]:
     """DiLoCo's outer SGD arguments changed beside an ``outer_optimizer``, which replaces that SGD (a rule of
-    lightning_loco.replica.rules, which names and documents it; None: the arguments are fine)."""
+    lightning_loco.rules, which names and documents it; None: the arguments are fine)."""
     if not a.custom_outer_optimizer:
         return None
     changed = [f"{n}={v!r}" for n, v, d in (("outer_lr", a.outer_lr, DILOCO.outer_lr),

@@ -280,7 +280,7 @@ class GASLoC(OuterAlgorithm):
 
 
 # ---------------------------------------------------------------- GASLoC's arguments that do not go together
-# (each a rule of lightning_loco.replica.rules, which names and documents it; None: the arguments are fine)
+# (each a rule of lightning_loco.rules, which names and documents it; None: the arguments are fine)
 
 
 def momentum_beside_optimizer(a: GASLoC) -> Optional[str]:

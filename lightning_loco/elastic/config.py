@@ -1,5 +1,5 @@
 """The strategies' ``elastic=`` option: :class:`ElasticConfig`, checked when it is built, before any process
-starts (how it meets the other options is a rule of :mod:`lightning_loco.replica.options`).
+starts (how its fields meet each other and the other options is for the rules of :mod:`lightning_loco.rules`).
 
 Nothing here imports torchft at module level, so ``import lightning_loco`` works without it; asking for
 elastic mode without torchft installed fails when the strategy is built, naming the extra to install
@@ -14,7 +14,6 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_loco.elastic.data import slot_of
 from lightning_loco.elastic.torchft_version import TORCHFT_VERSION, check_torchft_version
 
 EXTRA = "pip install 'lightning-loco[elastic]'"
@@ -110,7 +109,9 @@ class ElasticConfig:
             object.__setattr__(self, "replica_id", default_replica_id())
 
     def check(self) -> None:
-        """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options)."""
+        """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options); how
+        the fields meet each other (``straggler_timeout`` below ``outer_step_timeout``, ``data_slot`` within
+        ``data_slots``, a ``replica_id`` that names its slot) is for the rules of :mod:`lightning_loco.rules`."""
         _check_address(self.lighthouse)
         replica_id = self.replica_id
         if replica_id is not None and (not isinstance(replica_id, str) or not replica_id or "/" in replica_id):
@@ -128,12 +129,6 @@ class ElasticConfig:
             _check_seconds("straggler_timeout", self.straggler_timeout, None,
                            "It bounds how long an exchange waits for a live partner that is late; None (the default) "
                            "waits up to outer_step_timeout.")
-            if not self.straggler_timeout < self.outer_step_timeout:
-                raise ValueError(
-                    f"straggler_timeout={self.straggler_timeout} must be below outer_step_timeout="
-                    f"{self.outer_step_timeout}: past outer_step_timeout a partner counts as failed (its membership's "
-                    "group is closed). Lower straggler_timeout, or leave it None."
-                )
         for name, flag in (("heal", self.heal), ("heal_optimizer", self.heal_optimizer)):
             if not isinstance(flag, bool):
                 raise ValueError(
@@ -156,27 +151,8 @@ class ElasticConfig:
         for name, value in (("data_slots", slots), ("data_slot", slot)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an integer >= {1 if name == 'data_slots' else 0}, got {value!r}.")
-        if slots is None:
-            if slot is not None:
-                raise ValueError(
-                    f"data_slot={slot} needs data_slots, the number of parts the data is cut into: set data_slots=N "
-                    "as well (every replica the same N), or leave data_slot None."
-                )
-            return
-        if slots < 1:
+        if slots is not None and slots < 1:
             raise ValueError(f"data_slots must be an integer >= 1, got {slots!r}.")
-        if slot is not None:
-            if slot >= slots:
-                raise ValueError(f"data_slot={slot} must be below data_slots={slots} (the parts are 0 to {slots - 1}).")
-            return
-        found = slot_of(self.name)
-        if slots > 1 and (found is None or found >= slots):
-            ends = f"ends with {found}" if found is not None else "ends with no number"
-            raise ValueError(
-                f"data_slots={slots}: replica_id={self.name!r} {ends}, so it names no part of the data 0 to "
-                f"{slots - 1}. Name the replicas by their slot (e.g. site-0 ... site-{slots - 1}), or give this one "
-                "data_slot=."
-            )
 
     @property
     def url(self) -> str:

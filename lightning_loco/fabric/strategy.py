@@ -24,7 +24,7 @@ parameters and given to ``fabric.setup_optimizers``, as with Fabric's own ``Mode
 steps, exchanges and saves its own shards; ``fabric.save``'s main file holds the full consensus model and no
 inner optimizer state (its shards are in the replica files).
 
-Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.replica.rules` refuse them when the strategy is
+Not under Fabric (the rules ``fabric-*`` of :mod:`lightning_loco.rules` refuse them when the strategy is
 built): ``pacing`` and ``elastic`` replicas, which need the Trainer's loop to end a run on a round and to take a
 healed replica's step counts.
 """
@@ -57,9 +57,9 @@ from lightning_loco.replica.layout import ReplicaLayout
 from lightning_loco.replica.modes import TransportFactory
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName, check_int
 from lightning_loco.replica.replica import Replica
-from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.replica.short_runs import warn_if_short
+from lightning_loco.rules import Facts, Launch, build_options, check_rules
 
 _compat.check_lightning()  # a Lightning without the private symbols we use fails here, naming them
 
@@ -358,8 +358,8 @@ def _no_backward_sync(module: nn.Module, enabled: bool) -> AbstractContextManage
 
 def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
     """What the ``fit`` rules look at, as a Fabric loop tells it."""
-    from lightning_loco.replica.rule_table import shared_parameter
-    from lightning_loco.replica.rules import Fit
+    from lightning_loco.rules import Fit
+    from lightning_loco.rules.table import shared_parameter
 
     params = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
     return Fit(parameters=tuple(len(p) for p in params), max_steps=max_steps if max_steps is not None else -1,

@@ -1,5 +1,5 @@
 """The options of a run, grouped as a user sets them: data that every layer may read (the strategies, the
-driver, the simulator). Which combinations run is :mod:`lightning_loco.replica.rules`'s table.
+driver, the simulator). Which combinations run is :mod:`lightning_loco.rules`'s table.
 
 A strategy takes a handful of flat arguments that everyone tunes (``sync_every``, the outer step's
 learning rate and momentum, ``overlap_steps``, ``fragments``, ``ranks_per_replica``) and one object
@@ -13,8 +13,8 @@ per mode that has a vocabulary of its own:
 
 :class:`Options` holds all of them for one run (the Lightning strategies, the Fabric strategies and the
 simulator build one, and the driver reads it). Each option checks its own value when it is built; every
-combination that cannot run is refused by one rule of :data:`lightning_loco.replica.rules.RULES`, which
-the strategies and the simulator check (:func:`lightning_loco.replica.rules.build_options`).
+combination that cannot run is refused by one rule of :data:`lightning_loco.rules.RULES`, which
+the strategies and the simulator check (:func:`lightning_loco.rules.build_options`).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def device_option(value: Any) -> Optional[torch.device]:
 class Options:
     """Every option of one run, each checked when built (``ValueError`` naming what to do instead). The
     strategies' arguments of the same names; ``algorithm`` is the outer step they build. Whether they go
-    together is for the rules (:func:`lightning_loco.replica.rules.build_options`)."""
+    together is for the rules (:func:`lightning_loco.rules.build_options`)."""
 
     algorithm: OuterAlgorithm
     sync_every: int

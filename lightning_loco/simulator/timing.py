@@ -46,28 +46,13 @@ def check_step_seconds(step_seconds: Any, num_replicas: int) -> list[float]:
     return values
 
 
-def check_modelled_time(algorithm: OuterAlgorithm | None, num_replicas: int, overlap_steps: Any, max_steps: Any,
-                        batched: Any, step_seconds: Any, sync_seconds: Any) -> None:
-    """Raises ``ValueError`` where the simulator cannot serve ``step_seconds`` or ``sync_seconds`` (how pacing
-    meets the other options is checked by :class:`~lightning_loco.replica.options.Options`)."""
+def check_modelled_time(algorithm: OuterAlgorithm | None, num_replicas: int, step_seconds: Any) -> None:
+    """Raises ``ValueError`` where ``step_seconds`` cannot serve (how it and pacing meet the other options is
+    checked by the rules of :mod:`lightning_loco.rules`, the simulator's among them)."""
     if step_seconds is not None:
         if algorithm is None:
             raise ValueError("step_seconds models the waits at the outer step's exchanges: give an algorithm with it")
         check_step_seconds(step_seconds, num_replicas)
-        if overlap_steps != 0:
-            raise ValueError(f"step_seconds serves synchronous rounds only: use overlap_steps=0 with it, got "
-                             f"{overlap_steps!r}")
-    if sync_seconds is None:
-        return
-    if step_seconds is None:
-        raise ValueError("sync_seconds in the simulator paces every replica on its modelled step time: give "
-                         "step_seconds=[...] (one number of seconds per replica) with it")
-    if max_steps is None:
-        raise ValueError("sync_seconds needs max_steps: the run is ceil(max_steps / sync_every) rounds, ending on "
-                         "the same round on every replica")
-    if batched is True:
-        raise ValueError("sync_seconds takes the loop over replicas (each takes its own steps per round): use "
-                         "batched=False or 'auto'")
 
 
 class VirtualClock:

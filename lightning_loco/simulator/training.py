@@ -14,12 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_loco.algorithms.base import OuterAlgorithm
+from lightning_loco.algorithms.defaults import NOLOCO
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import SharedStepTimes
 from lightning_loco.replica.options import PacingConfig, WireConfig, pacing_config, wire_config
-from lightning_loco.replica.rules import build_options
 from lightning_loco.replica.short_runs import warn_if_short
+from lightning_loco.rules import Simulated, build_options
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
 from lightning_loco.simulator.context import (
     ReplicaContext,
@@ -64,7 +65,7 @@ class TrainingSimulator(Measurements, PacedRounds):
             epoch after epoch, with ``sampler.set_epoch`` where the loader has one.
         algorithm: the outer step; ``None`` trains the replicas independently (or as DDP with
             ``gradient_averaging``).
-        sync_every: H, optimizer steps between outer steps.
+        sync_every: H, optimizer steps between outer steps (default: NoLoCo's paper H).
         optimizers: builds a replica's inner optimizer from its module copy; it may return what
             ``configure_optimizers`` returns (an optimizer, or a dict with a step-interval
             ``lr_scheduler``). Default: ``module.configure_optimizers``.
@@ -108,7 +109,7 @@ class TrainingSimulator(Measurements, PacedRounds):
         module: nn.Module,
         shards: Sequence[Iterable[Batch]],
         algorithm: OuterAlgorithm | None = None,
-        sync_every: int = 50,
+        sync_every: int = NOLOCO.sync_every,
         optimizers: OptimizersFn | None = None,
         loss: LossFn | None = None,
         gradient_clip_val: float | None = None,
@@ -130,8 +131,6 @@ class TrainingSimulator(Measurements, PacedRounds):
             raise ValueError("need one shard (an iterable of batches) per replica, got none")
         if batched not in (True, False, "auto"):
             raise ValueError(f"batched must be True, False or 'auto', got {batched!r}")
-        if gradient_averaging and algorithm is not None:
-            raise ValueError("gradient_averaging is DDP: pass algorithm=None with it")
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1, got {sync_every!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
@@ -142,12 +141,12 @@ class TrainingSimulator(Measurements, PacedRounds):
         check_precision(precision)
         paced = pacing_config(pacing)
         options = None
-        if algorithm is not None:  # the strategies' options and their rules
-            options = build_options(algorithm, sync_every, overlap_steps=overlap_steps, overlap_merge=overlap_merge,
-                                    fragments=fragments, pacing=paced, final_outer_step=final_outer_step, wire=wire)
-            if options.wire.streams != 1:
-                raise ValueError(f"wire streams={options.wire.streams} spreads exchanges over TCP connections, and "
-                                 "simulated replicas exchange in memory. Use streams=1 in the simulator.")
+        if algorithm is not None:  # the strategies' options and their rules, the simulator's among them
+            simulated = Simulated(gradient_averaging=bool(gradient_averaging), step_seconds=step_seconds is not None,
+                                  max_steps=max_steps, batched=batched)
+            options = build_options(algorithm, sync_every, loop="simulator", simulated=simulated,
+                                    overlap_steps=overlap_steps, overlap_merge=overlap_merge, fragments=fragments,
+                                    pacing=paced, final_outer_step=final_outer_step, wire=wire)
         else:
             given = [name for name, value, default in (
                 ("overlap_steps", overlap_steps, 0), ("overlap_merge", overlap_merge, "predict_correct"),
@@ -157,12 +156,7 @@ class TrainingSimulator(Measurements, PacedRounds):
                 raise ValueError(f"{', '.join(given)} configure the outer step: give an algorithm with them "
                                  "(algorithm=None trains the replicas independently, or as DDP)")
         sync_seconds = None if paced is None else paced.sync_seconds
-        if fragments != 1 and step_seconds is not None:
-            raise ValueError(
-                f"fragments={fragments} splits the outer step's exchanges, and step_seconds models waits that follow "
-                "whole-model rounds. Use fragments=1 with step_seconds."
-            )
-        check_modelled_time(algorithm, len(shards), overlap_steps, max_steps, batched, step_seconds, sync_seconds)
+        check_modelled_time(algorithm, len(shards), step_seconds)
         self.options = options
         self.wire = options.wire_format if options is not None else WireConfig().resolve(False)
         n = len(shards)

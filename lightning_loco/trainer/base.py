@@ -7,7 +7,7 @@ Fabric strategies adapt: its run mode, layout (whole or FSDP2), process groups, 
 payloads and consensus. Every real optimizer step (``optimizer_step`` fires once per update, after
 accumulation, clipping and the precision plugin) reaches the replica's
 :class:`~lightning_loco.replica.run.ReplicaRun`. The options are
-:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.replica.rules`'s. Checkpoint hooks
+:mod:`lightning_loco.replica.options`'s, their rules :mod:`lightning_loco.rules`'s. Checkpoint hooks
 are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private Lightning symbols in
 ``_compat.py``.
 """
@@ -40,7 +40,7 @@ from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
 from lightning_loco.replica.replica import Replica
-from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
+from lightning_loco.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.trainer import setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (

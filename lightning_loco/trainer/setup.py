@@ -1,4 +1,4 @@
-"""What the strategies know when ``fit`` starts (for the rules of :mod:`lightning_loco.replica.rules`), when
+"""What the strategies know when ``fit`` starts (for the rules of :mod:`lightning_loco.rules`), when
 ``fit`` ends, and the warnings they give then. Lightning's side only: plain reads of the Trainer.
 """
 
@@ -14,10 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_loco.driver.fragments import next_round_step
-from lightning_loco.replica.rule_table import shared_parameter
-from lightning_loco.replica.rules import Fit, Launch
 from lightning_loco.replica.run import params_of
 from lightning_loco.replica.short_runs import warn_if_short
+from lightning_loco.rules import Fit, Launch
+from lightning_loco.rules.table import shared_parameter
 
 
 def fit_facts(trainer: "pl.Trainer", module: "pl.LightningModule", optimizers: list[Optimizer],

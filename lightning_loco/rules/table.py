@@ -1,7 +1,7 @@
-"""The machinery of the rules (:mod:`lightning_loco.replica.rules`): what a rule may look at (:class:`Facts`:
+"""The machinery of the rules (:mod:`lightning_loco.rules`): what a rule may look at (:class:`Facts`:
 the options, and what the launch and the fit add once known), one :class:`Rule`, the table :data:`RULES` in
 its parts (:class:`Rules`), and :class:`RefusedOptions`, what a refusal raises. The rules themselves are in
-``rules_options.py``, ``rules_modes.py`` and ``rules_runs.py``, a part each; :mod:`lightning_loco.replica.rules`
+``rules/options.py``, ``rules/modes.py`` and ``rules/runs.py``, a part each; :mod:`lightning_loco.rules`
 puts the parts together in the table's order and checks them."""
 
 from __future__ import annotations
@@ -42,13 +42,27 @@ class Fit:
 
 
 @dataclass(frozen=True)
+class Simulated:
+    """What the simulator adds to the options when it is built (its loop is ``"simulator"``)."""
+
+    gradient_averaging: bool = False  # DDP's gradient average at every step
+    step_seconds: bool = False  # modelled step times were given
+    max_steps: Optional[int] = None
+    batched: Any = "auto"  # True, False or "auto"
+
+
+Loop = Literal["trainer", "fabric", "simulator"]
+
+
+@dataclass(frozen=True)
 class Facts:
     """What a rule may look at: the options, and what the launch and the fit add once known."""
 
     options: Options
     launch: Optional[Launch] = None
     fit: Optional[Fit] = None
-    loop: Literal["trainer", "fabric"] = "trainer"  # whose training loop: Lightning's Trainer, or a Fabric loop
+    loop: Loop = "trainer"  # whose training loop: Lightning's Trainer, a Fabric loop, or the simulator's
+    simulated: Optional[Simulated] = None  # the simulator's own arguments (loop "simulator")
 
 
 def shared_parameter(parameters: Sequence[Sequence[Any]]) -> Optional[tuple[tuple[int, ...], int, int]]:

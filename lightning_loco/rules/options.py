@@ -1,5 +1,5 @@
 """The rules about the options alone, checked when the strategy is built: overlap and fragments, pacing,
-the wire format, the launch method (the first part of the table of :mod:`lightning_loco.replica.rules`)."""
+the wire format, the launch method (the first part of the table of :mod:`lightning_loco.rules`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 from lightning_loco.algorithms.outer_optimizer import picklable_problem
 from lightning_loco.replica.options import Options
-from lightning_loco.replica.rule_table import Facts, Rules
+from lightning_loco.rules.table import Facts, Rules
 
 RULES = Rules()
 rule = RULES.rule

@@ -1,5 +1,5 @@
 """The rules checked once the launch (the processes) and the fit (the model and its optimizers) are known (the
-last part of the table of :mod:`lightning_loco.replica.rules`)."""
+last part of the table of :mod:`lightning_loco.rules`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 from lightning_loco.driver.fragments import too_few_parameters
 from lightning_loco.replica.options import Options
-from lightning_loco.replica.rule_table import Facts, Fit, Rules
+from lightning_loco.rules.table import Facts, Fit, Rules
 
 # -- the launch: processes known, none started
 

@@ -10,23 +10,27 @@ to do instead). A rule is checked as soon as the facts it needs exist:
 Whatever no rule refuses runs, and every option given takes effect: an option that only applies with
 another one is refused without it (``tests/test_options.py`` proves both). The adapters (the Trainer's and
 Fabric's strategies) and the simulator check the rules; the driver reads the options and knows none.
-The rules are defined, in the table's order, in ``rules_options.py`` (the options alone), ``rules_modes.py``
-(elastic replicas, the wire's streams, a Fabric loop, an algorithm's own arguments) and ``rules_runs.py``
-(the launch and the fit).
+The rules are defined, in the table's order, in ``rules/options.py`` (the options alone), ``rules/modes.py``
+(elastic replicas, the wire's streams, a Fabric loop, an algorithm's own arguments), ``rules/simulated.py``
+(the simulator's own arguments) and ``rules/runs.py``
+(the launch and the fit); their machinery is ``rules/table.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Optional
 
 from lightning_loco.algorithms.base import OuterAlgorithm
-from lightning_loco.replica import rules_modes, rules_options, rules_runs
 from lightning_loco.replica.options import Options
-from lightning_loco.replica.rule_table import Facts, Fit, Launch, RefusedOptions, Rule, When
+from lightning_loco.rules import modes as _modes
+from lightning_loco.rules import options as _options
+from lightning_loco.rules import runs as _runs
+from lightning_loco.rules import simulated as _simulated
+from lightning_loco.rules.table import Facts, Fit, Launch, Loop, RefusedOptions, Rule, Simulated, When
 
-RULES: list[Rule] = [*rules_options.RULES, *rules_modes.RULES, *rules_runs.RULES]  # the table, in its order
+RULES: list[Rule] = [*_options.RULES, *_modes.RULES, *_simulated.RULES, *_runs.RULES]  # the table, in its order
 
-__all__ = ["RULES", "Facts", "Fit", "Launch", "RefusedOptions", "Rule", "build_options", "check_rules",
+__all__ = ["RULES", "Facts", "Fit", "Launch", "RefusedOptions", "Rule", "Simulated", "build_options", "check_rules",
            "rules_table"]
 
 
@@ -43,12 +47,13 @@ def check_rules(when: When, facts: Facts) -> None:
                          names)
 
 
-def build_options(algorithm: OuterAlgorithm, sync_every: int, *, loop: Literal["trainer", "fabric"] = "trainer",
-                  **others: Any) -> Options:
+def build_options(algorithm: OuterAlgorithm, sync_every: int, *, loop: Loop = "trainer",
+                  simulated: Optional[Simulated] = None, **others: Any) -> Options:
     """:meth:`Options.build` (each option checked), then the ``build`` rules over them for ``loop``'s training
-    loop: the options of a run that the rules let through, or :class:`RefusedOptions`."""
+    loop (the simulator's with its own arguments, ``simulated``): the options of a run that the rules let
+    through, or :class:`RefusedOptions`."""
     options = Options.build(algorithm, sync_every, **others)
-    check_rules("build", Facts(options, loop=loop))
+    check_rules("build", Facts(options, loop=loop, simulated=simulated))
     return options
 
 

@@ -1,5 +1,5 @@
 """The rules about modes, checked when the strategy is built: elastic replicas, the wire's streams, a Fabric
-loop, and each outer step's own arguments (the second part of the table of :mod:`lightning_loco.replica.rules`)."""
+loop, and each outer step's own arguments (the second part of the table of :mod:`lightning_loco.rules`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from lightning_loco.algorithms import diloco, gasloc
 from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.diloco import DiLoCo
 from lightning_loco.algorithms.gasloc import GASLoC
-from lightning_loco.replica.rule_table import Facts, Rules
+from lightning_loco.elastic.data import slot_of
+from lightning_loco.rules.table import Facts, Rules
 
 A = TypeVar("A", bound=OuterAlgorithm)
 
@@ -108,6 +109,55 @@ def _elastic_no_average(f: Facts) -> Optional[str]:
     return ("average_at_end=True with elastic replicas: each elastic replica is a run of its own, with no collective "
             "over the others to average with at the end. Leave average_at_end=None: each replica ends with its own "
             "weights, as its checkpoint holds them (DiLoCo's final round leaves the live replicas identical).")
+
+
+# -- an elastic replica's own fields, against each other
+
+
+@rule("elastic-straggler-below-timeout", "build", ("elastic.straggler_timeout", "elastic.outer_step_timeout"),
+      "`straggler_timeout` ≥ `outer_step_timeout`", "a lower `straggler_timeout`, or None")
+def _elastic_straggler_below_timeout(f: Facts) -> Optional[str]:
+    e = f.options.elastic
+    if e is None or e.straggler_timeout is None or e.straggler_timeout < e.outer_step_timeout:
+        return None
+    return (f"straggler_timeout={e.straggler_timeout} must be below outer_step_timeout={e.outer_step_timeout}: past "
+            "outer_step_timeout a partner counts as failed (its membership's group is closed). Lower "
+            "straggler_timeout, or leave it None.")
+
+
+@rule("elastic-data-slot-needs-slots", "build", ("elastic.data_slot", "elastic.data_slots"),
+      "`data_slot` without `data_slots`", "`data_slots=N` as well, or `data_slot=None`")
+def _elastic_data_slot_needs_slots(f: Facts) -> Optional[str]:
+    e = f.options.elastic
+    if e is None or e.data_slots is not None or e.data_slot is None:
+        return None
+    return (f"data_slot={e.data_slot} needs data_slots, the number of parts the data is cut into: set data_slots=N "
+            "as well (every replica the same N), or leave data_slot None.")
+
+
+@rule("elastic-data-slot-below-slots", "build", ("elastic.data_slot", "elastic.data_slots"),
+      "`data_slot` ≥ `data_slots`", "a slot from 0 to `data_slots` − 1")
+def _elastic_data_slot_below_slots(f: Facts) -> Optional[str]:
+    e = f.options.elastic
+    if e is None or e.data_slots is None or e.data_slot is None or e.data_slot < e.data_slots:
+        return None
+    slots = e.data_slots
+    return f"data_slot={e.data_slot} must be below data_slots={slots} (the parts are 0 to {slots - 1})."
+
+
+@rule("elastic-replica-id-names-slot", "build", ("elastic.replica_id", "elastic.data_slots", "elastic.data_slot"),
+      "`data_slots` > 1 and a `replica_id` that ends with no slot's number",
+      "replica ids named by their slot (`site-0`, ...), or `data_slot`")
+def _elastic_replica_id_names_slot(f: Facts) -> Optional[str]:
+    e = f.options.elastic
+    if e is None or e.data_slots is None or e.data_slot is not None or e.data_slots <= 1:
+        return None
+    slots, found = e.data_slots, slot_of(e.name)
+    if found is not None and found < slots:
+        return None
+    ends = f"ends with {found}" if found is not None else "ends with no number"
+    return (f"data_slots={slots}: replica_id={e.name!r} {ends}, so it names no part of the data 0 to {slots - 1}. "
+            f"Name the replicas by their slot (e.g. site-0 ... site-{slots - 1}), or give this one data_slot=.")
 
 
 # -- a Fabric loop
