@@ -107,7 +107,7 @@ class Turns:
                  seconds: float, rank: int) -> None:
         import torch
 
-        from benchmarks.b1_sync_latency import build
+        from benchmarks.b1_shared import build
         from lightning_loco.driver.driver import OuterStepDriver
         from lightning_loco.driver.flat import FlatParameters
 
@@ -159,7 +159,7 @@ def worker(options: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.b1_sync_latency import STORE, WARM_NUMEL, warm_all_pairs
+    from benchmarks.b1_shared import STORE, WARM_NUMEL, warm_all_pairs
     from benchmarks.netem import modelled
     from lightning_loco.testing.launch import init_gloo
     from lightning_loco.transport import TorchDistributedTransport

@@ -250,14 +250,21 @@ def loss_by(curve: list[dict[str, Any]], seconds: float) -> float:
     return curve[-1]["val_loss"]
 
 
-COLUMNS = [("algorithm", "algorithm", "s"), ("fixed_fast_share", "fast share, one H", ".3f"),
-           ("paced_fast_share", "fast share, own H_i", ".3f"), ("fixed_final_loss", "loss, one H", ".3f"),
-           ("paced_final_loss", "loss, own H_i", ".3f"), ("fixed_seconds", "s, one H", ".1f"),
-           ("paced_seconds", "s, own H_i", ".1f"), ("fixed_to_target_s", "s to target, one H", ".1f"),
-           ("paced_to_target_s", "s to target, own H_i", ".1f"),
-           ("fixed_loss_at_paced_end", "one H's loss when own H_i ends", ".3f"),
-           ("paced_long_final_loss", "loss, own H_i, 4R rounds", ".3f"), ("paced_long_seconds", "s, 4R rounds", ".1f"),
-           ("long_loss_at_fixed_end", "4R rounds' loss when one H ends", ".3f")]
+def columns(seconds: str, to_target: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """B6's table (part 2 here, part 3 in :mod:`benchmarks.b6_simulated`): its columns, with the times written
+    as ``seconds`` says and the times to the target loss as ``to_target`` gives them (each part has its own)."""
+    return [("algorithm", "algorithm", "s"), ("fixed_fast_share", "fast share, one H", ".3f"),
+            ("paced_fast_share", "fast share, own H_i", ".3f"), ("fixed_final_loss", "loss, one H", ".3f"),
+            ("paced_final_loss", "loss, own H_i", ".3f"), ("fixed_seconds", "s, one H", seconds),
+            ("paced_seconds", "s, own H_i", seconds), ("fixed_to_target_s", "s to target, one H", seconds),
+            *to_target,
+            ("fixed_loss_at_paced_end", "one H's loss when own H_i ends", ".3f"),
+            ("paced_long_final_loss", "loss, own H_i, 4R rounds", ".3f"),
+            ("paced_long_seconds", "s, 4R rounds", seconds),
+            ("long_loss_at_fixed_end", "4R rounds' loss when one H ends", ".3f")]
+
+
+COLUMNS = columns(".1f", [("paced_to_target_s", "s to target, own H_i", ".1f")])
 
 
 def plot(saved: dict[str, Any], path: Path) -> None:

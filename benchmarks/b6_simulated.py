@@ -40,7 +40,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Optional
 
 from benchmarks.b2_time_to_loss import time_to
-from benchmarks.b6_heterogeneous import loss_by  # the processes' part reads its curves the same way
+from benchmarks.b6_heterogeneous import columns, loss_by  # the processes' part: its curves, its table
 from benchmarks.common import machine, pool_context, results_dir, table, write_json
 from lightning_loco.replica.options import PacingConfig
 
@@ -162,15 +162,8 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None or b == 0 else a / b
 
 
-COLUMNS = [("algorithm", "algorithm", "s"), ("fixed_fast_share", "fast share, one H", ".3f"),
-           ("paced_fast_share", "fast share, own H_i", ".3f"), ("fixed_final_loss", "loss, one H", ".3f"),
-           ("paced_final_loss", "loss, own H_i", ".3f"), ("fixed_seconds", "s, one H", ".0f"),
-           ("paced_seconds", "s, own H_i", ".0f"), ("fixed_to_target_s", "s to target, one H", ".0f"),
-           ("paced_long_to_target_s", "s to target, own H_i 4R", ".0f"),
-           ("speedup_to_target", "speed-up to target", ".2f"),
-           ("fixed_loss_at_paced_end", "one H's loss when own H_i ends", ".3f"),
-           ("paced_long_final_loss", "loss, own H_i, 4R rounds", ".3f"), ("paced_long_seconds", "s, 4R rounds", ".0f"),
-           ("long_loss_at_fixed_end", "4R rounds' loss when one H ends", ".3f")]
+COLUMNS = columns(".0f", [("paced_long_to_target_s", "s to target, own H_i 4R", ".0f"),
+                          ("speedup_to_target", "speed-up to target", ".2f")])
 
 
 def noisy_shares(name: str, speeds: list[float], sync_every: int, sync_seconds: float, rounds: int, sigma: float,

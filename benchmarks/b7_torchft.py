@@ -168,7 +168,7 @@ def worker(options: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.b1_sync_latency import STORE, WARM_NUMEL, warm_all_pairs
+    from benchmarks.b1_shared import STORE, WARM_NUMEL, warm_all_pairs
     from lightning_loco.elastic.lighthouse import start_lighthouse
     from lightning_loco.testing.launch import init_gloo
     from lightning_loco.transport import TorchDistributedTransport

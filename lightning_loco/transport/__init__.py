@@ -1,5 +1,6 @@
 """Moving flat buffers between replicas: the interface and the shared ``Pending`` (``base``),
-torch.distributed (``torch_dist``, its lossy wire formats in ``coded``), and in-process (``in_process``)."""
+torch.distributed (``torch_dist``; waiting for its works in ``pending_sum``, its streams in ``streams``, its lossy
+wire formats in ``wire.coded``), and in-process (``in_process``)."""
 
 from lightning_loco.transport.base import PeerError, Pending, Transport, TransportStats, sum_in_group_order
 from lightning_loco.transport.in_process import InProcessNetwork, InProcessTransport

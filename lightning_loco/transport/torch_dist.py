@@ -10,8 +10,8 @@
   chunks a round trip at a time, several times slower on a long fat pipe (``benchmarks/link_efficiency.py``).
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
-training goes on, and ``PendingSum.wait()`` returns the sum (timing, stats and the cached sum are
-:class:`~lightning_loco.transport.base.Pending`'s; ``PendingSum`` adds the works and how to wait for them).
+training goes on, and ``PendingSum.wait()`` returns the sum (:mod:`~lightning_loco.transport.pending_sum`:
+the works and how to wait for them).
 
 A replica may span several ranks (``ranks_per_replica``): then each rank moves one slice of the
 buffer and the replica's ranks all-gather the result; the algorithms do not see the difference.
@@ -28,26 +28,17 @@ With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the exchanges are tho
 :mod:`~lightning_loco.wire.coded`; this module holds the float32 paths.
 
 ``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
-(gloo gives every group its own connections): s TCP connections per pair carry one exchange. One connection
-carries at most its send buffer per round trip, and gloo's all-reduce waits a round trip per step, so on a long
-fat pipe a single connection leaves most of the link idle (``benchmarks/link_efficiency.py``). The groups are
-made when the transport is built, by every rank of the world (``dist.new_group`` is collective). Pieces land in
-the same buffers, so a pair exchange's sum is bitwise the same for every s; an all-reduce of the pieces adds
-the same values in the order gloo chooses for each piece.
+(:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from typing_extensions import Self
 
 from lightning_loco.transport.base import (
     FIRST_ROUND,
@@ -59,110 +50,14 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
+from lightning_loco.transport.pending_sum import PendingSum
 from lightning_loco.transport.staging import StagingPool
+from lightning_loco.transport.streams import make_stream_groups, piece
 from lightning_loco.wire import coded
 from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "all_gather_slices",
            "sum_in_group_order"]
-
-
-class PendingSum(Pending):
-    """An exchange posted by ``start_group_sum`` or ``start_all_reduce_sum``: its works, and ``finish``,
-    which makes the sum once they completed (with k > 1, an all-gather inside the replica).
-
-    ``wait()`` blocks at most the process group's timeout. ``watch()`` starts a thread that waits for
-    the works and notes when they completed: gloo's point-to-point works report completion only once
-    waited for, so without it ``done()`` could not tell a finished transfer from a running one. NCCL's
-    works are never watched by a thread: on a CUDA transport the works are waited for on the
-    transport's side stream at once, which only makes that stream wait, and a CUDA event recorded
-    there after them tells completion (``done()`` queries it, ``wait()`` makes the current stream wait
-    for it).
-    """
-
-
-
-    def __init__(
-        self,
-        transport: "TorchDistributedTransport",
-        works: list[Any],
-        finish: Callable[[], Tensor],
-        nbytes: int,
-        peers: tuple[int, ...],
-    ) -> None:
-        super().__init__(transport, nbytes, peers)
-        self.works, self.finish = works, finish
-        self._posted = bool(works)  # a replica alone in an all-reduce still counts the call
-        self._error: Optional[RuntimeError] = None
-        self._event: Any | None = None  # CUDA transports: recorded on the side stream after the works
-        if works and transport.device.type == "cuda":
-            try:
-                self._event = transport.completion_event(works)
-            except RuntimeError as err:  # TORCH_NCCL_BLOCKING_WAIT=1: the works were waited for here
-                raise transport.peer_error(peers, err) from err
-
-    def watch(self) -> Self:
-        """Starts the watcher thread (CPU transports only; see the class docstring). Returns self."""
-        if self.works and self._watcher is None and self.transport.device.type == "cpu":
-            self._watcher = threading.Thread(target=self._wait_works, name="lightning_loco-exchange", daemon=True)
-            self._watcher.start()
-        return self
-
-    def _wait_works(self) -> None:
-        try:
-            for work in self.works:
-                work.wait()
-        except RuntimeError as err:
-            self._error = err
-        self.completed_at = time.perf_counter()
-
-    def abandon(self, timeout: float) -> bool:
-        """Gives the posted operations up to ``timeout`` seconds to finish, then drops them, whatever
-        happened (used when training stops with a round in flight). Returns whether they finished."""
-        finished = True
-        if self._watcher is not None:
-            self._watcher.join(timeout)
-            finished = not self._watcher.is_alive() and self._error is None
-        elif self._event is not None:  # poll: making the training stream wait could hang it
-            deadline = time.perf_counter() + timeout
-            while not self._event.query() and time.perf_counter() < deadline:
-                time.sleep(0.01)
-            finished = bool(self._event.query())
-        else:
-            for work in self.works:
-                try:
-                    finished = bool(work.wait(timedelta(seconds=timeout))) and finished
-                except RuntimeError:
-                    finished = False
-        self.works, self.finish = [], lambda: torch.empty(0)
-        return finished
-
-    def _complete(self) -> bool:
-        if self._watcher is not None:
-            return not self._watcher.is_alive()
-        if self._event is not None:
-            return bool(self._event.query())
-        return all(w.is_completed() for w in self.works)
-
-    def _receive(self) -> Tensor:
-        try:
-            if self._watcher is not None:
-                self._watcher.join()
-                if self._error is not None:
-                    raise self._error
-            elif self._event is not None:
-                torch.cuda.current_stream(self.transport.device).wait_event(self._event)
-            else:
-                for work in self.works:
-                    work.wait()
-            result = self.finish()
-        except RuntimeError as err:
-            raise self.transport.peer_error(self.peers, err) from err
-        self.works, self.finish = [], lambda: result
-        return result
-
-    def _counts(self) -> bool:
-        return bool(self.peers) or self._posted  # a group of one talks to nobody: nothing to count
 
 
 class TorchDistributedTransport(Transport):
@@ -235,15 +130,8 @@ class TorchDistributedTransport(Transport):
         self.streams = streams
         # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
         self.pairwise_all_reduce = self.num_replicas == 2 and dist.get_backend(process_group) == "gloo"
-        self.stream_groups: list[Any] = [process_group]
-        if stream_groups is not None:  # the strategies': made by ProcessGroups with the run's backend and timeout
-            if len(stream_groups) != streams - 1:
-                raise ValueError(f"streams={streams} takes {streams - 1} stream_groups, got {len(stream_groups)}")
-            self.stream_groups += list(stream_groups)
-        elif streams > 1:  # collective: every rank of the world builds its transport, in the same order
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            backend = dist.get_backend(process_group)
-            self.stream_groups += [dist.new_group(ranks=ranks, backend=backend) for _ in range(streams - 1)]
+        # the strategies' (made by ProcessGroups with the run's backend and timeout), or made here: collective
+        self.stream_groups: list[Any] = make_stream_groups(process_group, streams, stream_groups)
 
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
@@ -282,22 +170,16 @@ class TorchDistributedTransport(Transport):
         ``batch_isend_irecv``; returns its works. (Messages are matched in posting order: ``round_id``
         tags nothing here.)"""
         works = []
-        for piece, group in enumerate(self.stream_groups):  # with streams = s, piece c of each message on group c
-            ops = [dist.P2POp(dist.irecv, self._piece(buf, piece), self.replica_ranks[j], group)
+        for c, group in enumerate(self.stream_groups):  # with streams = s, piece c of each message on group c
+            ops = [dist.P2POp(dist.irecv, piece(buf, c, self.streams), self.replica_ranks[j], group)
                    for j, buf in receives.items()]
-            ops += [dist.P2POp(dist.isend, self._piece(buf, piece), self.replica_ranks[j], group)
+            ops += [dist.P2POp(dist.isend, piece(buf, c, self.streams), self.replica_ranks[j], group)
                     for j, buf in sends.items()]
             try:
                 works += dist.batch_isend_irecv(ops) if ops else []
             except RuntimeError as err:  # gloo may fail at once when a peer is already gone
                 raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
         return works
-
-    def _piece(self, buf: Tensor, piece: int) -> Tensor:
-        """Piece ``piece`` of ``streams`` of a contiguous buffer (a view: what lands in it lands in ``buf``)."""
-        if self.streams == 1:
-            return buf
-        return torch.tensor_split(buf.view(-1), self.streams)[piece]
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> PendingSum:
         return PendingSum(self, [], lambda: total, 0, peers).completed_with(total)
@@ -384,7 +266,7 @@ class TorchDistributedTransport(Transport):
         peers = tuple(j for j in range(n) if j != self.replica)
         groups = self.stream_groups if self.ranks_per_replica == 1 else [group]
         try:
-            works = [dist.all_reduce(self._piece(part, c), op=dist.ReduceOp.SUM, group=g, async_op=True)
+            works = [dist.all_reduce(piece(part, c, self.streams), op=dist.ReduceOp.SUM, group=g, async_op=True)
                      for c, g in enumerate(groups)]
         except RuntimeError as err:
             raise self.peer_error(peers, err) from err
