@@ -135,8 +135,11 @@ def test_a_dead_partner_is_still_a_failure_under_a_straggler_timeout():
     "value, words", [(0, ["straggler_timeout", "> 0"]), (-1.0, ["straggler_timeout"]), (True, ["straggler_timeout"]),
                      (120, ["below outer_step_timeout=120"])])
 def test_bad_straggler_timeouts_fail_when_built(value, words):
-    with pytest.raises(ValueError) as err:
-        ElasticConfig("127.0.0.1:1", "a", straggler_timeout=value).check()
+    from lightning_loco.algorithms import NoLoCo
+    from lightning_loco.rules import build_options
+
+    with pytest.raises(ValueError) as err:  # a field's own check, or the rule elastic-straggler-below-timeout
+        build_options(NoLoCo(), 4, elastic=ElasticConfig("127.0.0.1:1", "a", straggler_timeout=value))
     for word in words:
         assert word in str(err.value)
 

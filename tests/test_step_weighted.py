@@ -16,6 +16,7 @@ from lightning_loco.algorithms import DiLoCo, GASLoC, NoLoCo
 from lightning_loco.algorithms.step_weighted import StepWeighted, WeightedState
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.replica.options import PacingConfig
+from lightning_loco.rules import build_options
 from lightning_loco.simulator import TrainingSimulator
 from lightning_loco.trainer import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.transport import InProcessNetwork
@@ -111,7 +112,8 @@ def test_a_simulated_run_weights_each_replica_by_its_steps_in_closed_form():
 
 
 def driver(make=NoLoCo, **kwargs) -> OuterStepDriver:
-    return OuterStepDriver.of(make(), InProcessNetwork(2).transport(0), 4, **kwargs)
+    """A driver of options the rule table let through (as every strategy and the simulator build them)."""
+    return OuterStepDriver(build_options(make(), 4, **kwargs), InProcessNetwork(2).transport(0))
 
 
 STEPS = PacingConfig(1.0, merge="steps")
@@ -121,7 +123,7 @@ STEPS = PacingConfig(1.0, merge="steps")
     ({"pacing": PacingConfig(1.0, merge="tokens")}, "merge must be 'mean'.*or 'steps'"),
     ({"pacing": STEPS, "wire": "bfloat16"}, "would round it. Use wire='float32' with merge='steps'"),
 ])
-def test_bad_merges_fail_when_the_driver_is_built(kwargs, match):
+def test_bad_merges_fail_when_the_driver_s_options_are_built(kwargs, match):
     with pytest.raises(ValueError, match=match):
         driver(**kwargs)
     with pytest.raises(ValueError, match="does not serve gasloc: its gossip mix must stay mean-preserving"):
