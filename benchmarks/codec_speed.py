@@ -1,4 +1,4 @@
-"""Codec speed: GB/s of encode and decode for bfloat16, float16 and int8, against a plain copy.
+"""Codec speed: GB/s of encode and decode for bfloat16, float16, int8, int4, int2 and topk, against a plain copy.
 
     python -m benchmarks.codec_speed [--sizes 1e6 1e7 5e7] [--repeats 7] [--before a10949b] [--compile]
     python -m benchmarks.codec_speed --quick        # a few seconds: 10^4 and 10^5 values, 5 repeats
@@ -45,7 +45,8 @@ from benchmarks.common import ROOT, results_dir, spread, table, write_json
 from lightning_loco.wire import codecs
 
 BEFORE = "a10949b"  # the last commit whose codecs ran one whole-buffer operation after another
-CODECS = ("bfloat16", "float16", "int8")
+CODECS = ("bfloat16", "float16", "int8", "int4", "int2", "topk")  # topk: density 0.02, int2 values
+OLD_CODECS = ("bfloat16", "float16", "int8")  # the formats the before codecs had
 
 
 def load_before(commit: str) -> types.ModuleType | None:
@@ -141,7 +142,8 @@ def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes:
     modules = {"after": codecs, **({"before": before} if before is not None else {})}
     same: dict[str, bool] = {}
     for name in CODECS:
-        variants: dict[str, Any] = {v: codec_of(m, name) for v, m in modules.items()}
+        variants: dict[str, Any] = {v: codec_of(m, name) for v, m in modules.items()
+                                    if v == "after" or name in OLD_CODECS}
         if name == "int8" and compile_:
             built = compiled_int8(x)
             if isinstance(built, str):

@@ -87,7 +87,7 @@ class ReplicaSimulator:
             x = payloads[i]
             if self.residuals is not None:
                 x = x + self.residuals.get(i, torch.zeros_like(x))
-                parts = segments(x.numel(), 1, n if collective else 1)
+                parts = segments(x.numel(), 1, n if collective and not codec.gathers else 1)
                 self.residuals[i] = x - roundtrip_segments(x, codec, parts)
             sent[i] = x
         if collective:

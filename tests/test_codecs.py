@@ -104,7 +104,8 @@ def test_float16_refuses_values_beyond_its_range_and_bfloat16_carries_them():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"format": "fp8"}, r"wire format must be one of 'float32', 'bfloat16', 'float16', 'int8', got 'fp8'"),
+        ({"format": "fp8"},
+         r"wire format must be one of 'float32', 'bfloat16', 'float16', 'int8', 'int4', 'int2', 'topk', got 'fp8'"),
         ({"format": torch.bfloat16}, "wire format must be one of"),
         ({"format": "int8", "block_size": 0}, r"wire block_size must be an integer >= 1, got 0.*256"),
         ({"format": "int8", "block_size": 2.5}, "wire block_size must be an integer >= 1, got 2.5"),

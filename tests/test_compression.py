@@ -316,8 +316,12 @@ def test_resuming_with_a_residual_and_a_round_in_flight_continues_bitwise(name, 
 @pytest.mark.parametrize(
     "wire,match",
     [
-        ("bf16", "wire format must be one of 'float32', 'bfloat16', 'float16', 'int8', got 'bf16'"),
-        ("int4", "wire format must be one of"),
+        ("bf16", "wire format must be one of 'float32', 'bfloat16', 'float16', 'int8', 'int4', 'int2', 'topk', "
+                 "got 'bf16'"),
+        ("int3", "wire format must be one of"),
+        (lambda: WireConfig("topk", density=0), "wire density must be a number in \\(0, 1\\], got 0"),
+        (lambda: WireConfig("topk", density=1.5), "wire density must be a number in \\(0, 1\\], got 1.5"),
+        (lambda: WireConfig("topk", value_format="int3"), "wire value_format must be one of 'int8', 'int4'"),
         (3, "wire must be a format name"),
         (lambda: WireConfig("int8", block_size=0), "wire block_size must be an integer >= 1, got 0"),
         (lambda: WireConfig("int8", block_size=64.0), "wire block_size .* got 64.0"),

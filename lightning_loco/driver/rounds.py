@@ -83,7 +83,8 @@ def prepare(
             raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
         payload = payload + residual  # a new tensor: never the live weights
     check_payload(payload, codec, who)
-    parts = segments(payload.numel(), transport.slices_per_replica, transport.num_replicas if round_.collective else 1)
+    chunks = transport.num_replicas if round_.collective and not codec.gathers else 1  # as the transport encodes
+    parts = segments(payload.numel(), transport.slices_per_replica, chunks)
     sent = Payload(payload, tuple(group), round_.collective, codec, tuple(parts))
     if residual is not None:
         lost = sent.loss()

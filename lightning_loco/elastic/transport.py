@@ -336,7 +336,8 @@ class ElasticTransport(Transport):
 
             return self.pending([work], finish, ring_all_reduce_bytes(part.numel() * part.element_size(), n), others)
 
-        return self._start(payload, others, n, lossy, post, round_id, chunks=n)
+        chunks = 1 if lossy is not None and lossy.gathers else n  # a sparse format is gathered whole
+        return self._start(payload, others, n, lossy, post, round_id, chunks=chunks)
 
     def close(self) -> None:
         self._lingering = []

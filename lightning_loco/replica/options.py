@@ -31,8 +31,10 @@ from lightning_loco.driver.overlap import MERGES as OVERLAP_MERGES
 from lightning_loco.driver.overlap import OverlapSteps, check_overlap_steps
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.wire.codecs import DEFAULT_BLOCK_SIZE, FORMATS, WireFormat, make_codec
+from lightning_loco.wire.sparse import DEFAULT_DENSITY, DEFAULT_VALUE_FORMAT, VALUE_FORMATS
 
-WireFormatName = Literal["float32", "bfloat16", "float16", "int8"]
+WireFormatName = Literal["float32", "bfloat16", "float16", "int8", "int4", "int2", "topk"]
+ValueFormatName = Literal["int8", "int4", "int2", "float16"]
 Block = Union[type, str]
 FINAL_OUTER_STEPS = ("average", "outer")
 PACING_MERGES = ("mean", "steps")
@@ -61,9 +63,15 @@ class WireConfig:
     Args:
         format: "float32" (default: payloads as they are), "bfloat16" or "float16" (half the bytes;
             float16 keeps 3 more bits but carries no |x| > 65504), or "int8" (each block of
-            ``block_size`` values as int8 with one float32 scale: about a quarter of the bytes).
-        block_size: int8 only: values per scale, an integer >= 1 (None: 256, where 1.6 % of the bytes
-            are scales; smaller blocks follow outliers more closely).
+            ``block_size`` values as int8 with one float32 scale: about a quarter of the bytes), "int4" or
+            "int2" (the same with 4-bit or 2-bit values: about an eighth or a sixteenth), or "topk" (the
+            ``density`` largest values of each chunk of 4096, with their positions, in ``value_format``;
+            pseudo-gradient payloads (DiLoCo) with error feedback only).
+        block_size: int8, int4 and int2 only: values per scale, an integer >= 1 (None: 256, where 1.6 % of
+            the int8 bytes are scales; smaller blocks follow outliers more closely).
+        density: topk only: the share of each chunk's values sent, a number in (0, 1] (None: 0.02).
+        value_format: topk only: the format of the values sent, "int8", "int4", "int2" or "float16", with
+            one float32 scale per chunk for the integer formats (None: "int2").
         error_feedback: lossy formats only: keep what the codec lost of each payload and add it to the
             next (saved in checkpoints). None (default): on where the payload is a pseudo-gradient
             (DiLoCo), off where it is weights (NoLoCo, GASLoC), as docs/compression.md measured.
@@ -80,13 +88,16 @@ class WireConfig:
     block_size: Optional[int] = None
     error_feedback: Optional[bool] = None
     streams: int = 1
+    density: Optional[float] = None
+    value_format: Optional[ValueFormatName] = None
 
     def check(self) -> None:
         """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options)."""
         if self.format not in FORMATS:
             raise ValueError(
                 f"wire format must be one of {', '.join(map(repr, FORMATS))}, got {self.format!r}. 'float32' (the "
-                "default) sends payloads as they are; 'bfloat16' and 'float16' halve the bytes; 'int8' quarters them."
+                "default) sends payloads as they are; 'bfloat16' and 'float16' halve the bytes; 'int8' quarters them; "
+                "'int4' and 'int2' send 4 and 2 bits per value; 'topk' sends a few values of each chunk (DiLoCo)."
             )
         if self.block_size is not None:
             check_int("wire block_size", self.block_size,
@@ -95,6 +106,15 @@ class WireConfig:
         if self.error_feedback is not None:
             _check_bool("wire error_feedback", self.error_feedback,
                         "None (the default) turns it on for pseudo-gradient payloads (DiLoCo) with a lossy format.")
+        if self.density is not None:
+            value = self.density
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"wire density must be a number in (0, 1], got {value!r}: the share of each chunk's "
+                                 f"values topk sends, e.g. 0.01 to 0.03 (None: {DEFAULT_DENSITY}).")
+        if self.value_format is not None and self.value_format not in VALUE_FORMATS:
+            raise ValueError(f"wire value_format must be one of {', '.join(map(repr, VALUE_FORMATS))}, got "
+                             f"{self.value_format!r}: the format of the values topk sends (None: "
+                             f"{DEFAULT_VALUE_FORMAT!r}, 2 bits per value with one scale per chunk).")
         check_int("wire streams", self.streams,
                   "1 (the default) sends each exchange over one connection per pair; s > 1 over s of them.")
 
@@ -104,7 +124,9 @@ class WireConfig:
 
     def resolve(self, pseudo_gradient: bool) -> WireFormat:
         """The codec and the error feedback of a run whose payloads are pseudo-gradients (or weights)."""
-        codec = make_codec(self.format, self.block_size or DEFAULT_BLOCK_SIZE)
+        codec = make_codec(self.format, self.block_size or DEFAULT_BLOCK_SIZE,
+                           DEFAULT_DENSITY if self.density is None else self.density,
+                           self.value_format or DEFAULT_VALUE_FORMAT)
         feedback = pseudo_gradient if self.error_feedback is None else self.error_feedback
         return WireFormat(codec, feedback and codec.lossy)
 

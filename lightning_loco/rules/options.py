@@ -8,6 +8,7 @@ from typing import Callable, Optional
 from lightning_loco.algorithms.outer_optimizer import picklable_problem
 from lightning_loco.replica.options import Options
 from lightning_loco.rules.table import Facts, Rules
+from lightning_loco.wire.codecs import BLOCK_FORMATS
 
 RULES = Rules()
 rule = RULES.rule
@@ -133,14 +134,47 @@ def _steps_merge_exact_wire(f: Facts) -> Optional[str]:
 # -- the wire format
 
 
-@rule("block-size-int8-only", "build", ("wire.block_size", "wire.format"),
-      "`block_size` with a format other than int8", "`format='int8'`, or no block size")
-def _block_size_int8_only(f: Facts) -> Optional[str]:
+@rule("block-size-block-formats", "build", ("wire.block_size", "wire.format"),
+      "`block_size` with a format other than int8, int4 or int2", "`format='int8'` (or int4, int2), or no block size")
+def _block_size_block_formats(f: Facts) -> Optional[str]:
     w = f.options.wire
-    if w.block_size is None or w.format == "int8":
+    if w.block_size is None or w.format in BLOCK_FORMATS:
         return None
-    return (f"wire block_size={w.block_size} sets int8's values per scale, and the format is {w.format!r}. Use "
-            "format='int8' with it, or leave block_size out.")
+    return (f"wire block_size={w.block_size} sets the values per scale of int8, int4 and int2, and the format is "
+            f"{w.format!r}. Use one of those formats with it, or leave block_size out.")
+
+
+@rule("sparse-options-topk-only", "build", ("wire.density", "wire.value_format", "wire.format"),
+      "`density` or `value_format` with a format other than topk", "`format='topk'`, or neither")
+def _sparse_options_topk_only(f: Facts) -> Optional[str]:
+    w = f.options.wire
+    given = [f"{k}={v!r}" for k, v in (("density", w.density), ("value_format", w.value_format)) if v is not None]
+    if not given or w.format == "topk":
+        return None
+    return (f"wire {' and '.join(given)} set(s) what topk sends of each chunk, and the format is {w.format!r}. Use "
+            "format='topk' with it, or leave it out.")
+
+
+@rule("topk-pseudo-gradient-only", "build", ("wire.format", "algorithm"),
+      "`format='topk'` where the payload is not a pseudo-gradient (NoLoCo, GASLoC)",
+      "DiLoCo, or int8, int4 or int2")
+def _topk_pseudo_gradient_only(f: Facts) -> Optional[str]:
+    o = f.options
+    if o.wire.format != "topk" or o.algorithm.payload_is_pseudo_gradient:
+        return None
+    return (f"wire format 'topk' sends a few values of a difference every receiver can add to a state they share (a "
+            f"pseudo-gradient, DiLoCo); {type(o.algorithm).__name__} sends its weights, whose values left out would "
+            "be read as zeros. Use 'int8', 'int4' or 'int2' with it, or DiLoCo for topk.")
+
+
+@rule("topk-needs-error-feedback", "build", ("wire.format", "wire.error_feedback"),
+      "`format='topk'` with `error_feedback=False`", "error feedback (the default with topk)")
+def _topk_needs_error_feedback(f: Facts) -> Optional[str]:
+    w = f.options.wire
+    if w.format != "topk" or w.error_feedback is not False:
+        return None
+    return ("wire format 'topk' with error_feedback=False would drop every value it does not send, for good; error "
+            "feedback keeps them for later rounds. Leave error_feedback out (on with topk), or set it True.")
 
 
 @rule("error-feedback-lossy-only", "build", ("wire.error_feedback", "wire.format"),

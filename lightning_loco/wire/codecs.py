@@ -6,6 +6,9 @@ A :class:`Codec` turns a flat float32 buffer into one flat ``uint8`` buffer of e
 * ``float32``: the identity. Strategies never call a codec for it: the payload travels as it is,
   bitwise today's path;
 * ``bfloat16`` and ``float16``: a cast (2 bytes per value), rounded to nearest;
+* ``int4`` and ``int2`` (:mod:`lightning_loco.wire.lowbit`): the same with 4-bit and 2-bit values
+  packed into bytes; ``topk`` (:mod:`lightning_loco.wire.sparse`): the largest values of each chunk
+  with their positions, for pseudo-gradients with error feedback;
 * ``int8``: per-block absmax quantisation. Each block of ``block_size`` values gets one float32 scale
   s = max|x| / 127 and sends round(x / s) as int8, so every value comes back within s/2 = max|x|/254 of
   itself (float rounding aside). ``nbytes(n) = n + 4·⌈n / block_size⌉``. A block of zeros has s = 0
@@ -17,7 +20,8 @@ Receivers accumulate in float32: every member of a group decodes every payload, 
 and sums the decoded buffers in ascending replica order, so all members hold bitwise the same sum
 (:func:`decode_sum`). The all-reduce with a lossy codec (:func:`chunked_all_reduce`) never sums in
 low precision: the buffer is cut into N chunks, replica c decodes and sums chunk c of every replica in
-float32, encodes that sum once, and everyone decodes the same bytes.
+float32, encodes that sum once, and everyone decodes the same bytes. A codec that ``gathers`` (topk,
+whose sums are not sparse) is not cut: every replica decodes and sums every replica's whole payload.
 
 Bytes per replica, as every transport counts them: :func:`ring_all_reduce_bytes` for a float32
 all-reduce (the nominal ring figure), :func:`all_reduce_bytes` for the chunked all-reduce of a codec.
@@ -30,7 +34,6 @@ e ← Δ + e − D(Q(Δ + e)). Nothing is lost for good, only delayed.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,50 +41,25 @@ import torch
 from torch import Tensor
 
 from lightning_loco.wire import kernels as codec_kernels
+from lightning_loco.wire.base import Codec
+from lightning_loco.wire.lowbit import LOWBIT_FORMATS, LowBitBlockCodec
+from lightning_loco.wire.sparse import (
+    DEFAULT_CHUNK,
+    DEFAULT_DENSITY,
+    DEFAULT_VALUE_FORMAT,
+    TopKCodec,
+    check_density,
+    kept,
+)
 
-FORMATS = ("float32", "bfloat16", "float16", "int8")  # the wire formats (``wire=`` of the strategies)
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int2", "topk")  # the wire formats (``wire=``)
+BLOCK_FORMATS = ("int8", "int4", "int2")  # the formats with a block size (values per scale)
 DEFAULT_BLOCK_SIZE = 256
 FLOAT16_MAX = 65504.0
 
 
 class PayloadError(RuntimeError):
     """A payload that cannot be sent: NaN or inf, or values its wire format cannot carry."""
-
-
-class Codec(ABC):
-    """Encodes flat float32 buffers into ``nbytes(n)`` bytes and back."""
-
-    name: str
-    lossy: bool = True
-
-    @abstractmethod
-    def nbytes(self, n: int) -> int:
-        """Exact size in bytes of ``n`` encoded values."""
-
-    @abstractmethod
-    def encode(self, x: Tensor) -> Tensor:
-        """A flat float32 tensor → a flat ``uint8`` tensor of ``nbytes(x.numel())`` bytes (same device)."""
-
-    @abstractmethod
-    def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
-        """The ``uint8`` buffer of ``n`` encoded values → a flat float32 tensor: a new one, or
-        ``out`` (``n`` float32 values on the data's device) filled and returned."""
-
-    def decode_add_(self, total: Tensor, data: Tensor) -> Tensor:
-        """``total += D(data)`` for the ``total.numel()`` values in ``data``, bitwise
-        ``total.add_(self.decode(data, total.numel()))``; codecs override it to skip the decoded copy."""
-        return total.add_(self.decode(data, total.numel()))
-
-    def roundtrip(self, x: Tensor) -> Tensor:
-        """D(Q(x)): what a receiver gets for ``x``."""
-        return self.decode(self.encode(x), x.numel())
-
-    def check(self, largest: float) -> str | None:
-        """Why a finite payload whose largest |value| is ``largest`` cannot be sent in this format, or ``None``."""
-        return None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
 
 
 class Float32Codec(Codec):
@@ -175,12 +153,22 @@ class Int8BlockCodec(Codec):
         return total
 
 
-def make_codec(format: str = "float32", block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
-    """The codec of a wire format (one of :data:`FORMATS`; ``block_size``: int8's values per scale)."""
+def make_codec(format: str = "float32", block_size: int = DEFAULT_BLOCK_SIZE, density: float = DEFAULT_DENSITY,
+               value_format: str = DEFAULT_VALUE_FORMAT) -> Codec:
+    """The codec of a wire format (one of :data:`FORMATS`; ``block_size``: the values per scale of int8,
+    int4 and int2; ``density`` and ``value_format``: topk's share of each chunk sent and its values' format)."""
     if format not in FORMATS:
         raise ValueError(f"the wire format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
     if format == "int8":
         return Int8BlockCodec(block_size)
+    if format in LOWBIT_FORMATS:
+        return LowBitBlockCodec(LOWBIT_FORMATS[format], block_size)
+    if format == "topk":
+        check_density(density)
+        if value_format not in ("int8", "int4", "int2", "float16"):
+            raise ValueError(f"topk's value_format must be 'int8', 'int4', 'int2' or 'float16', got {value_format!r}")
+        values = make_codec(value_format, kept(density, DEFAULT_CHUNK))  # one scale per chunk
+        return TopKCodec(values, density, DEFAULT_CHUNK)
     if format == "float32":
         return Float32Codec()
     return CastCodec(torch.bfloat16 if format == "bfloat16" else torch.float16)
@@ -259,6 +247,8 @@ def chunked_all_reduce(payloads: Sequence[Tensor], codec: Codec) -> Tensor:
     float32, then encoded once and decoded by all. Reference for the transports (and the in-process
     transport's result)."""
     n = len(payloads)
+    if codec.gathers:  # a sparse format: every replica's whole payload, decoded and summed by everyone
+        return decode_sum({j: codec.encode(p) for j, p in enumerate(payloads)}, payloads[0].numel(), codec, range(n))
     chunked = [torch.tensor_split(p, n) for p in payloads]
     out = []
     for c in range(n):
@@ -279,7 +269,10 @@ def ring_all_reduce_bytes(nbytes: int, num_replicas: int) -> int:
 def all_reduce_bytes(codec: Codec, numel: int, num_replicas: int, replica: int) -> int:
     """Bytes replica ``replica`` sends in the chunked all-reduce of ``numel`` values: chunk j of its
     payload to each replica j ≠ it, then its reduced chunk to each of the N − 1 others.
-    About :func:`ring_all_reduce_bytes` of ``codec.nbytes(numel)``."""
+    About :func:`ring_all_reduce_bytes` of ``codec.nbytes(numel)``. A codec that ``gathers`` (sparse) sends
+    its whole encoded payload to each of the N − 1 others: (N − 1)·nbytes(numel), growing with N."""
+    if codec.gathers:
+        return (num_replicas - 1) * codec.nbytes(numel)
     sizes = [b - a for a, b in _split(0, numel, num_replicas)]
     scatter = sum(codec.nbytes(s) for j, s in enumerate(sizes) if j != replica)
     return scatter + (num_replicas - 1) * codec.nbytes(sizes[replica])

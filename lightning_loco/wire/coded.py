@@ -8,7 +8,9 @@ With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the bytes on the wire
 * the all-reduce becomes an all-to-all of encoded chunks (chunk c goes to replica c), a float32 sum
   of the decoded chunks in ascending replica order, and an all-gather of each encoded reduced chunk,
   all point to point: 2(N−1)/N × the codec's size per replica, and bitwise the same result on every
-  replica. The all-to-all runs in the background; the all-gather runs when the sum is waited for.
+  replica. The all-to-all runs in the background; the all-gather runs when the sum is waited for. A
+  codec that ``gathers`` (topk: a sum of sparse payloads is not sparse) is an all-gather instead: the
+  group sum of all N replicas, (N−1) × the codec's size per replica.
 
 Encoded buffers are small and are not staged: a CUDA payload on gloo is encoded on its device and
 copied to the host. Both functions take the transport, post with its point-to-point ``exchange``, and
@@ -18,7 +20,8 @@ rank moves its own slice and the replica's ranks gather the result, as in float3
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,6 +34,15 @@ def start_group_sum(
     transport: PointToPoint, payload: Tensor, group: Sequence[int], others: list[int], codec: Codec, round_id: RoundId
 ) -> Pending:
     """Posts the group's exchange of encoded slices (``others``: the group less this replica)."""
+    works, total, nbytes = _post_group_sum(transport, payload, group, others, codec, round_id)
+    return transport.pending(works, total, nbytes, tuple(others))
+
+
+def _post_group_sum(
+    transport: PointToPoint, payload: Tensor, group: Sequence[int], others: list[int], codec: Codec, round_id: RoundId
+) -> tuple[list[Any], Callable[[], Tensor], int]:
+    """Posts the exchange of encoded slices: its works, the function that sums them once they completed
+    (a new tensor of the payload's shape, on its device), and the bytes this replica sends."""
     part = transport.slice(payload)
     n = part.numel()
     send = codec.encode(part.contiguous()).to(transport.device)  # encoded where the payload is
@@ -42,14 +54,18 @@ def start_group_sum(
         total = decode_sum(encoded, n, codec, group)
         return transport.gather_slices(total, payload).to(payload.device)
 
-    return transport.pending(works, finish, codec.nbytes(n) * len(others), tuple(others))
+    return works, finish, codec.nbytes(n) * len(others)
 
 
 def start_all_reduce_sum(transport: PointToPoint, payload: Tensor, codec: Codec, round_id: RoundId) -> Pending:
     """Posts the all-to-all half of the chunked all-reduce; the all-gather half runs in ``wait()``,
     and the sum lands in ``payload``."""
-    part = transport.slice(payload)
     num, me = transport.num_replicas, transport.replica
+    if codec.gathers:  # a sparse format: the sum of every replica's whole payload, as a group of all
+        others = [j for j in range(num) if j != me]
+        works, total, nbytes = _post_group_sum(transport, payload, range(num), others, codec, round_id)
+        return transport.pending(works, lambda: payload.copy_(total().view_as(payload)), nbytes, tuple(others))
+    part = transport.slice(payload)
     peers = tuple(j for j in range(num) if j != me)
     chunks = torch.tensor_split(part, num)
     sizes = [c.numel() for c in chunks]

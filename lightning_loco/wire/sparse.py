@@ -1,0 +1,138 @@
+"""Sparse top-k of each chunk, for payloads that are pseudo-gradients (SparseLoCo-style).
+
+The flat buffer is cut into chunks of ``chunk`` values (the last may be shorter). Of a chunk of c values,
+the k(c) = min(c, max(1, ⌈density·c⌉)) of largest magnitude are sent: their positions inside the chunk
+as ``uint16`` (``chunk`` ≤ 65536), in ascending order, and their signed values in ``value_format``:
+
+* ``int8``, ``int4`` or ``int2``: the block formats with one float32 scale per chunk (block size k of a
+  full chunk: each chunk's values are one block);
+* ``float16``: the values cast (2 bytes each; no |x| > 65504).
+
+Everything else decodes to zero; the decoded buffer is dense float32. With error feedback
+(:class:`~lightning_loco.wire.codecs.WireFormat`) what is not sent stays in the residual and travels
+later, so nothing is lost for good. Layout: the values' encoding first (its scales read in place), a
+zero byte where needed to make its length even, then the indices:
+``nbytes(n) = even(V(m)) + 2·m`` with m = Σ k over the chunks and V the value format's size of m values.
+
+A sum of such payloads is not sparse, so a collective round does not re-encode one: the codec
+``gathers`` (:class:`~lightning_loco.wire.base.Codec`), every replica's encoded payload goes to every
+other, and each decodes and adds all N in float32 in ascending replica order: bitwise the same sum
+everywhere, for (N − 1)·nbytes(n) bytes sent per replica, growing with N.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_loco.wire.base import Codec
+
+VALUE_FORMATS = ("int8", "int4", "int2", "float16")
+DEFAULT_DENSITY = 0.02
+DEFAULT_VALUE_FORMAT = "int2"
+DEFAULT_CHUNK = 4096
+
+
+class TopKCodec(Codec):
+    """Top-k of each chunk with compact indices and low-bit values (see the module docstring)."""
+
+    name = "topk"
+    gathers = True
+
+    def __init__(self, values: Codec, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK) -> None:
+        """``values``: the chosen values' codec (one of :data:`VALUE_FORMATS`; a block format with block size
+        ``kept(density, chunk)``: :func:`~lightning_loco.wire.codecs.make_codec` builds it)."""
+        check_density(density)
+        if values.name not in VALUE_FORMATS:
+            raise ValueError(f"topk's value_format must be one of {', '.join(map(repr, VALUE_FORMATS))}, "
+                             f"got {values.name!r}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= 65536:
+            raise ValueError(f"topk's chunk must be an integer in [1, 65536], got {chunk!r}")
+        self.density, self.value_format, self.chunk = float(density), values.name, chunk
+        self.k = self.kept(chunk)
+        self.values = values
+
+    def kept(self, c: int) -> int:
+        """How many of a chunk of ``c`` values are sent."""
+        return kept(self.density, c)
+
+    def selected(self, n: int) -> int:
+        """How many of ``n`` values are sent."""
+        full, rest = divmod(n, self.chunk)
+        return full * self.k + self.kept(rest)
+
+    def _value_bytes(self, m: int) -> int:
+        v = self.values.nbytes(m)
+        return v + (v & 1)
+
+    def nbytes(self, n: int) -> int:
+        m = self.selected(n)
+        return self._value_bytes(m) + 2 * m
+
+    def encode(self, x: Tensor) -> Tensor:
+        x = x.detach().to(torch.float32).reshape(-1).contiguous()
+        n, c = x.numel(), self.chunk
+        out = torch.zeros(self.nbytes(n), dtype=torch.uint8, device=x.device)
+        if not n:
+            return out
+        full = n // c
+        m = self.selected(n)
+        indices = torch.empty(m, dtype=torch.int64, device=x.device)
+        values = torch.empty(m, dtype=torch.float32, device=x.device)
+        if full:
+            rows = x[: full * c].view(full, c)
+            _top(rows, self.k, indices[: full * self.k].view(full, self.k), values[: full * self.k].view(full, self.k))
+        if full * c < n:
+            tail = x[full * c :].view(1, -1)
+            k = self.kept(tail.numel())
+            _top(tail, k, indices[full * self.k :].view(1, k), values[full * self.k :].view(1, k))
+        v = self._value_bytes(m)
+        out[: self.values.nbytes(m)].copy_(self.values.encode(values))
+        out[v:].view(torch.int16).copy_(indices.to(torch.int32).to(torch.int16))  # 0 … 65535 as 16 bits
+        return out
+
+    def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=data.device)
+        out.zero_()
+        if not n:
+            return out
+        c, m = self.chunk, self.selected(n)
+        v = self._value_bytes(m)
+        values = self.values.decode(data[: self.values.nbytes(m)], m)
+        indices = data[v : v + 2 * m].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+        full = n // c
+        if full:
+            fk = full * self.k
+            out[: full * c].view(full, c).scatter_(1, indices[:fk].view(full, self.k), values[:fk].view(full, self.k))
+        if full * c < n:
+            out[full * c :].scatter_(0, indices[full * self.k :], values[full * self.k :])
+        return out
+
+    def check(self, largest: float) -> str | None:
+        return self.values.check(largest)
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(density={self.density!r}, value_format={self.value_format!r}, chunk={self.chunk})"
+
+
+def check_density(density: float) -> None:
+    """Raises ``ValueError`` unless ``density`` is a number in (0, 1]."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(f"topk's density must be a number in (0, 1], got {density!r}")
+
+
+def kept(density: float, c: int) -> int:
+    """How many of a chunk of ``c`` values top-k at ``density`` sends: min(c, max(1, ⌈density·c⌉))."""
+    return min(c, max(1, math.ceil(density * c))) if c else 0
+
+
+def _top(rows: Tensor, k: int, indices: Tensor, values: Tensor) -> None:
+    """The ``k`` entries of largest magnitude of each row: their positions in ascending order into
+    ``indices``, their signed values into ``values``."""
+    chosen = torch.topk(rows.abs(), k, dim=1, sorted=False).indices
+    chosen, _ = torch.sort(chosen, dim=1)
+    indices.copy_(chosen)
+    torch.gather(rows, 1, chosen, out=values)
