@@ -62,23 +62,29 @@ def _package_imports(path: Path) -> set[str]:
 
 
 def test_the_fabric_strategies_import_no_trainer_module():
-    """Fabric's strategy and checkpoint hooks, and every package module they reach, import nothing of the Trainer's
-    glue (``lightning_loco.trainer``): both adapt the same replica (the package's ``__init__``, which registers
-    every strategy, aside)."""
+    """Every module of ``lightning_loco.fabric`` (its ``__init__`` and the strategies of each algorithm included),
+    every package module they reach, and every package whose ``__init__`` importing those runs, import nothing of
+    the Trainer's glue (``lightning_loco.trainer``): both adapt the same replica and take each algorithm's
+    arguments from ``lightning_loco.algorithms.arguments`` (the package's own ``__init__``, which registers every
+    strategy, aside)."""
     package = Path(__file__).resolve().parents[1]
+    fabric = sorted((package / "lightning_loco" / "fabric").glob("*.py"))
     seen: set[str] = set()
-    todo = ["lightning_loco.fabric.strategy", "lightning_loco.fabric.checkpointing"]
+    todo = [".".join(p.relative_to(package).with_suffix("").parts).removesuffix(".__init__") for p in fabric]
+    assert {"lightning_loco.fabric", "lightning_loco.fabric.strategy"} <= set(todo)
     while todo:
         name = todo.pop()
-        if name in seen or name in ("lightning_loco", "lightning_loco.fabric"):
+        if name in seen or name == "lightning_loco":
             continue
         seen.add(name)
+        todo.append(name.rpartition(".")[0])  # importing a module runs its package's __init__ first
         path = package / (name.replace(".", "/") + ".py")
         if not path.exists():
             path = path.with_suffix("") / "__init__.py"
         if path.exists():  # a name imported from a module (a class, a function) is not a file
             todo += sorted(_package_imports(path))
-    assert {"lightning_loco.replica.replica", "lightning_loco.replica.run"} <= seen
+    assert {"lightning_loco.replica.replica", "lightning_loco.replica.run", "lightning_loco.algorithms.arguments",
+            "lightning_loco.fabric.algorithm_strategies"} <= seen
     assert not [m for m in seen if m.startswith("lightning_loco.trainer")]
 
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lightning_loco.driver.flat import FlatParameters, parameter_views
+from lightning_loco.algorithms.outer_optimizer import parameter_views
+from lightning_loco.driver.flat import FlatParameters
 
 
 def test_gather_scatter_round_trip_with_mixed_dtypes():

@@ -1,7 +1,9 @@
 """Registration, argument checks and the Lightning compatibility shims (no processes)."""
 
 import functools
+import inspect
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -109,6 +111,27 @@ def test_gamma_outside_stability_interval_warns():
         warnings.simplefilter("error")
         NoLoCoStrategy(outer_momentum=0.5, averaging_rate=0.9)
         NoLoCoStrategy()  # the default γ = β = 0.7 is inside (0.5, 1.5)
+
+
+
+@pytest.mark.parametrize("trainer,fabric", [
+    (NoLoCoStrategy, lightning_loco.NoLoCoFabricStrategy),
+    (GASLoCStrategy, lightning_loco.GASLoCFabricStrategy),
+    (DiLoCoStrategy, lightning_loco.DiLoCoFabricStrategy),
+])
+def test_each_algorithms_strategies_declare_the_same_arguments_and_forward_the_rest(trainer, fabric):
+    """The Trainer's and Fabric's strategy of an algorithm each declare its arguments in their own ``__init__``
+    (with the same types and defaults) and forward ``**kwargs`` to their base; both say the same of themselves."""
+    for cls in (trainer, fabric):
+        assert "__init__" in vars(cls), cls
+        assert list(inspect.signature(cls).parameters.values())[-1].kind is inspect.Parameter.VAR_KEYWORD
+    assert inspect.signature(trainer) == inspect.signature(fabric)
+    assert (trainer.__doc__, trainer.strategy_name, trainer.description) == \
+        (fabric.__doc__, fabric.strategy_name, fabric.description)
+    # The pattern is built apart, so that this file does not match it.
+    ignored = "type: " + "ignore[call-arg]"
+    library = Path(lightning_loco.__file__).parent
+    assert [str(p) for p in sorted(library.rglob("*.py")) if ignored in p.read_text()] == []
 
 
 @pytest.mark.parametrize("cls", [NoLoCoStrategy, DiLoCoStrategy])

@@ -19,9 +19,24 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_loco.algorithms.base import OuterState
-from lightning_loco.driver.flat import parameter_views
 
 OuterOptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]
+
+
+def parameter_views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[torch.nn.Parameter]:
+    """``torch.nn.Parameter`` views into ``flat``, one per shape, for an outer optimizer.
+
+    Stepping a torch optimizer over these updates ``flat`` in place, so the outer optimizer keeps
+    per-tensor semantics while the buffer that travels stays flat.
+    """
+    views, offset = [], 0
+    for shape in shapes:
+        n = int(torch.Size(shape).numel())
+        views.append(torch.nn.Parameter(flat[offset : offset + n].view(shape)))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"shapes cover {offset} elements but the buffer has {flat.numel()}")
+    return views
 
 
 @dataclass

@@ -12,7 +12,7 @@ parameter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Callable, Optional
 
 import torch
@@ -132,18 +132,3 @@ class ShardedParameters(FlatParameters):
         if self.after_scatter is not None:
             self.after_scatter()
 
-
-def parameter_views(flat: Tensor, shapes: Sequence[torch.Size]) -> list[torch.nn.Parameter]:
-    """``torch.nn.Parameter`` views into ``flat``, one per shape, for an outer optimizer.
-
-    Stepping a torch optimizer over these updates ``flat`` in place, so the outer optimizer keeps
-    per-tensor semantics while the buffer that travels stays flat.
-    """
-    views, offset = [], 0
-    for shape in shapes:
-        n = int(torch.Size(shape).numel())
-        views.append(torch.nn.Parameter(flat[offset : offset + n].view(shape)))
-        offset += n
-    if offset != flat.numel():
-        raise ValueError(f"shapes cover {offset} elements but the buffer has {flat.numel()}")
-    return views
