@@ -15,6 +15,8 @@ from typing import Any, Optional
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_loco.replica import checkpoints
@@ -46,8 +48,31 @@ class ReplicaCheckpoints(ReplicaViews):
 
         # replicas at different step counts (pacing): each keeps its own loops' progress
         extra = {"loops": checkpoint.get("loops")} if self.options.pacing is not None else None
-        self.replica.save(filepath, checkpoint, lambda: self.replica.consensus_state_dict(checkpoint["state_dict"]),
-                          write_main, step=checkpoint, extra=extra)
+        decisions = self._checkpoint_decisions(checkpoint)
+        agreed = self.replica.save(filepath, checkpoint,
+                                   lambda: self.replica.consensus_state_dict(checkpoint["state_dict"]),
+                                   write_main, step=checkpoint, extra=extra, agreed=decisions)
+        if not self.is_global_zero:
+            self._take_checkpoint_decisions(agreed)
+
+    def _checkpoint_decisions(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's ``ModelCheckpoint`` states as this save holds them (best and k-th best paths and scores, the
+        last path): the save is named after rank 0's file name, so every rank takes rank 0's bookkeeping with it,
+        in the save's one broadcast (a metric in the file name may differ between replicas)."""
+        if not self.is_global_zero:
+            return {}
+        states = checkpoint.get("callbacks") or {}
+        keys = {cb.state_key for cb in self._model_checkpoints()}
+        return apply_to_collection({k: v for k, v in states.items() if k in keys}, Tensor, lambda t: t.detach().cpu())
+
+    def _take_checkpoint_decisions(self, states: dict[str, Any]) -> None:
+        for callback in self._model_checkpoints():
+            if callback.state_key in states:
+                callback.load_state_dict(states[callback.state_key])
+
+    def _model_checkpoints(self) -> list[ModelCheckpoint]:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)] if trainer else []
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
