@@ -212,6 +212,8 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
             if step == STEPS:
                 break
     calls.active = False
+    if config.get("finish"):  # the loop's end, as a loop without max_steps must call it
+        fabric.strategy.finish()
     from torch.distributed.tensor import DTensor
 
     sharded = [isinstance(p, DTensor) for p in model.parameters()]

@@ -82,6 +82,10 @@ class Replica:
         self.groups: Optional[ProcessGroups] = None  # from the launch to the end of training
         self.run: Optional[ReplicaRun] = None  # during training
         self.resumed_outer: Optional[list[dict[str, Any]]] = None  # from a loaded checkpoint, until training starts
+        self.averaged_at_end = False  # training ended on the replicas' average (average_at_end): saves record it
+        # what a checkpoint loaded for training left in the replicas, until training starts: "own" weights, or the
+        # average taken at the end of the run that saved it ("averaged"); None: nothing loaded
+        self.loaded: Optional[str] = None
 
     # ------------------------------------------------------------------ what the layout and the strategies read
 
@@ -150,8 +154,18 @@ class Replica:
         self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self.groups, self.layout,
                               self.comm_device(), label=f"Replica {self.replica_index}", clock=clock, **stop)
         self.run.start(optimizers, self.resumed_outer, training_state, max_steps, track_norms)
-        self.resumed_outer = None
+        self.resumed_outer, self.loaded, self.averaged_at_end = None, None, False
         return self.run
+
+    def end_without_steps(self) -> None:
+        """Training that resumed from a checkpoint ended before its first step (the checkpoint was taken at the
+        run's end): it ends as that run ended, so that the resume is a no-op. With ``average_at_end`` every replica
+        takes the replicas' average (one all-reduce) of the weights restored, as the run did of the same weights,
+        unless the checkpoint was saved after that average: its replicas hold it already. Collective."""
+        loaded, self.loaded = self.loaded, None
+        if loaded == "own" and self.options.averages_at_end:
+            self.average()
+            self.averaged_at_end = True
 
     def close(self, abandon_timeout: float) -> None:
         """Training stopped, however: the run lets go (rounds in flight dropped after up to ``abandon_timeout``
@@ -229,6 +243,8 @@ class Replica:
         name, index, count = self.algorithm.name, self.replica_index, self.num_replicas
         replica = checkpoints.replica_payload(contents, save_id, index, count, name, outer)
         replica.update(extra or {})
+        if self.averaged_at_end:
+            replica["averaged_at_end"] = True  # a resume that takes no step must not average again
         sidecar_dir = checkpoints.sidecar_dir(path, save_id)
         mine, shard = self.layout.replica_file(replica)
         failed: Optional[Exception] = None
@@ -261,6 +277,8 @@ class Replica:
                                                self.algorithm.name, agree=consensus.first_error,
                                                **self.layout.replica_shard())
         self.resumed_outer = payload["outer"] if payload is not None and resume else None
+        if resume:
+            self.loaded = None if payload is None else "averaged" if payload.get("averaged_at_end") else "own"
         return payload
 
 

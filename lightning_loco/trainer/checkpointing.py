@@ -13,7 +13,7 @@ import re
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -101,6 +101,15 @@ class ReplicaCheckpoints(ReplicaViews):
         if not fitting:
             self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's
         return checkpoint
+
+    def _end_a_fit_resumed_at_its_end(self, trainer: Any) -> None:
+        """A fit that loaded a checkpoint and ended without training (taken at ``max_steps``, or at the last
+        epoch's end): Lightning skips the training loop and its hooks, so the run's end happens here, as the run
+        that saved it ended (see :meth:`~lightning_loco.replica.replica.Replica.end_without_steps`). Not after an
+        error (every rank must take part)."""
+        if trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING:
+            self.replica.end_without_steps()
+        self.replica.loaded = None
 
     def _is_last_checkpoint(self, checkpoint_path: Any) -> bool:
         """Whether the file is named as a ``ModelCheckpoint`` of this trainer names its "last" checkpoint
