@@ -317,6 +317,8 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.record.setdefault("after_validation", []).append(flat(pl_module))
+            if "val_loss" in trainer.callback_metrics:  # what this rank logged, as callbacks read it
+                self.record.setdefault("val_losses", []).append(float(trainer.callback_metrics["val_loss"]))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._batch_start = time.perf_counter()
@@ -463,6 +465,12 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         from lightning_loco import BatchNormUpdate
 
         callbacks.insert(0, BatchNormUpdate(**config["batchnorm_update"]))  # before the Recorder reads the end
+    if config.get("replica_validation"):
+        from lightning_loco import ReplicaValidation
+
+        callbacks.append(ReplicaValidation())
+    if "early_stopping" in config:
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(**config["early_stopping"]))
     if "outer_checkpoint" in config:
         from lightning_loco import OuterStepCheckpoint
 

@@ -20,10 +20,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_loco.replica import checkpoints
-from lightning_loco.trainer.views import ReplicaViews
+from lightning_loco.trainer.validation import ReplicaScope
 
 
-class ReplicaCheckpoints(ReplicaViews):
+class ReplicaCheckpoints(ReplicaScope):
     """The checkpoint hooks of :class:`~lightning_loco.trainer.base.OuterStepStrategy` (its base).
 
     Under ``pacing`` each replica's file also keeps its own loops' progress (its global step, epoch and
