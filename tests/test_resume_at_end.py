@@ -36,9 +36,10 @@ def test_fit_resumed_from_a_checkpoint_taken_at_max_steps_returns_the_runs_own_f
 
 def test_a_fabric_run_loaded_after_finish_ends_on_its_own_final_model(tmp_path):
     checkpoint = tmp_path / "ckpt" / "end.ckpt"  # saved at STEPS, after the last step's own finish()
-    config = {"name": "noloco", "world": 3, "finish": True}
+    config = {"name": "noloco", "world": 3, "finish": True, "count": True}
     whole = test_fabric.run(tmp_path, "fabric", save_at=test_fabric.STEPS, checkpoint=str(checkpoint), **config)
     resumed = test_fabric.run(tmp_path / "again", "fabric", resume=str(checkpoint), **config)
     for rank in range(3):
         assert resumed[rank]["finished"] and resumed[rank]["outer_steps"] == 0
         assert torch.equal(resumed[rank]["final"], whole[rank]["final"]), rank
+        assert resumed[rank]["finish_calls"] == []  # the checkpoint holds the average already: not taken again
