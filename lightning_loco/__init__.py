@@ -27,6 +27,7 @@ from lightning_loco.trainer import (
 )
 from lightning_loco.trainer.batchnorm_update import BatchNormUpdate
 from lightning_loco.trainer.outer_checkpoint import OuterStepCheckpoint
+from lightning_loco.trainer.validation import ReplicaValidation
 from lightning_loco.transport import PeerError
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "OuterStepStrategy",
     "PacingConfig",
     "PeerError",
+    "ReplicaValidation",
     "ShortRunWarning",
     "WireConfig",
 ]

@@ -218,13 +218,20 @@ def fabric_rank(out: Path, config: dict[str, Any], rank: int) -> None:
             if step == STEPS:
                 break
     calls.active = False
+    finish_calls = None
+    if config.get("finish"):  # the loop's end, as a loop without max_steps must call it
+        calls.take()
+        calls.active = True
+        fabric.strategy.finish()
+        calls.active = False
+        finish_calls = calls.take()
     from torch.distributed.tensor import DTensor
 
     sharded = [isinstance(p, DTensor) for p in model.parameters()]
     consensus = fabric.strategy.consensus_state_dict() if config.get("consensus") else None
     torch.save({"final": tiny.flat(model), "calls": per_step, "outer_steps": fabric.strategy.outer_steps,
                 "finished": fabric.strategy.finished, "sharded": sharded, "refused": refused, "second": second,
-                "consensus": consensus, "loaded": loaded}, out / f"fabric{rank}.pt")
+                "consensus": consensus, "loaded": loaded, "finish_calls": finish_calls}, out / f"fabric{rank}.pt")
 
 
 class Rooted(torch.nn.Module):

@@ -48,7 +48,8 @@ def test_outer_metrics_replica_spread_and_consensus_validation(tmp_path):
     h, steps, n = 2, 8, 4
     recs = tiny.launch(
         tmp_path, strategy="noloco", strategy_kwargs={"sync_every": h, "average_at_end": False}, devices=n,
-        max_steps=steps, val_check_interval=4, monitor={"spread_every": 1, "consensus_validation": True},
+        max_steps=steps, val_check_interval=4,
+        monitor={"spread_every": 1, "consensus_validation": True, "mean_over_replicas": True},
         tensorboard=True,
         # saves at the end of each validation, where a consensus left in the model would leak into it;
         # the monitored value must reach callback_metrics
@@ -112,6 +113,7 @@ def test_defaults_make_no_global_collective():
     monitor = OuterStepMonitor()
     assert monitor.spread_every == 0  # replica spread: two world all-reduces, opt-in
     assert monitor.consensus_validation is False  # a weight all-reduce per validation, opt-in
+    assert monitor.mean_over_replicas is False  # val/loss_replicas: a global all-gather per validation, opt-in
 
 
 def test_peer_distance_is_logged_when_the_strategy_provides_it():

@@ -55,7 +55,7 @@ def shard_batches(rank: int, world: int, batch_size: int, epoch: int) -> list[li
 class TinyRegressor(L.LightningModule):
     def __init__(self, lr: float = 0.05, manual: bool = False, batchnorm: bool = False, scheduler: Any = False,
                  inf_loss_at: Any = None, batch_size: int = 4, momentum: float = 0.0,
-                 nominal_schedule: Any = None) -> None:
+                 nominal_schedule: Any = None, val_sync_dist: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Linear(IN_FEATURES, 3)
@@ -68,6 +68,7 @@ class TinyRegressor(L.LightningModule):
         self.batch_size = batch_size
         self.momentum = momentum  # of the inner SGD (its state is a momentum buffer per parameter)
         self.nominal_schedule = nominal_schedule  # (warm-up, max_steps): the example GPT's schedule, on nominal steps
+        self.val_sync_dist = val_sync_dist  # False: each replica logs its own val_loss, on its own shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.norm(self.body(x))))
@@ -92,7 +93,7 @@ class TinyRegressor(L.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_loss", loss, sync_dist=self.val_sync_dist)
         return loss
 
     def val_dataloader(self) -> DataLoader:
@@ -316,6 +317,8 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.record.setdefault("after_validation", []).append(flat(pl_module))
+            if "val_loss" in trainer.callback_metrics:  # what this rank logged, as callbacks read it
+                self.record.setdefault("val_losses", []).append(float(trainer.callback_metrics["val_loss"]))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._batch_start = time.perf_counter()
@@ -352,6 +355,7 @@ class Recorder(L.Callback):
         self.record["param_dtypes"] = sorted({str(p.dtype) for p in pl_module.parameters()})
         self.record["buffers"] = {k: v.clone() for k, v in pl_module.named_buffers() if v.is_floating_point()}
         self.record["lrs"] = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+        self.record["best_model_path"] = getattr(trainer.checkpoint_callback, "best_model_path", None)
         replicas = getattr(strategy, "outer_slots", [])
         if self.record.get("track_release"):  # weak references to every piece of outer state
             import weakref
@@ -461,6 +465,12 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         from lightning_loco import BatchNormUpdate
 
         callbacks.insert(0, BatchNormUpdate(**config["batchnorm_update"]))  # before the Recorder reads the end
+    if config.get("replica_validation"):
+        from lightning_loco import ReplicaValidation
+
+        callbacks.append(ReplicaValidation())
+    if "early_stopping" in config:
+        callbacks.append(L.pytorch.callbacks.EarlyStopping(**config["early_stopping"]))
     if "outer_checkpoint" in config:
         from lightning_loco import OuterStepCheckpoint
 
@@ -500,7 +510,7 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
         lr=config.get("lr", 0.05), manual=config.get("manual", False), batchnorm=config.get("batchnorm", False),
         scheduler=config.get("scheduler", False), inf_loss_at=config.get("inf_loss_at"),
         batch_size=config.get("batch_size", 4), momentum=config.get("momentum", 0.0),
-        nominal_schedule=config.get("nominal_schedule"), **options)
+        nominal_schedule=config.get("nominal_schedule"), val_sync_dist=config.get("val_sync_dist", True), **options)
     if config.get("rank_dependent_init"):  # a module whose ranks initialise differently (no seed_everything)
         with torch.no_grad():
             for p in model.parameters():

@@ -317,10 +317,14 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
         if self.finished:
             return
         self.finished = True
+        if self.run is None and self.replica.loaded is not None:  # fabric.load of a finished run, then no step
+            self.replica.end_without_steps()
+            return
         if self.run is not None:
             self.run.end()
         if self.options.averages_at_end and self.replica_module is not None:
             self.average_replicas()
+            self.replica.averaged_at_end = True
 
     @override
     def teardown(self) -> None:

@@ -82,6 +82,10 @@ class Replica:
         self.groups: Optional[ProcessGroups] = None  # from the launch to the end of training
         self.run: Optional[ReplicaRun] = None  # during training
         self.resumed_outer: Optional[list[dict[str, Any]]] = None  # from a loaded checkpoint, until training starts
+        self.averaged_at_end = False  # training ended on the replicas' average (average_at_end): saves record it
+        # what a checkpoint loaded for training left in the replicas, until training starts: "own" weights, or the
+        # average taken at the end of the run that saved it ("averaged"); None: nothing loaded
+        self.loaded: Optional[str] = None
 
     # ------------------------------------------------------------------ what the layout and the strategies read
 
@@ -150,8 +154,18 @@ class Replica:
         self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self.groups, self.layout,
                               self.comm_device(), label=f"Replica {self.replica_index}", clock=clock, **stop)
         self.run.start(optimizers, self.resumed_outer, training_state, max_steps, track_norms)
-        self.resumed_outer = None
+        self.resumed_outer, self.loaded, self.averaged_at_end = None, None, False
         return self.run
+
+    def end_without_steps(self) -> None:
+        """Training that resumed from a checkpoint ended before its first step (the checkpoint was taken at the
+        run's end): it ends as that run ended, so that the resume is a no-op. With ``average_at_end`` every replica
+        takes the replicas' average (one all-reduce) of the weights restored, as the run did of the same weights,
+        unless the checkpoint was saved after that average: its replicas hold it already. Collective."""
+        loaded, self.loaded = self.loaded, None
+        if loaded == "own" and self.options.averages_at_end:
+            self.average()
+            self.averaged_at_end = True
 
     def close(self, abandon_timeout: float) -> None:
         """Training stopped, however: the run lets go (rounds in flight dropped after up to ``abandon_timeout``
@@ -198,8 +212,15 @@ class Replica:
 
     def save(self, path: Any, contents: Mapping[str, Any], main_consensus: Callable[[], Any],
              write_main: Callable[[Any, dict[str, Any]], None], step: Optional[Mapping[str, Any]] = None,
-             extra: Optional[Mapping[str, Any]] = None) -> None:
+             extra: Optional[Mapping[str, Any]] = None, agreed: Any = None) -> Any:
         """Writes every replica's own file, then the main file on global rank 0. Collective.
+
+        The save's name is global rank 0's ``path``, whatever each rank passes (a file-name template may hold a
+        metric that differs between replicas): every replica's file lands in the folder of the main file that
+        rank 0 writes. That name, the save id and ``agreed`` travel in the one broadcast the save makes; rank
+        0's ``agreed`` is returned on every rank. The manifest marks the save complete only once rank 0 has
+        found every replica file in its folder; a save that cannot complete removes its folder and raises
+        :class:`~lightning_loco.replica.checkpoints.CheckpointError` (on the ranks that saw it fail).
 
         Args:
             path: the main file.
@@ -211,28 +232,42 @@ class Replica:
             step: the ``global_step`` (and ``epoch``) the save's manifest records (None: this replica's count
                 of inner steps).
             extra: more entries of the replica file (e.g. a paced replica's own loops' progress).
+            agreed: what else rank 0 decides for the save (e.g. its checkpoint callbacks' state).
         """
         driver = self.driver
         if driver is not None:
             driver.plugin.check_savable()  # e.g. an elastic heal into the outer state stopped part way
-        save_id = self.adapter.broadcast(uuid.uuid4().hex[:12])
+        save_id, path, agreed = self.adapter.broadcast((uuid.uuid4().hex[:12], path, agreed))
         averaged = main_consensus()
         outer = driver.state_dict() if driver is not None else []  # completes a round in flight
         name, index, count = self.algorithm.name, self.replica_index, self.num_replicas
         replica = checkpoints.replica_payload(contents, save_id, index, count, name, outer)
         replica.update(extra or {})
+        if self.averaged_at_end:
+            replica["averaged_at_end"] = True  # a resume that takes no step must not average again
         sidecar_dir = checkpoints.sidecar_dir(path, save_id)
         mine, shard = self.layout.replica_file(replica)
-        if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's own
-            checkpoints.write_replica(sidecar_dir, index, mine, shard)
+        failed: Optional[Exception] = None
+        try:
+            if mine is not None:  # whole replicas: one file per replica, by its first rank; sharded: every rank's
+                checkpoints.write_replica(sidecar_dir, index, mine, shard)
+        except Exception as err:  # the others still meet at the barrier, and rank 0 finds the file missing
+            failed = err
         self.adapter.barrier("lightning_loco.save_checkpoint")  # every replica file exists before the main file
+        meta = checkpoints.main_meta(path, save_id, name, count, shards=self.layout.shards())
         if self.is_global_zero:
-            meta = checkpoints.main_meta(path, save_id, name, count, shards=self.layout.shards())
+            _complete_or_removed(path, meta, sidecar_dir, raises=failed is None)
+        if failed is not None:
+            raise checkpoints.CheckpointError(
+                f"Replica {index} could not write its file of the checkpoint {path} ({type(failed).__name__}: "
+                f"{failed}); the save is incomplete and its folder {sidecar_dir} is removed.") from failed
+        if self.is_global_zero:
             if step is None:
                 step = {"global_step": self.run.inner_steps() if self.run is not None else -1}
             checkpoints.write_manifest(sidecar_dir, path, step, meta)  # the save is complete
             write_main(averaged, meta)
             checkpoints.remove_sidecars(path, keep=sidecar_dir)
+        return agreed
 
     def load(self, checkpoint: Mapping[str, Any], path: Any, resume: bool = True) -> Optional[dict[str, Any]]:
         """This replica's own file of the loaded main file ``checkpoint`` (None: every replica starts from the
@@ -242,4 +277,24 @@ class Replica:
                                                self.algorithm.name, agree=consensus.first_error,
                                                **self.layout.replica_shard())
         self.resumed_outer = payload["outer"] if payload is not None and resume else None
+        if resume:
+            self.loaded = None if payload is None else "averaged" if payload.get("averaged_at_end") else "own"
         return payload
+
+
+def _complete_or_removed(path: Any, meta: Mapping[str, Any], sidecar_dir: str, raises: bool = True) -> None:
+    """Checks that the save's folder holds every replica file; if not, removes that folder (no other save's)
+    and (with ``raises``) raises :class:`~lightning_loco.replica.checkpoints.CheckpointError` saying so."""
+    try:
+        checkpoints.check_replica_files(path, meta)
+    except checkpoints.CheckpointError as err:
+        fs, folder = checkpoints.storage(sidecar_dir)
+        try:
+            fs.rm(folder, recursive=True)
+        except OSError:
+            pass  # nothing was written there
+        if not raises:
+            return
+        raise checkpoints.CheckpointError(
+            f"The save of {path} could not complete and was not marked complete; its replica folder "
+            f"{sidecar_dir} is removed and no main file was written. {err}") from None

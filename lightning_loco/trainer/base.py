@@ -289,6 +289,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
             self._say_why_ended(interrupted=False)
         if self.options.averages_at_end:
             self.average_replicas()
+            self.replica.averaged_at_end = True
         super().on_train_end()
 
     def _say_why_ended(self, interrupted: bool) -> None:
@@ -312,6 +313,8 @@ class OuterStepStrategy(ReplicaCheckpoints):
         if self._restore_signal_handler is not None:
             self._restore_signal_handler()
             self._restore_signal_handler = None
+        if trainer is not None and self.replica.loaded is not None:
+            self._end_a_fit_resumed_at_its_end(trainer)  # fit(ckpt_path=...) of a finished run: no step taken
         if self.run is not None:  # rounds are only left in flight after an interrupted fit: on_train_end lands them
             self._say_why_ended(interrupted=True)
             self._final_outer_steps = self.outer_steps

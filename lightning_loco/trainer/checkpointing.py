@@ -13,15 +13,17 @@ import re
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_loco.replica import checkpoints
-from lightning_loco.trainer.views import ReplicaViews
+from lightning_loco.trainer.validation import ReplicaScope
 
 
-class ReplicaCheckpoints(ReplicaViews):
+class ReplicaCheckpoints(ReplicaScope):
     """The checkpoint hooks of :class:`~lightning_loco.trainer.base.OuterStepStrategy` (its base).
 
     Under ``pacing`` each replica's file also keeps its own loops' progress (its global step, epoch and
@@ -46,8 +48,31 @@ class ReplicaCheckpoints(ReplicaViews):
 
         # replicas at different step counts (pacing): each keeps its own loops' progress
         extra = {"loops": checkpoint.get("loops")} if self.options.pacing is not None else None
-        self.replica.save(filepath, checkpoint, lambda: self.replica.consensus_state_dict(checkpoint["state_dict"]),
-                          write_main, step=checkpoint, extra=extra)
+        decisions = self._checkpoint_decisions(checkpoint)
+        agreed = self.replica.save(filepath, checkpoint,
+                                   lambda: self.replica.consensus_state_dict(checkpoint["state_dict"]),
+                                   write_main, step=checkpoint, extra=extra, agreed=decisions)
+        if not self.is_global_zero:
+            self._take_checkpoint_decisions(agreed)
+
+    def _checkpoint_decisions(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's ``ModelCheckpoint`` states as this save holds them (best and k-th best paths and scores, the
+        last path): the save is named after rank 0's file name, so every rank takes rank 0's bookkeeping with it,
+        in the save's one broadcast (a metric in the file name may differ between replicas)."""
+        if not self.is_global_zero:
+            return {}
+        states = checkpoint.get("callbacks") or {}
+        keys = {cb.state_key for cb in self._model_checkpoints()}
+        return apply_to_collection({k: v for k, v in states.items() if k in keys}, Tensor, lambda t: t.detach().cpu())
+
+    def _take_checkpoint_decisions(self, states: dict[str, Any]) -> None:
+        for callback in self._model_checkpoints():
+            if callback.state_key in states:
+                callback.load_state_dict(states[callback.state_key])
+
+    def _model_checkpoints(self) -> list[ModelCheckpoint]:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)] if trainer else []
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -76,6 +101,15 @@ class ReplicaCheckpoints(ReplicaViews):
         if not fitting:
             self._trained_module = None  # the weights are the checkpoint's now: a later fit starts from rank 0's
         return checkpoint
+
+    def _end_a_fit_resumed_at_its_end(self, trainer: Any) -> None:
+        """A fit that loaded a checkpoint and ended without training (taken at ``max_steps``, or at the last
+        epoch's end): Lightning skips the training loop and its hooks, so the run's end happens here, as the run
+        that saved it ended (see :meth:`~lightning_loco.replica.replica.Replica.end_without_steps`). Not after an
+        error (every rank must take part)."""
+        if trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING:
+            self.replica.end_without_steps()
+        self.replica.loaded = None
 
     def _is_last_checkpoint(self, checkpoint_path: Any) -> bool:
         """Whether the file is named as a ``ModelCheckpoint`` of this trainer names its "last" checkpoint

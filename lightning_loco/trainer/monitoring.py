@@ -33,13 +33,16 @@ steps):
   measured where a round starts (the same step on every replica, whatever τ). It is a **global
   collective**: two all-reduces over all replicas, a global synchronisation each time it runs,
   which is what NoLoCo and GASLoC exist to avoid.
-* ``val/loss_replicas``: the mean over replicas of each replica's validation loss on its share of the
-  validation set (the papers' metric), and with ``consensus_validation`` ``val/loss_consensus``: the
+* ``val/loss``: this replica's own validation loss on its share of the validation set (reduced within the
+  replica's ranks; with one rank per replica, no message at all). Loggers write on rank 0: replica 0's.
+  With ``mean_over_replicas=True`` instead ``val/loss_replicas``: the mean over replicas of each replica's
+  loss (the papers' metric), a **global collective** per validation run (torchmetrics all-gathers two
+  numbers over all ranks, with barriers). With ``consensus_validation`` also ``val/loss_consensus``: the
   loss of the replicas' average, swapped in for that pass and swapped out again before any
   checkpoint can see it. The swap is a **global collective** (an all-reduce of the weights) once
   per validation run. ``perplexity=True`` adds ``exp(loss)`` for language models. These read the
   loss that ``validation_step`` returns (a tensor, or a dict with ``"loss"``); torchmetrics averages
-  them over samples (batches weighted by size, as Lightning does) and replicas.
+  them over samples (batches weighted by size, as Lightning does), and over replicas where asked.
 
 The progress bar shows ``outer_steps``, the number of outer steps completed so far (the latest
 ``outer/step`` plus one), and ``sync_s``, the latest outer step's wall time.
@@ -60,6 +63,7 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_loco.trainer.base import OuterStepReport, OuterStepStrategy
+from lightning_loco.trainer.validation import scope_metrics
 
 log = logging.getLogger("lightning_loco")
 
@@ -108,10 +112,9 @@ class _Agreed(Metric):
 class OuterStepMonitor(L.Callback):
     """Logs outer steps, a local spread signal, and validation of the replicas and of their consensus.
 
-    While training, the defaults add no message between replicas: ``outer/peer_distance`` comes
-    from what the outer step exchanges anyway. Validation averages ``val/loss_replicas`` over the
-    replicas (torchmetrics gathers two numbers per validation run). The two global diagnostics that
-    move weights are opt-in.
+    The defaults add no message between replicas: ``outer/peer_distance`` comes from what the outer
+    step exchanges anyway, and validation logs each replica's own ``val/loss``. The replicas' mean
+    (``mean_over_replicas``) and the two global diagnostics that move weights are opt-in.
 
     Args:
         spread_every: log ``outer/replica_spread`` every this many outer steps; 0 (the default)
@@ -121,14 +124,19 @@ class OuterStepMonitor(L.Callback):
             (``val/loss_consensus``). A global collective: an all-reduce of the weights once per
             validation run. Off by default.
         perplexity: also log ``exp(loss)`` of the validation losses (for language models).
+        mean_over_replicas: log ``val/loss_replicas``, the replicas' mean validation loss, instead of this
+            replica's own ``val/loss``. A global collective: torchmetrics all-gathers over all replicas
+            once per validation run. Off by default.
     """
 
-    def __init__(self, spread_every: int = 0, consensus_validation: bool = False, perplexity: bool = False) -> None:
+    def __init__(self, spread_every: int = 0, consensus_validation: bool = False, perplexity: bool = False,
+                 mean_over_replicas: bool = False) -> None:
         if isinstance(spread_every, bool) or not isinstance(spread_every, int) or spread_every < 0:
             raise ValueError(f"spread_every must be an integer >= 0 (0 turns it off), got {spread_every!r}")
         self.spread_every = spread_every
         self.consensus_validation = consensus_validation
         self.perplexity = perplexity
+        self.mean_over_replicas = mean_over_replicas
         self._seen = 0
         self._seen_starts = 0
         self._replica_loss = MeanMetric()
@@ -147,6 +155,8 @@ class OuterStepMonitor(L.Callback):
             )
         else:
             strategy.track_norms = True
+        if strategy is not None and not self.mean_over_replicas:  # this replica's own: within its ranks, or none
+            scope_metrics(self._replica_loss, strategy.replica_group())
         self._replica_loss = self._replica_loss.to(pl_module.device)
 
     # ------------------------------------------------------------------ training
@@ -257,18 +267,20 @@ class OuterStepMonitor(L.Callback):
                 rank_zero_warn("OuterStepMonitor: validation_step returns no loss; nothing to log for validation.")
                 self._warned_no_loss = True
             return
-        self._log_loss(pl_module, "replicas", self._replica_loss.compute())  # averaged over replicas
+        which = "replicas" if self.mean_over_replicas else None
+        self._log_loss(pl_module, which, self._replica_loss.compute())  # over replicas, or this replica's own
         strategy = self._strategy(trainer)
         if self.consensus_validation and strategy is not None and strategy.num_replicas > 1:
             with strategy.consensus_weights():
                 loss = self._validate_again(trainer, pl_module)
             self._log_loss(pl_module, "consensus", loss)
 
-    def _log_loss(self, pl_module: L.LightningModule, which: str, loss: torch.Tensor) -> None:
-        value = float(loss)  # equal on every rank already: torchmetrics averaged it over replicas
-        values = {f"val/loss_{which}": value}
+    def _log_loss(self, pl_module: L.LightningModule, which: Optional[str], loss: torch.Tensor) -> None:
+        value = float(loss)  # equal on the ranks that log it together already: torchmetrics reduced it
+        suffix = f"_{which}" if which else ""
+        values = {f"val/loss{suffix}": value}
         if self.perplexity:
-            values[f"val/ppl_{which}"] = math.exp(min(value, 50.0))
+            values[f"val/ppl{suffix}"] = math.exp(min(value, 50.0))
         for name, v in values.items():
             pl_module.log(name, _Agreed(v).to(pl_module.device), metric_attribute=name)
 
