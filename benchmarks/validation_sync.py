@@ -12,7 +12,7 @@ end of validation), as ``global`` (over all ranks) or ``subgroup`` (a replica's 
 * ``sync_dist``: ``self.log("val_loss", loss, sync_dist=True)`` in ``validation_step``;
 * ``torchmetrics``: a ``MeanSquaredError`` object updated in ``validation_step`` and logged, without ``sync_dist``;
 * ``OuterStepMonitor``: ours, with ``mean_over_replicas=True`` in the global mode (``val/loss_replicas``, as the
-  example configs ask) and its default (each replica's own ``val/loss``) in the replica mode;
+  example configs ask) and its default (each replica's own ``val/loss_local``) in the replica mode;
 * ``ModelCheckpoint``: ``monitor="val_loss"``, ``save_top_k=2``, ``save_last=True`` (each save adds its own
   collectives: a broadcast, an all-reduce of the weights for the consensus, a barrier);
 * ``EarlyStopping``: ``monitor="val_loss"``, ``patience`` large enough never to stop.

@@ -33,7 +33,7 @@ steps):
   measured where a round starts (the same step on every replica, whatever τ). It is a **global
   collective**: two all-reduces over all replicas, a global synchronisation each time it runs,
   which is what NoLoCo and GASLoC exist to avoid.
-* ``val/loss``: this replica's own validation loss on its share of the validation set (reduced within the
+* ``val/loss_local``: this replica's own validation loss on its share of the validation set (reduced within the
   replica's ranks; with one rank per replica, no message at all). Loggers write on rank 0: replica 0's.
   With ``mean_over_replicas=True`` instead ``val/loss_replicas``: the mean over replicas of each replica's
   loss (the papers' metric), a **global collective** per validation run (torchmetrics all-gathers two
@@ -113,7 +113,7 @@ class OuterStepMonitor(L.Callback):
     """Logs outer steps, a local spread signal, and validation of the replicas and of their consensus.
 
     The defaults add no message between replicas: ``outer/peer_distance`` comes from what the outer
-    step exchanges anyway, and validation logs each replica's own ``val/loss``. The replicas' mean
+    step exchanges anyway, and validation logs each replica's own ``val/loss_local``. The replicas' mean
     (``mean_over_replicas``) and the two global diagnostics that move weights are opt-in.
 
     Args:
@@ -125,7 +125,7 @@ class OuterStepMonitor(L.Callback):
             validation run. Off by default.
         perplexity: also log ``exp(loss)`` of the validation losses (for language models).
         mean_over_replicas: log ``val/loss_replicas``, the replicas' mean validation loss, instead of this
-            replica's own ``val/loss``. A global collective: torchmetrics all-gathers over all replicas
+            replica's own ``val/loss_local``. A global collective: torchmetrics all-gathers over all replicas
             once per validation run. Off by default.
     """
 
@@ -267,7 +267,7 @@ class OuterStepMonitor(L.Callback):
                 rank_zero_warn("OuterStepMonitor: validation_step returns no loss; nothing to log for validation.")
                 self._warned_no_loss = True
             return
-        which = "replicas" if self.mean_over_replicas else None
+        which = "replicas" if self.mean_over_replicas else "local"
         self._log_loss(pl_module, which, self._replica_loss.compute())  # over replicas, or this replica's own
         strategy = self._strategy(trainer)
         if self.consensus_validation and strategy is not None and strategy.num_replicas > 1:
