@@ -45,7 +45,7 @@ from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig,
 from lightning_loco.replica.process_groups import ProcessGroups
 from lightning_loco.replica.rules import Facts, Launch, build_options, check_rules
 from lightning_loco.replica.run import ReplicaRun
-from lightning_loco.trainer import setup
+from lightning_loco.trainer import data_lengths, setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (
     BetweenSteps,
@@ -254,6 +254,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         state = LightningTrainingState(trainer, self.layout).for_plugin()
         self.run.start(self.optimizers, self._resumed_outer, state, trainer.max_steps, self.track_norms)
         self._resumed_outer = None
+        data_lengths.watch_peers(self, trainer)  # uneven data: refused now, or named when a replica stops
         self.outer_step_reports, self.rounds_started = self.run.driver.reports, self.run.driver.rounds_started
         BetweenSteps.insert(trainer)  # the plug-in's between_steps, before any callback sees a batch's step
         self._said_why_ended = False
@@ -301,6 +302,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     def on_train_end(self) -> None:
         self._undo_sigterm_check()
         if self.run is not None:
+            data_lengths.say_fit_ended(self, self.module.trainer)
             self.run.end()  # a round still in flight lands now, early (as the final round)
             self.follow_nominal_steps()
             self._say_why_ended(interrupted=False)
