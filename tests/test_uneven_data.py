@@ -18,7 +18,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_loco.replica.data_plan import UNKNOWN, PeerStops, UnevenDataError, uneven_plans
+from lightning_loco.replica.data_plan import (
+    UNKNOWN,
+    FitNumbers,
+    PeerStops,
+    UnevenDataError,
+    check_plans,
+    publish_failure,
+    uneven_plans,
+)
 from lightning_loco.testing.launch import free_port, start_ranks
 from lightning_loco.transport import PeerError
 
@@ -53,6 +61,34 @@ class FakeStore:
 
     def get(self, key: str) -> bytes:
         return self.values[key].encode()
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if not self.check(keys):
+            raise RuntimeError("wait timeout")
+
+
+def test_plans_are_compared_through_the_store_and_a_peer_that_failed_first_is_named():
+    store = FakeStore()
+    store.set("fit/plan/1", "6")
+    check_plans(store, "fit/", rank=0, world=2, steps=6)
+    store.set("fit/plan/1", "4")
+    store.set("fit/read/1", "1")  # rank 1 read every plan too: nobody stops before the others have read them
+    with pytest.raises(UnevenDataError, match="replica 1 would stop at step 4"):
+        check_plans(store, "fit/", rank=0, world=2, steps=6)
+    publish_failure(store, "next/", 1, ValueError("a callback failed"))
+    started = time.monotonic()
+    with pytest.raises(PeerError, match=r"Replica 1 \(rank 1\) failed as fit started \(ValueError: a callback"):
+        check_plans(store, "next/", rank=0, world=2, steps=6)
+    assert time.monotonic() - started < 5
+
+
+def test_fit_numbers_stay_aligned_when_a_fit_fails_before_taking_one():
+    numbers = FitNumbers()
+    assert numbers.prefix() == numbers.prefix() == "lightning_loco/fit0/"
+    numbers.end()
+    assert numbers.prefix() == "lightning_loco/fit1/"  # a failure before the plans takes the fit's number too
+    numbers.end()
+    assert numbers.prefix() == "lightning_loco/fit2/"
 
 
 def test_a_peer_that_stopped_before_posting_an_exchange_is_named_with_its_step_and_reason():

@@ -19,21 +19,23 @@ Lightning-free: the strategies' glue (:mod:`lightning_loco.trainer.data_lengths`
 
 from __future__ import annotations
 
-import itertools
 import json
+import time
 from collections import defaultdict
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from lightning_loco.transport.base import PeerError, Pending
 
-__all__ = ["UnevenDataError", "PeerStops", "check_plans", "fit_prefix", "uneven_plans", "FIX"]
+__all__ = [
+    "FIX", "FitNumbers", "PeerStops", "UnevenDataError", "check_plans", "fits", "publish_failure", "uneven_plans",
+]
 
 UNKNOWN = -1  # a plan that cannot be known when fit starts (an iterable dataset without max_steps)
 FIX = ("Set max_steps (with max_epochs=-1 a loader that ends starts its next epoch, so every replica takes "
        "exactly max_steps steps), give every replica a shard of the same length (Lightning's DistributedSampler "
        "pads them to it), or run elastic (ElasticConfig), where a replica may leave the run.")
-_fits = itertools.count()  # names this process's fits in the store: every rank runs the same fits in order
 
 
 class UnevenDataError(PeerError):
@@ -63,21 +65,65 @@ def uneven_plans(plans: Sequence[int], ranks_per_replica: int = 1) -> Optional[s
     )
 
 
-def fit_prefix() -> str:
-    """The store keys' prefix for this fit (every rank runs the same fits, in the same order)."""
-    return f"lightning_loco/fit{next(_fits)}/"
+class FitNumbers:
+    """Numbers this process's fits for the store's keys: every rank runs the same fits in the same order, and a
+    fit that fails before its number was taken (an error in a callback's ``on_train_start``) takes it then, so
+    that the ranks' numbers stay aligned."""
+
+    def __init__(self) -> None:
+        self.next, self.current = 0, None  # type: tuple[int, Optional[int]]
+
+    def prefix(self) -> str:
+        """This fit's keys' prefix (taking its number if not taken yet)."""
+        if self.current is None:
+            self.current, self.next = self.next, self.next + 1
+        return f"lightning_loco/fit{self.current}/"
+
+    def end(self) -> None:
+        """This fit is over: the next ``prefix`` is the next fit's."""
+        self.current = None
 
 
-def check_plans(store: Any, prefix: str, rank: int, world: int, steps: int, ranks_per_replica: int = 1) -> None:
+fits = FitNumbers()
+
+
+def publish_failure(store: Any, prefix: str, rank: int, error: BaseException) -> None:
+    """This rank's fit failed with ``error`` before or while the plans were compared (its peers stop waiting)."""
+    store.set(f"{prefix}failed/{rank}", f"{type(error).__name__}: {error}"[:2000])
+
+
+def check_plans(store: Any, prefix: str, rank: int, world: int, steps: int, ranks_per_replica: int = 1,
+                timeout_s: float = 1800.0) -> None:
     """Shares every rank's planned optimizer steps through the process group's ``store`` (one small key each, no
     collective on the process group) and raises :class:`UnevenDataError` on every rank if the known ones differ.
-    Every rank of the world must call it, with the same ``prefix``."""
+    A rank whose fit failed first (:func:`publish_failure`) is named at once (:class:`PeerError`); one that never
+    comes is waited for ``timeout_s`` seconds. Every rank of the world must call it, with the same ``prefix``."""
     store.set(f"{prefix}plan/{rank}", str(steps))
-    keys = [f"{prefix}plan/{r}" for r in range(world)]
-    store.wait(keys)
-    message = uneven_plans([int(store.get(key)) for key in keys], ranks_per_replica)
-    if message is not None:
+    deadline = time.monotonic() + timeout_s
+    _wait_for_all(store, prefix, "plan", world, ranks_per_replica, deadline)
+    message = uneven_plans([int(store.get(f"{prefix}plan/{r}")) for r in range(world)], ranks_per_replica)
+    if message is not None:  # everyone has read every plan before anyone stops (rank 0 may hold the store)
+        store.set(f"{prefix}read/{rank}", "1")
+        _wait_for_all(store, prefix, "read", world, ranks_per_replica, deadline)
         raise UnevenDataError(message)
+
+
+def _wait_for_all(store: Any, prefix: str, name: str, world: int, ranks_per_replica: int, deadline: float) -> None:
+    """Waits until every rank has set its ``name`` key, naming at once a rank whose fit failed first."""
+    keys = [f"{prefix}{name}/{r}" for r in range(world)]
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=1))
+            return
+        except Exception:  # noqa: BLE001  # the store's timeout (DistStoreError, RuntimeError in older torch)
+            failed = [r for r in range(world) if store.check([f"{prefix}failed/{r}"])]
+            if failed:
+                r = failed[0]
+                error = store.get(f"{prefix}failed/{r}").decode(errors="replace")
+                raise PeerError(f"Replica {r // ranks_per_replica} (rank {r}) failed as fit started ({error}), so "
+                                "this replica stops too; look at its log for the cause.") from None
+            if time.monotonic() > deadline:
+                raise
 
 
 class PeerStops:
@@ -88,7 +134,7 @@ class PeerStops:
 
     Args:
         store: the default process group's store (``dist.distributed_c10d._get_default_store()``).
-        prefix: this fit's keys' (:func:`fit_prefix`).
+        prefix: this fit's keys' (:data:`fits`).
         rank: this global rank; ``ranks_per_replica``: k (rank j of a replica exchanges with rank j of its peers).
         check_every_s: how often a wait looks in the store.
     """

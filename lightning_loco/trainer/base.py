@@ -194,6 +194,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        data_lengths.say_fit_failed(self, exception)
         self.mode.annotate(exception, self.global_rank, self.ranks_per_replica)
 
     @override

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_loco.replica.data_plan import UNKNOWN, PeerStops, check_plans, fit_prefix
+from lightning_loco.replica.data_plan import UNKNOWN, PeerStops, check_plans, fits, publish_failure
 from lightning_loco.transport.torch_dist import TorchDistributedTransport
 
 
@@ -32,9 +32,10 @@ def watch_peers(strategy: Any, trainer: "pl.Trainer") -> None:
     :class:`~lightning_loco.replica.data_plan.PeerStops`."""
     if strategy.elastic is not None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    k, rank, prefix = strategy.ranks_per_replica, dist.get_rank(), fit_prefix()
+    k, rank, prefix = strategy.ranks_per_replica, dist.get_rank(), fits.prefix()
     store = dist.distributed_c10d._get_default_store()
-    check_plans(store, prefix, rank, dist.get_world_size(), planned_steps(trainer), k)
+    timeout = strategy._timeout.total_seconds() if strategy._timeout is not None else 1800.0
+    check_plans(store, prefix, rank, dist.get_world_size(), planned_steps(trainer), k, timeout)
     transport = strategy.run.driver.transport if strategy.run is not None else None
     if isinstance(transport, TorchDistributedTransport):
         stops = PeerStops(store, prefix, rank, k)
@@ -46,6 +47,7 @@ def say_fit_ended(strategy: Any, trainer: "pl.Trainer") -> None:
     """When training ends (before the rounds in flight land): this rank posts no more exchanges; why."""
     transport = strategy.run.driver.transport if strategy.run is not None else None
     stops = getattr(transport, "peer_stops", None)
+    fits.end()
     if not isinstance(stops, PeerStops):
         return
     if 0 <= trainer.max_steps <= trainer.global_step:
@@ -55,3 +57,14 @@ def say_fit_ended(strategy: Any, trainer: "pl.Trainer") -> None:
     else:
         reason = f"ran out of training data (its loader ended in its last epoch, max_epochs={trainer.max_epochs})"
     stops.publish(trainer.global_step, reason)
+
+
+def say_fit_failed(strategy: Any, error: BaseException) -> None:
+    """When fit fails on this rank (every static run): its peers waiting to compare plans stop at once."""
+    if strategy.elastic is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        publish_failure(dist.distributed_c10d._get_default_store(), fits.prefix(), dist.get_rank(), error)
+    except Exception:  # noqa: BLE001  # the store may be gone with the failure: nothing more to tell
+        pass
+    fits.end()
