@@ -27,6 +27,7 @@ from lightning_loco.trainer import (
 )
 from lightning_loco.trainer.batchnorm_update import BatchNormUpdate
 from lightning_loco.trainer.outer_checkpoint import OuterStepCheckpoint
+from lightning_loco.trainer.verify import VerifyState
 from lightning_loco.transport import PeerError
 
 __version__ = "0.1.0"
@@ -56,5 +57,6 @@ __all__ = [
     "PacingConfig",
     "PeerError",
     "ShortRunWarning",
+    "VerifyState",
     "WireConfig",
 ]
