@@ -28,6 +28,7 @@ from lightning_loco.trainer import (
 from lightning_loco.trainer.batchnorm_update import BatchNormUpdate
 from lightning_loco.trainer.outer_checkpoint import OuterStepCheckpoint
 from lightning_loco.trainer.validation import ReplicaValidation
+from lightning_loco.trainer.verify import VerifyState
 from lightning_loco.transport import PeerError
 
 __version__ = "0.1.0"
@@ -58,5 +59,6 @@ __all__ = [
     "PeerError",
     "ReplicaValidation",
     "ShortRunWarning",
+    "VerifyState",
     "WireConfig",
 ]

@@ -41,7 +41,7 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
 from lightning_loco.replica.replica import Replica
 from lightning_loco.rules import Facts, Launch, build_options, check_rules
-from lightning_loco.trainer import setup
+from lightning_loco.trainer import data_lengths, setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (
     BetweenSteps,
@@ -183,6 +183,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        data_lengths.say_fit_failed(self, exception)
         self.mode.annotate(exception, self.global_rank, self.ranks_per_replica)
 
     @override
@@ -238,6 +239,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
         run = self.replica.start(self.optimizers, state, trainer.max_steps, clock=self.pacing_clock,
                                  check_stop=stop_on_sigterm(trainer, f"Replica {name!r}"), track_norms=self.track_norms)
         self.outer_step_reports, self.rounds_started = run.driver.reports, run.driver.rounds_started
+        data_lengths.watch_peers(self, trainer)  # uneven data: refused now, or named when a replica stops
         BetweenSteps.insert(trainer)  # the plug-in's between_steps, before any callback sees a batch's step
         self._said_why_ended = False
         self._restore_sigterm_check = _compat.disable_per_batch_sigterm_broadcast(trainer.fit_loop.epoch_loop)
@@ -284,6 +286,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     def on_train_end(self) -> None:
         self._undo_sigterm_check()
         if self.run is not None:
+            data_lengths.say_fit_ended(self, self.module.trainer)
             self.run.end()  # a round still in flight lands now, early (as the final round)
             self.follow_nominal_steps()
             self._say_why_ended(interrupted=False)

@@ -106,6 +106,9 @@ class Pending(ABC):
         self.completed_at: Optional[float] = None  # when a watcher saw the operations complete
         self._result: Optional[Tensor] = None
         self._watcher: Optional[threading.Thread] = None
+        # a static run's watch on peers whose fit ended (lightning_loco.replica.data_plan.PeerStops), if any
+        self.peer_stops: Any = getattr(transport, "peer_stops", None)
+        self.exchange_numbers: dict[int, int] = self.peer_stops.posted(peers) if self.peer_stops is not None else {}
 
     def completed_with(self, result: Tensor) -> Self:
         """Makes this an exchange that already completed with ``result`` (restored from a checkpoint):
@@ -143,6 +146,8 @@ class Pending(ABC):
         if self._result is not None:
             return self._result
         blocked = time.perf_counter()
+        if self.peer_stops is not None:  # raises if a peer stopped without posting this exchange
+            self.peer_stops.wait_for(self)
         result = self._receive()
         now = time.perf_counter()
         self.wait_seconds, self.seconds = now - blocked, now - self.started
