@@ -4,7 +4,9 @@
 replica layout and its run mode; it builds the transport, the driver and the driver's plug-in, takes
 the optimizers' parameters, and is then told of every real inner step. The Trainer's strategies
 (:mod:`lightning_loco.trainer`) and the Fabric strategies (:mod:`lightning_loco.fabric`) are thin
-adapters of their loops to it, so that both run the same rounds, bit for bit.
+adapters of their loops to it, so that both run the same rounds, bit for bit. The simulator
+(:mod:`lightning_loco.simulator`) builds each simulated replica's driver with :func:`replica_driver` and
+decides its last step with :func:`last_step`, as :class:`ReplicaRun` does.
 """
 
 from __future__ import annotations
@@ -12,15 +14,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
 from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
-from lightning_loco.driver.pacing import AUTO, SharedStepTimes, StoreStepTimes
-from lightning_loco.driver.plugins import TrainingState
+from lightning_loco.driver.pacing import AUTO, SharedStepTimes, StepTimes, StoreStepTimes
+from lightning_loco.driver.plugins import DriverPlugin, TrainingState
 from lightning_loco.replica import checkpoints
 from lightning_loco.replica.modes import RunMode
 from lightning_loco.replica.options import Options
@@ -55,6 +57,40 @@ def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def replica_driver(options: Options, transport: Transport, flats: Iterable[FlatParameters] = (), *, label: str,
+                   plugin: Optional[DriverPlugin], clock: Callable[[], float], step_times: Optional[StepTimes],
+                   track_norms: bool = False, agree_overlap: Optional[Callable[[int], int]] = None,
+                   agree_seconds: Optional[Callable[[float], float]] = None) -> OuterStepDriver:
+    """One replica's driver of its rounds over ``transport``, with its plug-in, clock and board of step
+    times (``sync_seconds="auto"``), and the ranks' agreement functions where a replica has several; it
+    takes ``flats``, the optimizers' parameters (see :func:`add_parameters`). :class:`ReplicaRun` builds
+    its driver here, and so does the simulator for each of its replicas."""
+    driver = OuterStepDriver(options, transport, label=label, plugin=plugin, clock=clock, agree_overlap=agree_overlap,
+                             agree_seconds=agree_seconds, step_times=step_times)
+    add_parameters(driver, flats, track_norms)
+    return driver
+
+
+def add_parameters(driver: OuterStepDriver, flats: Iterable[FlatParameters], track_norms: bool) -> None:
+    """The driver takes the optimizers' parameters, one flat view each, in order: their outer state starts at
+    their current values; ``track_norms`` keeps the norms and peer distances in its reports."""
+    driver.track_norms = track_norms
+    for flat in flats:
+        driver.add(flat)
+
+
+def last_step(driver: OuterStepDriver, index: int, max_steps: int,
+              loop_ends: Optional[Callable[[], bool]] = None) -> bool:
+    """Whether training ends after this inner step of optimizer ``index`` (asked before the driver is told of
+    it): by the driver's count against ``max_steps`` (-1: none) where the driver ends the run, or where the
+    loop gives no ``loop_ends`` (a loop that ends at ``max_steps`` of every optimizer); else ``loop_ends()``
+    says whether the training loop ends after this step (its own count: epochs, the last batch, a caller's
+    word)."""
+    if (driver.ends_by_driver_steps and max_steps >= 0) or loop_ends is None:
+        return max_steps >= 0 and driver.last_step(index, max_steps)
+    return loop_ends()
+
+
 class ReplicaRun:
     """The transport, the driver and its plug-in of one replica during one training run.
 
@@ -86,10 +122,10 @@ class ReplicaRun:
         several = k > 1
         self.groups, self.layout, self.comm_device = groups, layout, comm_device
         self.step_times = step_times_of(transport.num_replicas) if options.sync_seconds == AUTO else None
-        self.driver = OuterStepDriver(
-            options, transport, label=label, plugin=mode.plugin(transport), clock=clock,
+        self.driver = replica_driver(
+            options, transport, label=label, plugin=mode.plugin(transport), clock=clock, step_times=self.step_times,
             agree_overlap=self._agree_overlap if several else None,
-            agree_seconds=self._agree_seconds if several else None, step_times=self.step_times,
+            agree_seconds=self._agree_seconds if several else None,
         )
 
     def _agree_overlap(self, tau: int) -> int:
@@ -109,9 +145,8 @@ class ReplicaRun:
         healing elastic replica takes, and the run's ``max_steps`` (-1: none); then the plug-in's turn
         before the first inner step (an elastic replica's first membership)."""
         driver = self.driver
-        driver.track_norms = track_norms
-        for optimizer in optimizers:
-            driver.add(self.layout.flat_parameters(params_of(optimizer)))
+        add_parameters(driver, (self.layout.flat_parameters(params_of(optimizer)) for optimizer in optimizers),
+                       track_norms)
         if resumed is not None:
             try:
                 driver.load_state_dict(resumed)
@@ -126,12 +161,9 @@ class ReplicaRun:
     def after_step(self, index: int, optimizer: torch.optim.Optimizer, max_steps: int,
                    loop_ends: Optional[Callable[[], bool]] = None, who: str = "") -> bool:
         """Counts one real inner step of optimizer ``index``; lands and starts rounds when they are due.
-        Whether this step is the last of training is decided here: by the driver's count against
-        ``max_steps`` where the driver ends the run, or where the loop gives no ``loop_ends`` (a loop that
-        ends at ``max_steps`` of every optimizer); else ``loop_ends()`` says whether the training loop ends
-        after this step (its own count: epochs, the last batch). Returns whether training must stop now
-        because the driver ends the run (under pacing, the run ends on a round; a healed replica took the
-        others' step count)."""
+        Whether this step is the last of training is decided by :func:`last_step` (the driver's count or
+        the loop's ``loop_ends``). Returns whether training must stop now because the driver ends the run
+        (under pacing, the run ends on a round; a healed replica took the others' step count)."""
         driver = self.driver
         if index >= len(driver.optimizer_slots):
             raise RuntimeError(
@@ -145,10 +177,7 @@ class ReplicaRun:
                 "give the optimizer all its parameters from the start (frozen ones included)."
             )
         by_driver = driver.ends_by_driver_steps and max_steps >= 0
-        if by_driver or loop_ends is None:
-            last = max_steps >= 0 and driver.last_step(index, max_steps)
-        else:
-            last = loop_ends()
+        last = last_step(driver, index, max_steps, loop_ends)
         driver.after_inner_step(index, last=last)
         return by_driver and last
 

@@ -28,6 +28,7 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.algorithms.schedules import Round
 from lightning_loco.driver import lr_schedules
 from lightning_loco.driver.plugins import DriverPlugin
+from lightning_loco.replica.run import last_step
 
 
 def check_step_seconds(step_seconds: Any, num_replicas: int) -> list[float]:
@@ -182,7 +183,7 @@ class PacedRounds:
             while True:
                 driver.restore_outer_weights()
                 self._paced_step(i)
-                last[i] = driver.last_step(0, self.max_steps)
+                last[i] = last_step(driver, 0, self.max_steps)  # the driver's count: the run ends on a round
                 if driver.round_due(0):
                     break
                 driver.after_inner_step(0, last[i])

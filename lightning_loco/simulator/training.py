@@ -19,6 +19,7 @@ from lightning_loco.driver.driver import OuterStepDriver
 from lightning_loco.driver.flat import FlatParameters
 from lightning_loco.driver.pacing import SharedStepTimes
 from lightning_loco.replica.options import PacingConfig, WireConfig, pacing_config, wire_config
+from lightning_loco.replica.run import last_step, replica_driver
 from lightning_loco.replica.short_runs import warn_if_short
 from lightning_loco.rules import Simulated, build_options
 from lightning_loco.simulator.batched import BatchedGradients, BatchedStep
@@ -194,15 +195,13 @@ class TrainingSimulator(Measurements, PacedRounds):
             self.network = InProcessNetwork(n, timeout=600.0)
             assert options is not None
             step_times = SharedStepTimes()  # sync_seconds="auto": the replicas' step times (the run's store's)
-            for i in range(n):
-                driver = OuterStepDriver(
-                    options, self.network.transport(i), label=f"Simulated replica {i}",
+            for i in range(n):  # as ReplicaRun builds a replica's driver, over the in-process transport
+                self.drivers.append(replica_driver(
+                    options, self.network.transport(i), [self.flats[i]], label=f"Simulated replica {i}",
+                    plugin=None if self.time is None else self.time.plugin(i),
                     clock=time.perf_counter if self.time is None else self.time.clocks[i],
-                    plugin=None if self.time is None else self.time.plugin(i), step_times=step_times,
-                )
-                driver.track_norms = track_norms
-                driver.add(self.flats[i])
-                self.drivers.append(driver)
+                    step_times=step_times, track_norms=track_norms,
+                ))
             self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="simulated-replica")
         self._batched_mode = batched
         self._batched: BatchedGradients | None = None
@@ -280,7 +279,7 @@ class TrainingSimulator(Measurements, PacedRounds):
             raise ValueError("under sync_seconds every replica takes its own steps per round: call run_rounds()")
         for driver in self.drivers:  # a final landing, and training goes on after all
             driver.restore_outer_weights()
-        last = last or (self.max_steps is not None and self.step_count + 1 == self.max_steps)
+        ends = last or (self.max_steps is not None and self.step_count + 1 == self.max_steps)  # the loop's count
         draws = [shard.draw(self.accumulate_grad_batches) for shard in self.shards]
         losses = self._batched_grads(draws) if self._batched is not None else None
         if losses is None:
@@ -295,7 +294,7 @@ class TrainingSimulator(Measurements, PacedRounds):
             self.contexts[i].optimizer_stepped()
             if self.time is not None:
                 self.time.stepped(i)
-        self._after_inner_step(last)
+        self._after_inner_step(ends)
         for scheduler in self.schedulers:
             if scheduler is not None:
                 scheduler.step()
@@ -314,18 +313,23 @@ class TrainingSimulator(Measurements, PacedRounds):
             for p in per_param:
                 p.grad = mean.clone()
 
-    def _after_inner_step(self, last: bool) -> None:
+    def _after_inner_step(self, loop_ends: bool) -> None:
+        """Every replica's driver is told of the step; whether it is the last is each replica's
+        :func:`~lightning_loco.replica.run.last_step`, as on the strategies, the simulator's loop saying
+        ``loop_ends``."""
         if not self.drivers:
             return
+        max_steps = -1 if self.max_steps is None else self.max_steps
+        last = [last_step(driver, 0, max_steps, lambda: loop_ends) for driver in self.drivers]
         driver = self.drivers[0]
         busy = driver.round_due(0) or any(slot.in_flight is not None for slot in driver.slots)
-        busy = busy or (last and self.fragments > 1)  # the end starts a round of every fragment
+        busy = busy or (last[0] and self.fragments > 1)  # the end starts a round of every fragment
         if not busy:
-            for driver in self.drivers:
-                driver.after_inner_step(0, last)
+            for driver, end in zip(self.drivers, last):
+                driver.after_inner_step(0, end)
             return
         # A round is due or in flight: replicas wait for their peers, so each runs in its own thread.
-        self._exchange([last] * self.num_replicas)
+        self._exchange(last)
 
     def _exchange(self, last: list[bool]) -> None:
         """Every replica's ``after_inner_step`` for a step that starts (or lands) a round, each in its own
