@@ -134,13 +134,25 @@ def _rows(kind: str, r: int, c: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.usefixtures("pieces")
+@pytest.fixture(params=[4 * 1000, None])
+def one_thread(request, monkeypatch):
+    """torch on one thread (where topk selects by candidates), in pieces of a few rows or of 4 MiB."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if request.param:
+        monkeypatch.setattr(kernels, "PIECE_BYTES", request.param)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("kind", ["gaussian", "ties", "bfloat16", "mixed"])
 @pytest.mark.parametrize("r,c,k", [(40, 4096, 82), (9, 4096, 4096), (33, 100, 3), (12, 64, 2), (7, 37, 5),
                                    (20, 512, 16), (5, 8, 4)])
 def test_topk_selection_is_bitwise_torch_topk(kind, r, c, k, monkeypatch):
     """The top-k by group maxima and candidates (pieces of rows) against torch.topk of every row:
-    the same positions, in the same order, and the same values; Gaussian rows need no row-wise topk."""
+    the same positions, in the same order, and the same values; Gaussian rows need no row-wise topk.
+    (With several threads, or on an accelerator, the selection is torch.topk's: test_topk_keeps_the_largest.)"""
     rows = _rows(kind, r, c)
     expected = torch.empty(r, k, dtype=torch.int64), torch.empty(r, k)
     sparse._top(rows, k, *expected)
