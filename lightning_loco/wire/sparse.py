@@ -161,7 +161,7 @@ def _select(rows: Tensor, k: int, indices: Tensor, values: Tensor) -> None:
     for start in range(0, r, step):
         stop = min(r, start + step)
         _select_piece(rows[start:stop], k, g, work[: stop - start], indices[start:stop])
-    torch.gather(rows, 1, indices, out=values)
+        torch.gather(rows[start:stop], 1, indices[start:stop], out=values[start:stop])  # rows still cached
 
 
 def _select_piece(rows: Tensor, k: int, g: int, a: Tensor, indices: Tensor) -> None:
@@ -178,7 +178,7 @@ def _select_piece(rows: Tensor, k: int, g: int, a: Tensor, indices: Tensor) -> N
     slots = torch.arange(width, device=a.device)
     where = (torch.cumsum(counts, 0) - counts)[:, None] + slots  # each row's candidates, then others
     table = value[where.clamp_(max=max(flat.numel() - 1, 0))] if flat.numel() else a.new_empty(r, width)
-    table.masked_fill_(slots >= counts[:, None], -1.0)  # below every |x|
+    table = torch.where(slots < counts[:, None], table, -1.0)  # -1: below every |x|
     kth = torch.topk(table, k, dim=1, sorted=False).values.amin(dim=1)
     ok = (counts >= k) & (counts <= width) & ((table >= kth[:, None]).sum(dim=1) == k)
     chosen = (value >= kth[row]).logical_and_(ok[row])
