@@ -11,7 +11,7 @@ an accelerator, the whole buffer is one piece (see :func:`piece_values`).
 
 Every function computes what the codecs' definitions say with the same tensor operations in the
 same order, so the encoded bytes and the decoded floats are bitwise those of the whole-buffer
-formulation (``tests/test_codecs.py`` holds them against it).
+formulation (``tests/test_codecs.py`` and ``tests/test_wire_lowbit.py`` hold them against it).
 """
 
 from __future__ import annotations
