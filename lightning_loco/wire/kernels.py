@@ -10,8 +10,9 @@ main memory sees the payload read once and the result written once. With several
 an accelerator, the whole buffer is one piece (see :func:`piece_values`).
 
 Every function computes what the codecs' definitions say with the same tensor operations in the
-same order, so the encoded bytes and the decoded floats are bitwise those of the whole-buffer
-formulation (``tests/test_codecs.py`` and ``tests/test_wire_lowbit.py`` hold them against it).
+same order (int4 and int2 decoding: exact integer steps to the same codes), so the encoded bytes and
+the decoded floats are bitwise those of the whole-buffer formulation (``tests/test_codecs.py`` and
+``tests/test_wire_lowbit.py`` hold them against it).
 """
 
 from __future__ import annotations
