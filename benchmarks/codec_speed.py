@@ -1,6 +1,7 @@
 """Codec speed: GB/s of encode and decode for bfloat16, float16, int8, int4, int2 and topk, against a plain copy.
 
     python -m benchmarks.codec_speed [--sizes 1e6 1e7 5e7] [--repeats 7] [--before a10949b] [--compile]
+    python -m benchmarks.codec_speed --sizes 1e7 --codecs int8 int4 int2 topk --out codec_speed_lowbit.json
     python -m benchmarks.codec_speed --quick        # a few seconds: 10^4 and 10^5 values, 5 repeats
 
 On one flat float32 payload x of n values (``torch.randn``), at one thread (``torch.set_num_threads(1)``)
@@ -10,7 +11,9 @@ and at torch's default number of threads:
   ``buf.copy_(x)``, the memory's speed without the page faults of a new buffer;
 * encode and decode of each lossy codec, ``after`` (this tree's ``lightning_loco.wire.codecs``) and
   ``before`` (``lightning_loco/codecs.py`` as it was at commit ``--before``, read with ``git show``;
-  ``--before ''`` leaves it out);
+  ``--before ''`` leaves it out); for int4, int2 and topk, which it had not, ``before`` is
+  ``lightning_loco/wire/lowbit.py`` and ``sparse.py`` at commit ``--before-new`` (whole-buffer
+  operations and ``torch.topk`` over every chunk; ``--before-new ''`` leaves them out);
 * check: ``check_payload``, the NaN/inf scan every payload gets (float16's also checks its range);
 * with ``--compile``: ``compiled``, ``torch.compile`` (``dynamic=True``) of the int8 arithmetic as
   one expression per direction, on the payload's whole blocks: what a fused kernel would give.
@@ -24,8 +27,8 @@ over the copy's time in the same repeat and "after/before" the before time over 
 the same repeat. Median [min, max] over the repeats. Before timing, the encoded bytes of every
 variant are compared with after's (``same_bytes``).
 
-Writes ``benchmarks/results/codec_speed.json`` (a ``--quick`` run writes to a temporary folder, or
-to ``$LOCO_BENCH_RESULTS``).
+Writes ``benchmarks/results/codec_speed.json``, or ``--out`` there (a ``--quick`` run writes to a
+temporary folder, or to ``$LOCO_BENCH_RESULTS``); ``--codecs`` times only those formats.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from benchmarks.common import ROOT, results_dir, spread, table, write_json
 from lightning_loco.wire import codecs
 
 BEFORE = "a10949b"  # the last commit whose codecs ran one whole-buffer operation after another
+BEFORE_NEW = "f9ef240"  # the commit that added int4, int2 and topk, as whole-buffer operations
+NEW_CODECS = ("int4", "int2", "topk")
 CODECS = ("bfloat16", "float16", "int8", "int4", "int2", "topk")  # topk: density 0.02, int2 values
 OLD_CODECS = ("bfloat16", "float16", "int8")  # the formats the before codecs had
 
@@ -64,6 +69,31 @@ def load_before(commit: str) -> types.ModuleType | None:
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"{commit}:lightning_loco/codecs.py", "exec"), module.__dict__)
     return module
+
+
+def load_before_new(commit: str) -> dict[str, Any] | None:
+    """The int4, int2 and topk codecs of ``lightning_loco/wire/lowbit.py`` and ``sparse.py`` at ``commit``
+    (today's settings: default block size; topk at density 0.02 with int2 values), or None (with a note)."""
+    if not commit:
+        return None
+    modules = {}
+    for name in ("lowbit", "sparse"):
+        path = f"lightning_loco/wire/{name}.py"
+        try:
+            source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, check=True,
+                                    capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError) as err:
+            print(f"before: {path} at {commit} is not readable here ({err}); int4, int2 and topk: only after")
+            return None
+        module = types.ModuleType(f"{name}_before")
+        sys.modules[module.__name__] = module
+        exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
+        modules[name] = module
+    lowbit, sparse = modules["lowbit"], modules["sparse"]
+    values = lowbit.LowBitBlockCodec(2, sparse.kept(sparse.DEFAULT_DENSITY, sparse.DEFAULT_CHUNK))
+    return {"int4": lowbit.LowBitBlockCodec(4, codecs.DEFAULT_BLOCK_SIZE),
+            "int2": lowbit.LowBitBlockCodec(2, codecs.DEFAULT_BLOCK_SIZE),
+            "topk": sparse.TopKCodec(values, sparse.DEFAULT_DENSITY, sparse.DEFAULT_CHUNK)}
 
 
 def codec_of(module: types.ModuleType, name: str) -> Any:
@@ -130,9 +160,11 @@ def same_bytes(codec: Any, encoded: Any, x: torch.Tensor) -> bool:
 
 
 def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes: dict,
-                 device: str | torch.device = "cpu") -> tuple[dict, dict]:
+                 device: str | torch.device = "cpu", before_new: dict[str, Any] | None = None,
+                 names: tuple[str, ...] = CODECS) -> tuple[dict, dict]:
     """The timed calls for one size, keyed (op, codec, variant), and the bytes comparison; on
-    ``device``, with the same values as on the CPU (drawn there, then moved)."""
+    ``device``, with the same values as on the CPU (drawn there, then moved). ``before_new``: the
+    before codecs of int4, int2 and topk (:func:`load_before_new`); ``names``: the formats timed."""
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(device)
     buf = torch.empty_like(x)
     calls: dict[tuple[str, str, str], Callable[[], Any]] = {
@@ -141,9 +173,11 @@ def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes:
     }
     modules = {"after": codecs, **({"before": before} if before is not None else {})}
     same: dict[str, bool] = {}
-    for name in CODECS:
+    for name in names:
         variants: dict[str, Any] = {v: codec_of(m, name) for v, m in modules.items()
                                     if v == "after" or name in OLD_CODECS}
+        if before_new is not None and name in before_new:
+            variants["before"] = before_new[name]
         if name == "int8" and compile_:
             built = compiled_int8(x)
             if isinstance(built, str):
@@ -163,9 +197,10 @@ def measurements(n: int, before: types.ModuleType | None, compile_: bool, notes:
     return calls, same
 
 
-def run_size(n: int, repeats: int, before: types.ModuleType | None, compile_: bool, notes: dict) -> tuple[dict, dict]:
+def run_size(n: int, repeats: int, before: types.ModuleType | None, compile_: bool, notes: dict,
+             before_new: dict[str, Any] | None = None, names: tuple[str, ...] = CODECS) -> tuple[dict, dict]:
     """Seconds of every call over ``repeats`` interleaved repeats, keyed as ``measurements``."""
-    calls, same = measurements(n, before, compile_, notes)
+    calls, same = measurements(n, before, compile_, notes, before_new=before_new, names=names)
     return time_calls(calls, repeats, n), same
 
 
@@ -239,27 +274,33 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", help="payload sizes in values (default 1e6 1e7 5e7)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats per size (default 7, at least 5)")
     parser.add_argument("--before", default=BEFORE, help=f"commit of the before codecs (default {BEFORE}; '' for none)")
+    parser.add_argument("--before-new", default=BEFORE_NEW,
+                        help=f"commit of the before int4, int2 and topk codecs (default {BEFORE_NEW}; '' for none)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the int8 arithmetic")
+    parser.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS), help="the formats timed")
+    parser.add_argument("--out", default="codec_speed.json", help="the results file's name")
     args = parser.parse_args()
     sizes = [int(s) for s in (args.sizes or ([1e4, 1e5] if args.quick else [1e6, 1e7, 5e7]))]
     repeats = args.repeats or (5 if args.quick else 7)
     if repeats < 5:
         parser.error("--repeats must be at least 5: a median and a spread need them")
-    before = load_before(args.before)
+    before, before_new = load_before(args.before), load_before_new(args.before_new)
     default_threads = torch.get_num_threads()
     rows, same, notes = [], {}, {}
     for threads in ("1", "default"):
         torch.set_num_threads(1 if threads == "1" else default_threads)
         for n in sizes:
-            seconds, same[f"{threads}/{n}"] = run_size(n, repeats, before, args.compile, notes)
+            seconds, same[f"{threads}/{n}"] = run_size(n, repeats, before, args.compile, notes, before_new,
+                                                       tuple(args.codecs))
             rows += summarise(threads, n, seconds)
             print(f"threads {threads}, n = {n:.0e}: done", flush=True)
     torch.set_num_threads(default_threads)
     print(report(rows))
     print(f"default threads: {default_threads}; encoded bytes equal to after's: "
           f"{all(v for s in same.values() for v in s.values())}; {notes or ''}")
-    path = write_json("codec_speed.json", {
+    path = write_json(args.out, {
         "sizes": sizes, "repeats": repeats, "before": args.before if before is not None else None,
+        "before_new": args.before_new if before_new is not None else None, "codecs": args.codecs,
         "default_threads": default_threads, "torch": torch.__version__, "same_bytes": same, "notes": notes,
         "rows": rows}, results_dir(args.quick))
     print(f"wrote {path}")

@@ -10,11 +10,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_codecs import hard_payload, pieces  # noqa: F401  (pieces: a fixture)
 
 from lightning_loco import DiLoCoStrategy
 from lightning_loco.replica.options import WireConfig
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
+from lightning_loco.wire import kernels, sparse
 from lightning_loco.wire.codecs import all_reduce_bytes, chunked_all_reduce, decode_sum, make_codec
 from lightning_loco.wire.lowbit import LowBitBlockCodec
 from lightning_loco.wire.sparse import TopKCodec
@@ -88,6 +90,80 @@ def test_topk_keeps_the_largest_of_each_chunk(value_format, n):
         else:  # one scale per chunk: within half a step
             top = {"int8": 127.0, "int4": 7.0, "int2": 1.5}[value_format]
             assert ((got[sent] - chunk[sent]).abs() <= chunk.abs().max() / top / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.usefixtures("pieces")
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("block", [1, 3, 7, 256, 1000])
+@pytest.mark.parametrize("n", [1, 2, 5, 255, 257, 4000, 10_007])
+def test_lowbit_pieces_are_bitwise_the_whole_buffer(bits, block, n):
+    """The kernels (pieces of whole blocks and bytes, a table of codes per byte) against the whole-buffer
+    formulation, on sizes that are multiples of neither the piece, the block nor the byte."""
+    codec, blocks = make_codec(f"int{bits}", block), math.ceil(n / block)
+    for seed in range(2):
+        x = hard_payload(n, block, seed)
+        expected = torch.zeros(codec.nbytes(n), dtype=torch.uint8)
+        scales, packed = expected[: 4 * blocks].view(torch.float32), expected[4 * blocks :]
+        kernels.lowbit_encode_whole(x, bits, block, scales, packed)
+        assert torch.equal(codec.encode(x), expected), (n, block, seed)
+        g = torch.Generator().manual_seed(seed)
+        data = torch.randint(0, 256, (codec.nbytes(n),), dtype=torch.uint8, generator=g)
+        data[: 4 * blocks].view(torch.float32).copy_(torch.randn(blocks) * 10.0 ** (seed * 30 - 20))  # any byte
+        for encoded in (expected, data):
+            whole = torch.full((n,), float("nan"))
+            scales, packed = encoded[: 4 * blocks].view(torch.float32), encoded[4 * blocks :]
+            kernels.lowbit_decode_whole(scales, packed, n, bits, block, whole)
+            assert torch.equal(codec.decode(encoded, n).view(torch.int32), whole.view(torch.int32)), (n, block, seed)
+
+
+def _rows(kind: str, r: int, c: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(r * c)
+    x = torch.randn(r, c, generator=g)
+    if kind == "ties":  # few distinct values: the k-th largest is tied across the cut
+        x = (x * 4).round_() / 4
+    elif kind == "bfloat16":
+        x = x.bfloat16().float()
+    elif kind == "mixed":  # a row of zeros, a sorted row, a NaN, an infinity, -0.0, a heavy tail, subnormals
+        x = x ** 3
+        x[0] = 0.0
+        x[1 % r] = torch.linspace(-1, 1, c)
+        x[2 % r, c // 2] = float("nan")
+        x[3 % r, 0] = float("inf")
+        x[4 % r] = -0.0
+        x[5 % r] *= 1e-42
+    return x
+
+
+@pytest.fixture(params=[4 * 1000, None])
+def one_thread(request, monkeypatch):
+    """torch on one thread (where topk selects by candidates), in pieces of a few rows or of 4 MiB."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if request.param:
+        monkeypatch.setattr(kernels, "PIECE_BYTES", request.param)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kind", ["gaussian", "ties", "bfloat16", "mixed"])
+@pytest.mark.parametrize("r,c,k", [(40, 4096, 82), (9, 4096, 4096), (33, 100, 3), (12, 64, 2), (7, 37, 5),
+                                   (20, 512, 16), (5, 8, 4)])
+def test_topk_selection_is_bitwise_torch_topk(kind, r, c, k, monkeypatch):
+    """The top-k by group maxima and candidates (pieces of rows) against torch.topk of every row:
+    the same positions, in the same order, and the same values; Gaussian rows need no row-wise topk.
+    (With several threads, or on an accelerator, the selection is torch.topk's: test_topk_keeps_the_largest.)"""
+    rows = _rows(kind, r, c)
+    expected = torch.empty(r, k, dtype=torch.int64), torch.empty(r, k)
+    sparse._top(rows, k, *expected)
+    got = torch.full((r, k), -1, dtype=torch.int64), torch.full((r, k), 7.0)
+    whole_rows = []
+    top = sparse._top
+    monkeypatch.setattr(sparse, "_top", lambda x, *rest: whole_rows.append(x.shape[0]) or top(x, *rest))
+    sparse._select(rows, k, *got)
+    if kind == "gaussian" and (c, k) == (4096, 82):
+        assert whole_rows == []
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
 
 
 def test_topk_refuses_bad_arguments_and_float16_range():

@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from lightning_loco.wire import kernels
 from lightning_loco.wire.base import Codec
 
 LOWBIT_FORMATS = {"int4": 4, "int2": 2}
@@ -38,8 +39,8 @@ class LowBitBlockCodec(Codec):
             raise ValueError(f"int{bits}'s block_size must be an integer >= 1, got {block_size!r}")
         self.bits, self.block_size, self.name = bits, block_size, f"int{bits}"
         self.per_byte = 8 // bits
-        self.top = 7.0 if bits == 4 else 1.5  # the largest level, in units of the scale
-        self.offset = 8.0 if bits == 4 else 1.5  # the code of level v is v + offset (int2: ⌊x/s⌋ + 2)
+        self.top = kernels.LOWBIT_TOP[bits]  # the largest level, in units of the scale
+        self.offset = kernels.LOWBIT_OFFSET[bits]  # the code of level v is v + offset (int2: ⌊x/s⌋ + 2)
 
     def blocks(self, n: int) -> int:
         return math.ceil(n / self.block_size)
@@ -52,48 +53,14 @@ class LowBitBlockCodec(Codec):
 
     def encode(self, x: Tensor) -> Tensor:
         x = x.detach().to(torch.float32).reshape(-1).contiguous()
-        n, b = x.numel(), self.block_size
-        out = torch.empty(self.nbytes(n), dtype=torch.uint8, device=x.device)
-        if not n:
-            return out
-        blocks = self.blocks(n)
-        pad = blocks * b - n
-        rows = (torch.cat([x, x.new_zeros(pad)]) if pad else x).view(blocks, b)
-        scales = out[: 4 * blocks].view(torch.float32)
-        torch.amax(rows.abs(), dim=1, out=scales)
-        scales.div_(self.top)
-        safe = torch.where(scales > 0, scales, 1.0)  # a zero block: 0 / 1 = 0
-        y = rows / safe[:, None]
-        if self.bits == 4:
-            codes = y.round_().clamp_(-7, 7).add_(8)
-        else:
-            codes = y.floor_().clamp_(-2, 1).add_(2)
-        flat = codes.view(-1).to(torch.uint8)
-        spare = self.packed_bytes(n) * self.per_byte - flat.numel()
-        if spare > 0:
-            flat = torch.cat([flat, flat.new_zeros(spare)])
-        grouped = flat[: self.packed_bytes(n) * self.per_byte].view(-1, self.per_byte)
-        packed = out[4 * blocks :]
-        packed.copy_(grouped[:, 0])
-        for i in range(1, self.per_byte):
-            packed.bitwise_or_(grouped[:, i].bitwise_left_shift(i * self.bits))
+        out = torch.empty(self.nbytes(x.numel()), dtype=torch.uint8, device=x.device)
+        if x.numel():
+            kernels.lowbit_encode(x, self.bits, self.block_size, out)
         return out
 
     def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=data.device)
-        if not n:
-            return out
-        b, blocks = self.block_size, self.blocks(n)
-        scales = data[: 4 * blocks].view(torch.float32)
-        packed = data[4 * blocks : 4 * blocks + self.packed_bytes(n)]
-        mask = (1 << self.bits) - 1
-        codes = torch.empty(packed.numel(), self.per_byte, dtype=torch.uint8, device=data.device)
-        for i in range(self.per_byte):
-            torch.bitwise_and(packed.bitwise_right_shift(i * self.bits), mask, out=codes[:, i])
-        out.copy_(codes.view(-1)[:n]).sub_(self.offset)
-        full = n // b
-        out[: full * b].view(full, b).mul_(scales[:full, None])
-        if full < blocks:
-            out[full * b :].mul_(scales[full])
+        if n:
+            kernels.lowbit_decode(data, n, self.bits, self.block_size, out)
         return out
