@@ -14,7 +14,7 @@ from test_codecs import hard_payload, pieces  # noqa: F401  (pieces: a fixture)
 
 from lightning_loco import DiLoCoStrategy
 from lightning_loco.replica.options import WireConfig
-from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
+from lightning_loco.testing.launch import init_gloo, start_ranks
 from lightning_loco.transport import TorchDistributedTransport
 from lightning_loco.wire import kernels, sparse
 from lightning_loco.wire.codecs import all_reduce_bytes, chunked_all_reduce, decode_sum, make_codec
@@ -264,8 +264,9 @@ def _payload(replica: int) -> torch.Tensor:
     return torch.randn(SIZE, generator=torch.Generator().manual_seed(20 + replica))
 
 
-def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, world, port=port, timeout_s=30)
+def _gloo_worker(rank: int, world: int, out_dir: str) -> None:
+    # a FileStore, not a port (no race for a free port among parallel tests); the timeout only bounds a failure
+    init_gloo(rank, world, file=os.path.join(out_dir, "store"), timeout_s=120)
     try:
         t = TorchDistributedTransport(torch.device("cpu"))
         results = {}
@@ -285,7 +286,7 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_gloo_sums_and_bytes_of_the_new_formats(tmp_path):
     """3 processes: every replica holds bitwise the reference's sums, and counts the codec's bytes."""
     world = 3
-    start_ranks(_gloo_worker, world, args=(world, free_port(), str(tmp_path)), start_method="fork", timeout_s=240)
+    start_ranks(_gloo_worker, world, args=(world, str(tmp_path)), start_method="fork", timeout_s=240)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     xs = [_payload(i) for i in range(world)]
     for name, codec in FORMATS.items():
