@@ -8,6 +8,9 @@
   exchange instead (each sends its buffer to the other and adds what it receives): the same sum, bitwise
   (a + b = b + a), and the same bytes, in one message each way where gloo's all-reduce pipelines its
   chunks a round trip at a time, several times slower on a long fat pipe (``benchmarks/link_efficiency.py``).
+  With three replicas or more on gloo, payloads of 64 KiB or more take a reduce-scatter and an all-gather of
+  our own point-to-point exchanges instead (:mod:`~lightning_loco.transport.chunked`: every chunk summed by its
+  owner in ascending replica order, bitwise the same on every replica). NCCL's all-reduce stays NCCL's.
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
 training goes on, and ``PendingSum.wait()`` returns the sum (:mod:`~lightning_loco.transport.pending_sum`:
@@ -50,6 +53,7 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
+from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
 from lightning_loco.transport.pending_sum import PendingSum
 from lightning_loco.transport.staging import StagingPool
 from lightning_loco.transport.streams import make_stream_groups, piece
@@ -129,13 +133,18 @@ class TorchDistributedTransport(Transport):
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
         self.streams = streams
         # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
-        self.pairwise_all_reduce = self.num_replicas == 2 and dist.get_backend(process_group) == "gloo"
+        gloo = dist.get_backend(process_group) == "gloo"
+        self.pairwise_all_reduce = self.num_replicas == 2 and gloo
+        # three replicas or more on gloo: large payloads take the chunked all-reduce (see the module docstring)
+        self.chunked_all_reduce = self.num_replicas >= 3 and gloo
         # the strategies' (made by ProcessGroups with the run's backend and timeout), or made here: collective
         self.stream_groups: list[Any] = make_stream_groups(process_group, streams, stream_groups)
 
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
     stage_cpu_payloads = False
+    # The smallest payload slice (bytes) that takes the chunked all-reduce; tests lower it to run it on small buffers.
+    chunked_min_bytes = MIN_BYTES
 
     @property
     def slices_per_replica(self) -> int:
@@ -258,6 +267,8 @@ class TorchDistributedTransport(Transport):
                 return payload
 
             return self.pending(works, landed, nbytes, peers)
+        if self.chunked_all_reduce and self.slice(payload).numel() * payload.element_size() >= self.chunked_min_bytes:
+            return start_chunked_all_reduce(self, payload, round_id)
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self.slice(buf)
