@@ -4,6 +4,7 @@ processes)."""
 
 import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,25 @@ def test_every_stream_count_and_auto_give_the_sums_of_one_stream_bitwise(tmp_pat
         pair = 1 if r < 2 else 0
         assert len(sizes) == 3 + 3 * pair + 1 + 1 + 1, sizes
         assert sizes[:3] == [334, 334, 333]  # the triple's three pieces (tensor_split of 1001)
+
+
+def test_a_large_exchange_on_small_send_buffers_warns_once_with_the_setting(tmp_path, monkeypatch):
+    from lightning_loco.transport import sockets
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.write_text("4096\t16384\t4194304\n")
+    large.write_text("4096 16384 33554432\n")
+    assert sockets.host_max_send_buffer(str(small)) == 4 * MB and sockets.host_max_send_buffer(str(large)) == 32 * MB
+    assert sockets.host_max_send_buffer(str(tmp_path / "none")) is None
+    monkeypatch.setattr(sockets, "_state", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not sockets.check_send_buffer(sockets.LARGE_BYTES - 1, str(small))  # small exchange: nothing read
+        assert "limit" not in sockets._state
+        assert not sockets.check_send_buffer(sockets.LARGE_BYTES, str(large))  # 32 MB buffers: fine
+    monkeypatch.setattr(sockets, "_state", {})
+    with pytest.warns(sockets.SendBufferWarning, match="net.ipv4.tcp_wmem='4096 16384 33554432'"):
+        assert sockets.check_send_buffer(200 * MB, str(small))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not sockets.check_send_buffer(200 * MB, str(small))  # once per process

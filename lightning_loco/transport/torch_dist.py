@@ -32,7 +32,8 @@ With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the exchanges are tho
 
 ``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
 (:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces); ``streams="auto"``
-cuts each message by its size, over at most the groups there are.
+cuts each message by its size, over at most the groups there are. On gloo, the first large exchange on a host
+with small TCP send buffers warns once (:mod:`~lightning_loco.transport.sockets`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from lightning_loco.transport.base import (
 )
 from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
 from lightning_loco.transport.pending_sum import PendingSum
+from lightning_loco.transport.sockets import check_send_buffer
 from lightning_loco.transport.staging import StagingPool
 from lightning_loco.transport.streams import AUTO, AUTO_MAX_STREAMS, auto_streams, make_stream_groups, piece
 from lightning_loco.wire import coded
@@ -185,6 +187,8 @@ class TorchDistributedTransport(Transport):
         """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j, in one
         ``batch_isend_irecv``; returns its works. (Messages are matched in posting order: ``round_id``
         tags nothing here.)"""
+        if self.device.type == "cpu":  # gloo: a large exchange on small send buffers warns once (transport.sockets)
+            check_send_buffer(sum(buf.numel() * buf.element_size() for buf in sends.values()))
         works = []
         recv_cuts = [(j, buf, self.pieces(buf)) for j, buf in receives.items()]
         send_cuts = [(j, buf, self.pieces(buf)) for j, buf in sends.items()]
@@ -308,6 +312,8 @@ class TorchDistributedTransport(Transport):
             return payload
 
         nbytes = ring_all_reduce_bytes(part.numel() * part.element_size(), n)
+        if self.device.type == "cpu":
+            check_send_buffer(nbytes)
         return self.pending([w for w in works if w is not None], finish, nbytes, peers)
 
 
