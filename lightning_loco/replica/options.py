@@ -75,19 +75,23 @@ class WireConfig:
         error_feedback: lossy formats only: keep what the codec lost of each payload and add it to the
             next (saved in checkpoints). None (default): on where the payload is a pseudo-gradient
             (DiLoCo), off where it is weights (NoLoCo, GASLoC), as docs/compression.md measured.
-        streams: connections per pair of replicas, an integer >= 1 (default 1). s > 1 cuts every exchange
-            and all-reduce into s pieces, each over a process group of its own (gloo opens a connection per
-            group), for a long fat pipe, where one TCP connection carries at most its send buffer per
-            round trip (docs/launching.md). A pair exchange's sums are bitwise those of one stream; an
-            all-reduce's (DiLoCo) may differ in the last bit with 3 or more replicas (gloo picks each
-            piece's order of additions). Replicas of one rank, on the strategies' own transport (not with
+        streams: connections per pair of replicas: "auto" (default) or an integer >= 1. s > 1 cuts every
+            exchange and all-reduce into s pieces, each over a process group of its own (gloo opens a connection
+            per group), for a long fat pipe, where one TCP connection carries at most its send buffer per round
+            trip (docs/launching.md). "auto" cuts each message into one piece per 4 MB, at most 8, over as many
+            groups as the model's payload needs (none under 8 MB); it is one stream on NCCL, with replicas of
+            several ranks, with ``elastic`` and with a ``transport_factory``, where streams cannot work (see
+            ``lightning_loco.transport.streams``). A pair exchange's sums, and the all-reduce's of three replicas
+            or more above 64 KiB (ours), are bitwise those of one stream; gloo's own all-reduce (smaller payloads)
+            may differ in the last bit with 3 or more replicas and s > 1 (gloo picks each piece's order of
+            additions). An integer s > 1: replicas of one rank, on the strategies' own transport (not with
             ``elastic`` or a ``transport_factory``).
     """
 
     format: WireFormatName = "float32"
     block_size: Optional[int] = None
     error_feedback: Optional[bool] = None
-    streams: int = 1
+    streams: Union[int, Literal["auto"]] = "auto"
     density: Optional[float] = None
     value_format: Optional[ValueFormatName] = None
 
@@ -115,8 +119,10 @@ class WireConfig:
             raise ValueError(f"wire value_format must be one of {', '.join(map(repr, VALUE_FORMATS))}, got "
                              f"{self.value_format!r}: the format of the values topk sends (None: "
                              f"{DEFAULT_VALUE_FORMAT!r}, 2 bits per value with one scale per chunk).")
-        check_int("wire streams", self.streams,
-                  "1 (the default) sends each exchange over one connection per pair; s > 1 over s of them.")
+        if self.streams != "auto":
+            check_int("wire streams", self.streams,
+                      "'auto' (the default) chooses from the payload's size; 1 sends each exchange over one connection "
+                      "per pair; s > 1 over s of them.")
 
     @property
     def lossy(self) -> bool:

@@ -151,8 +151,10 @@ class Replica:
         was loaded (see :meth:`ReplicaRun.start`)."""
         assert self.groups is not None, "the replica's process groups are created at launch"
         stop = {} if check_stop is None else {"check_stop": check_stop}
+        model_bytes = 4 * sum(p.numel() for o in optimizers for g in o.param_groups for p in g["params"])
         self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self.groups, self.layout,
-                              self.comm_device(), label=f"Replica {self.replica_index}", clock=clock, **stop)
+                              self.comm_device(), label=f"Replica {self.replica_index}", clock=clock,
+                              model_bytes=model_bytes, **stop)
         self.run.start(optimizers, self.resumed_outer, training_state, max_steps, track_norms)
         self.resumed_outer, self.loaded, self.averaged_at_end = None, None, False
         return self.run

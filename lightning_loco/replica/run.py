@@ -28,6 +28,8 @@ from lightning_loco.replica.modes import RunMode
 from lightning_loco.replica.options import Options
 from lightning_loco.replica.process_groups import ProcessGroups
 from lightning_loco.transport import Transport
+from lightning_loco.transport.streams import AUTO as AUTO_STREAMS
+from lightning_loco.transport.streams import auto_stream_groups
 
 
 class Layout(Protocol):
@@ -91,6 +93,21 @@ def last_step(driver: OuterStepDriver, index: int, max_steps: int,
     return loop_ends()
 
 
+def stream_count(options: Options, backend: str, model_bytes: int) -> tuple[Union[int, str], int]:
+    """The transport's ``streams`` and how many groups it spreads exchanges over (1: none made): an integer as
+    given; ``"auto"`` on the strategies' own transport by the model's bytes, else 1 (rules ``streams-*``)."""
+    streams = options.wire.streams
+    if streams != AUTO_STREAMS:
+        return streams, int(streams)
+    import torch.distributed as dist
+
+    own = options.elastic is None and options.transport_factory is None
+    k = options.ranks_per_replica
+    several = dist.is_initialized() and dist.get_world_size() // k > 1  # replicas to exchange with
+    count = auto_stream_groups(model_bytes, backend, k) if own and several else 1
+    return (AUTO_STREAMS, count) if count > 1 else (1, 1)
+
+
 class ReplicaRun:
     """The transport, the driver and its plug-in of one replica during one training run.
 
@@ -104,20 +121,22 @@ class ReplicaRun:
         label: how warnings name this replica.
         clock: the driver's clock.
         check_stop: called while an elastic replica waits (may raise to stop it, e.g. on SIGTERM).
+        model_bytes: the bytes of the whole payload (float32 parameters), from which ``streams="auto"`` makes
+            its groups (:func:`~lightning_loco.transport.streams.auto_stream_groups`).
     """
 
     def __init__(self, options: Options, transport_factory: Callable[..., Transport], mode: RunMode,
                  groups: ProcessGroups, layout: Layout, comm_device: torch.device, label: str,
                  clock: Callable[[], float] = time.perf_counter,
-                 check_stop: Callable[[str], None] = lambda waiting_for: None) -> None:
+                 check_stop: Callable[[str], None] = lambda waiting_for: None, model_bytes: int = 0) -> None:
         k = options.ranks_per_replica
-        streams = options.wire.streams
+        streams, count = stream_count(options, groups.backend, model_bytes)
         base = groups.overlap_group() if options.overlap_steps else None
         transport = transport_factory(
             device=comm_device, process_group=base, ranks_per_replica=k, replica_group=groups.replica,
             slice_group=groups.slice, **mode.transport_options(check_stop), **layout.transport_options(),
             # the strategies' own transport only (rules streams-*)
-            **({"streams": streams, "stream_groups": groups.stream_groups(streams, base)} if streams > 1 else {}),
+            **({"streams": streams, "stream_groups": groups.stream_groups(count, base)} if count > 1 else {}),
         )
         several = k > 1
         self.groups, self.layout, self.comm_device = groups, layout, comm_device

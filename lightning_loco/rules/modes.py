@@ -77,27 +77,29 @@ def _elastic_own_transport(f: Facts) -> Optional[str]:
 
 
 @rule("streams-one-rank-per-replica", "build", ("wire.streams", "ranks_per_replica"),
-      "`wire.streams` > 1 with `ranks_per_replica` > 1", "`wire.streams=1` with replicas of several ranks")
+      "`wire.streams` > 1 with `ranks_per_replica` > 1",
+      "`wire.streams=\"auto\"` (one stream there) or `1` with replicas of several ranks")
 def _streams_one_rank(f: Facts) -> Optional[str]:
     o = f.options
-    if o.wire.streams == 1 or o.ranks_per_replica == 1:
+    if o.wire.streams in (1, "auto") or o.ranks_per_replica == 1:
         return None
     return (f"wire.streams={o.wire.streams} with ranks_per_replica={o.ranks_per_replica}: a replica of several ranks "
             "already spreads its exchange over its ranks' own connections (rank j sends slice j), and the streams "
-            "would multiply every rank's groups. Use wire.streams=1 with replicas of several ranks.")
+            "would multiply every rank's groups. Use wire.streams=\"auto\" (the default: one stream there) or 1 with "
+            "replicas of several ranks.")
 
 
 @rule("streams-own-transport", "build", ("wire.streams", "elastic", "transport_factory"),
       "`wire.streams` > 1 with `elastic` or a `transport_factory`",
-      "`wire.streams=1` (give the streams to your own transport)")
+      "`wire.streams=\"auto\"` (one stream there) or `1` (give the streams to your own transport)")
 def _streams_own_transport(f: Facts) -> Optional[str]:
     o = f.options
-    if o.wire.streams == 1 or (o.elastic is None and o.transport_factory is None):
+    if o.wire.streams in (1, "auto") or (o.elastic is None and o.transport_factory is None):
         return None
     whose = "elastic replicas' transport (over the live members)" if o.elastic is not None else "a transport_factory"
     return (f"wire.streams={o.wire.streams} is an option of the strategies' own torch.distributed transport, not of "
-            f"{whose}. Use wire.streams=1 there (a factory of your own can take streams itself, e.g. "
-            "functools.partial(TorchDistributedTransport, streams=4)).")
+            f"{whose}. Use wire.streams=\"auto\" (the default: one stream there) or 1 (a factory of your own can "
+            "take streams itself, e.g. functools.partial(TorchDistributedTransport, streams=4)).")
 
 
 @rule("elastic-no-average-at-end", "build", ("elastic", "average_at_end"), "`elastic` with `average_at_end=True`",

@@ -26,13 +26,14 @@ def _ddp_no_algorithm(f: Facts) -> Optional[str]:
     return "gradient_averaging is DDP: pass algorithm=None with it"
 
 
-@rule("simulator-one-stream", "build", ("wire",), "the simulator with `WireConfig(streams)` ≠ 1",
-      "`streams=1` (simulated replicas exchange in memory)")
+@rule("simulator-one-stream", "build", ("wire",), "the simulator with an integer `WireConfig(streams)` > 1",
+      "`streams=\"auto\"` or `1` (simulated replicas exchange in memory)")
 def _one_stream(f: Facts) -> Optional[str]:
-    if _simulated(f) is None or f.options.wire.streams == 1:
+    if _simulated(f) is None or f.options.wire.streams in (1, "auto"):
         return None
     return (f"wire streams={f.options.wire.streams} spreads exchanges over TCP connections, and "
-            "simulated replicas exchange in memory. Use streams=1 in the simulator.")
+            "simulated replicas exchange in memory. Use streams=1 in the simulator (or the default, \"auto\": one "
+            "stream there).")
 
 
 @rule("simulator-step-seconds-whole-rounds", "build", ("TrainingSimulator.step_seconds", "fragments"),

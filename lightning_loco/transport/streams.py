@@ -5,8 +5,22 @@
 carries at most its send buffer per round trip, and gloo's all-reduce waits a round trip per step, so on a long
 fat pipe a single connection leaves most of the link idle (``benchmarks/link_efficiency.py``). The groups are
 made when the transport is built, by every rank of the world (``dist.new_group`` is collective). Pieces land in
-the same buffers, so a pair exchange's sum is bitwise the same for every s; an all-reduce of the pieces adds
-the same values in the order gloo chooses for each piece.
+the same buffers, so a pair exchange's sum is bitwise the same for every s (and so is the chunked all-reduce's,
+:mod:`~lightning_loco.transport.chunked`); gloo's own all-reduce of the pieces adds the same values in the order
+gloo chooses for each piece.
+
+``streams="auto"`` (the strategies' default, ``WireConfig(streams="auto")``) chooses the count from the bytes:
+each message is cut into one piece per :data:`AUTO_BYTES_PER_STREAM` it holds, at least 1 and at most the groups
+there are (:func:`auto_streams`), and the strategies make as many groups as the whole model's payload would use
+(at most :data:`AUTO_MAX_STREAMS`). A 4 MB piece is what one connection with the host's usual largest send
+buffer (Linux's ``net.ipv4.tcp_wmem``, 4 MB) carries per round trip: a message under 8 MB goes whole, over one
+connection, and a model under 8 MB makes no group; 8 connections (B7, ``benchmarks/link_efficiency.py``) carried
+72 % of the best plain TCP on a long fat pipe. Every side of a message computes its count from the message's own
+size, so sender and receiver cut it alike. "auto" is one stream where streams cannot work: on NCCL (its own
+sockets, ``NCCL_NSOCKS_PERTHREAD`` and ``NCCL_SOCKET_NTHREADS``, and each group one more communicator on the
+GPU), with replicas of several ranks (each rank already moves its own slice over its own connections, and every
+rank's groups would multiply), and on a transport that is not the strategies' own (elastic replicas, a
+``transport_factory``), which takes no stream groups.
 """
 
 from __future__ import annotations
@@ -18,7 +32,28 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["make_stream_groups", "piece"]
+__all__ = ["AUTO", "AUTO_BYTES_PER_STREAM", "AUTO_MAX_STREAMS", "auto_stream_groups", "auto_streams",
+           "make_stream_groups", "piece"]
+
+AUTO = "auto"
+AUTO_BYTES_PER_STREAM = 4 << 20
+"""With ``streams="auto"``: a message gets one piece (one connection) per this many bytes."""
+AUTO_MAX_STREAMS = 8
+"""With ``streams="auto"``: the most pieces a message is cut into (and groups made)."""
+
+
+def auto_streams(nbytes: int, most: int = AUTO_MAX_STREAMS) -> int:
+    """The pieces a message of ``nbytes`` is cut into with ``streams="auto"``: one per
+    :data:`AUTO_BYTES_PER_STREAM`, at least 1, at most ``most``."""
+    return max(1, min(most, nbytes // AUTO_BYTES_PER_STREAM))
+
+
+def auto_stream_groups(model_bytes: int, backend: str, ranks_per_replica: int) -> int:
+    """How many groups (the default one included) ``streams="auto"`` uses for a model of ``model_bytes`` on
+    ``backend``: 1 on NCCL and with replicas of several ranks (see the module docstring)."""
+    if backend != "gloo" or ranks_per_replica > 1:
+        return 1
+    return auto_streams(model_bytes)
 
 
 def make_stream_groups(process_group: Optional[Any], streams: int, given: Optional[Sequence[Any]]) -> list[Any]:

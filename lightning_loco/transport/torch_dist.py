@@ -8,6 +8,9 @@
   exchange instead (each sends its buffer to the other and adds what it receives): the same sum, bitwise
   (a + b = b + a), and the same bytes, in one message each way where gloo's all-reduce pipelines its
   chunks a round trip at a time, several times slower on a long fat pipe (``benchmarks/link_efficiency.py``).
+  With three replicas or more on gloo, payloads of 64 KiB or more take a reduce-scatter and an all-gather of
+  our own point-to-point exchanges instead (:mod:`~lightning_loco.transport.chunked`: every chunk summed by its
+  owner in ascending replica order, bitwise the same on every replica). NCCL's all-reduce stays NCCL's.
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
 training goes on, and ``PendingSum.wait()`` returns the sum (:mod:`~lightning_loco.transport.pending_sum`:
@@ -28,13 +31,15 @@ With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the exchanges are tho
 :mod:`~lightning_loco.wire.coded`; this module holds the float32 paths.
 
 ``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
-(:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces).
+(:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces); ``streams="auto"``
+cuts each message by its size, over at most the groups there are. On gloo, the first large exchange on a host
+with small TCP send buffers warns once (:mod:`~lightning_loco.transport.sockets`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -50,9 +55,11 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
+from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
 from lightning_loco.transport.pending_sum import PendingSum
+from lightning_loco.transport.sockets import check_send_buffer
 from lightning_loco.transport.staging import StagingPool
-from lightning_loco.transport.streams import make_stream_groups, piece
+from lightning_loco.transport.streams import AUTO, AUTO_MAX_STREAMS, auto_streams, make_stream_groups, piece
 from lightning_loco.wire import coded
 from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
 
@@ -86,7 +93,9 @@ class TorchDistributedTransport(Transport):
         streams: s, the connections per pair one exchange is spread over (see the module docstring;
             default 1). With s > 1, every rank of the world must build the transport (the s − 1 extra
             groups are made then, with the exchanges' group's backend), unless ``stream_groups`` gives
-            them; replicas of one rank only.
+            them; replicas of one rank only. ``"auto"``: each message cut by its size
+            (:func:`~lightning_loco.transport.streams.auto_streams`) over the groups ``stream_groups`` gives, or
+            else over ``AUTO_MAX_STREAMS`` made here on gloo; one stream on NCCL and with replicas of several ranks.
         stream_groups: the s − 1 extra groups, made by the caller (the strategies': with the run's
             backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.replica.process_groups.ProcessGroups`).
     """
@@ -99,7 +108,7 @@ class TorchDistributedTransport(Transport):
         replica_group: Optional[Any] = None,
         slice_group: Optional[Any] = None,
         sharded: bool = False,
-        streams: int = 1,
+        streams: Union[int, str] = 1,
         stream_groups: Optional[Sequence[Any]] = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -109,8 +118,12 @@ class TorchDistributedTransport(Transport):
             raise ValueError(f"ranks_per_replica={ranks_per_replica} must divide the world size {world}")
         if ranks_per_replica > 1 and (replica_group is None or slice_group is None):
             raise ValueError("ranks_per_replica > 1 needs replica_group and slice_group")
+        self.auto_streams = streams == AUTO  # each message cut by its size (see the module docstring)
+        if self.auto_streams:
+            gloo_p2p = ranks_per_replica == 1 and dist.get_backend(process_group) == "gloo"
+            streams = len(stream_groups) + 1 if stream_groups is not None else AUTO_MAX_STREAMS if gloo_p2p else 1
         if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"streams must be an integer >= 1 (connections per pair), got {streams!r}")
+            raise ValueError(f"streams must be an integer >= 1 (connections per pair) or 'auto', got {streams!r}")
         if streams > 1 and ranks_per_replica > 1:
             raise ValueError(f"streams={streams} needs replicas of one rank (ranks_per_replica=1): a replica of "
                              f"{ranks_per_replica} ranks already spreads its exchange over {ranks_per_replica} "
@@ -127,15 +140,20 @@ class TorchDistributedTransport(Transport):
         self.stats = TransportStats()
         self.staging = StagingPool()  # host buffers for CUDA payloads crossing gloo (pinned with CUDA)
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
-        self.streams = streams
+        self.streams = streams  # the groups there are (with "auto", the most pieces a message is cut into)
         # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
-        self.pairwise_all_reduce = self.num_replicas == 2 and dist.get_backend(process_group) == "gloo"
+        gloo = dist.get_backend(process_group) == "gloo"
+        self.pairwise_all_reduce = self.num_replicas == 2 and gloo
+        # three replicas or more on gloo: large payloads take the chunked all-reduce (see the module docstring)
+        self.chunked_all_reduce = self.num_replicas >= 3 and gloo
         # the strategies' (made by ProcessGroups with the run's backend and timeout), or made here: collective
         self.stream_groups: list[Any] = make_stream_groups(process_group, streams, stream_groups)
 
     # Tests set this to route CPU payloads through the staging buffers too (the path CUDA payloads take
     # on gloo), since a machine without CUDA has no other way to run it.
     stage_cpu_payloads = False
+    # The smallest payload slice (bytes) that takes the chunked all-reduce; tests lower it to run it on small buffers.
+    chunked_min_bytes = MIN_BYTES
 
     @property
     def slices_per_replica(self) -> int:
@@ -169,17 +187,28 @@ class TorchDistributedTransport(Transport):
         """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j, in one
         ``batch_isend_irecv``; returns its works. (Messages are matched in posting order: ``round_id``
         tags nothing here.)"""
+        if self.device.type == "cpu":  # gloo: a large exchange on small send buffers warns once (transport.sockets)
+            check_send_buffer(sum(buf.numel() * buf.element_size() for buf in sends.values()))
         works = []
-        for c, group in enumerate(self.stream_groups):  # with streams = s, piece c of each message on group c
-            ops = [dist.P2POp(dist.irecv, piece(buf, c, self.streams), self.replica_ranks[j], group)
-                   for j, buf in receives.items()]
-            ops += [dist.P2POp(dist.isend, piece(buf, c, self.streams), self.replica_ranks[j], group)
-                    for j, buf in sends.items()]
+        recv_cuts = [(j, buf, self.pieces(buf)) for j, buf in receives.items()]
+        send_cuts = [(j, buf, self.pieces(buf)) for j, buf in sends.items()]
+        for c, group in enumerate(self.stream_groups):  # piece c of each message cut in more than c, on group c
+            ops = [dist.P2POp(dist.irecv, piece(buf, c, s), self.replica_ranks[j], group)
+                   for j, buf, s in recv_cuts if c < s]
+            ops += [dist.P2POp(dist.isend, piece(buf, c, s), self.replica_ranks[j], group)
+                    for j, buf, s in send_cuts if c < s]
             try:
                 works += dist.batch_isend_irecv(ops) if ops else []
             except RuntimeError as err:  # gloo may fail at once when a peer is already gone
                 raise self.peer_error(sorted(set(sends) | set(receives)), err) from err
         return works
+
+    def pieces(self, buf: Tensor) -> int:
+        """Into how many pieces a message (or an all-reduce's buffer) is cut: ``streams``, or with ``"auto"``
+        by its size, each side of a message alike."""
+        if not self.auto_streams:
+            return self.streams
+        return auto_streams(buf.numel() * buf.element_size(), self.streams)
 
     def resolved(self, total: Tensor, peers: tuple[int, ...] = ()) -> PendingSum:
         return PendingSum(self, [], lambda: total, 0, peers).completed_with(total)
@@ -258,15 +287,18 @@ class TorchDistributedTransport(Transport):
                 return payload
 
             return self.pending(works, landed, nbytes, peers)
+        if self.chunked_all_reduce and self.slice(payload).numel() * payload.element_size() >= self.chunked_min_bytes:
+            return start_chunked_all_reduce(self, payload, round_id)
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self.slice(buf)
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
         n = self.num_replicas
         peers = tuple(j for j in range(n) if j != self.replica)
-        groups = self.stream_groups if self.ranks_per_replica == 1 else [group]
+        cuts = self.pieces(part) if self.ranks_per_replica == 1 else 1
+        groups = self.stream_groups[:cuts] if self.ranks_per_replica == 1 else [group]
         try:
-            works = [dist.all_reduce(piece(part, c, self.streams), op=dist.ReduceOp.SUM, group=g, async_op=True)
+            works = [dist.all_reduce(piece(part, c, cuts), op=dist.ReduceOp.SUM, group=g, async_op=True)
                      for c, g in enumerate(groups)]
         except RuntimeError as err:
             raise self.peer_error(peers, err) from err
@@ -280,6 +312,8 @@ class TorchDistributedTransport(Transport):
             return payload
 
         nbytes = ring_all_reduce_bytes(part.numel() * part.element_size(), n)
+        if self.device.type == "cpu":
+            check_send_buffer(nbytes)
         return self.pending([w for w in works if w is not None], finish, nbytes, peers)
 
 

@@ -1,0 +1,147 @@
+"""``streams="auto"``, the default: how many connections an exchange takes from its size, where it is one stream,
+that the rules accept it everywhere, and that the sums are bitwise those of one stream for every count (real gloo
+processes)."""
+
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_loco import ElasticConfig, WireConfig
+from lightning_loco.algorithms import DiLoCo
+from lightning_loco.replica.options import Options
+from lightning_loco.replica.run import stream_count
+from lightning_loco.simulator import TrainingSimulator
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks, strategy_class
+from lightning_loco.transport import TorchDistributedTransport, sum_in_group_order
+from lightning_loco.transport import streams as streams_module
+from lightning_loco.transport.streams import AUTO_BYTES_PER_STREAM, AUTO_MAX_STREAMS, auto_stream_groups, auto_streams
+
+import tiny
+
+MB = 1 << 20
+
+
+def test_auto_cuts_a_message_into_one_piece_per_4_mb_between_1_and_8():
+    assert AUTO_BYTES_PER_STREAM == 4 * MB and AUTO_MAX_STREAMS == 8
+    assert [auto_streams(n) for n in (0, 4, 480_000, 8 * MB - 1, 8 * MB, 40 * MB, 200 * MB)] == [1, 1, 1, 1, 2, 8, 8]
+    assert auto_streams(200 * MB, most=3) == 3  # never more than the groups there are
+    # groups: by the model's bytes on gloo; one on NCCL and with replicas of several ranks
+    assert [auto_stream_groups(n, "gloo", 1) for n in (480_000, 12 * MB, 200 * MB)] == [1, 3, 8]
+    assert auto_stream_groups(200 * MB, "nccl", 1) == 1 and auto_stream_groups(200 * MB, "gloo", 2) == 1
+
+
+def test_the_wire_defaults_to_auto_and_takes_it_or_an_integer():
+    assert WireConfig().streams == "auto"
+    WireConfig(streams="auto").check()
+    WireConfig(streams=3).check()
+    for bad in (0, 2.0, "many", True):
+        with pytest.raises(ValueError, match="wire streams must be an integer >= 1"):
+            WireConfig(streams=bad).check()
+
+
+def test_auto_needs_no_stream_groups_where_streams_cannot_work(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    base = Options(algorithm=DiLoCo(), sync_every=4)
+    assert base.wire.streams == "auto"
+    big = 200 * MB
+    assert stream_count(base, "gloo", big) == ("auto", 8)
+    assert stream_count(base, "gloo", 12 * MB) == ("auto", 3)
+    assert stream_count(base, "gloo", 480_000) == (1, 1)  # a small model makes no group
+    assert stream_count(base, "nccl", big) == (1, 1)
+    several = dataclasses.replace(base, ranks_per_replica=2)
+    assert stream_count(several, "gloo", big) == (1, 1)
+    factory = dataclasses.replace(base, transport_factory=lambda **kw: None)
+    assert stream_count(factory, "gloo", big) == (1, 1)
+    elastic = dataclasses.replace(base, elastic=ElasticConfig("localhost:29510", replica_id="x"))
+    assert stream_count(elastic, "gloo", big) == (1, 1)
+    fixed = dataclasses.replace(base, wire=WireConfig(streams=4))
+    assert stream_count(fixed, "gloo", 4) == (4, 4)  # an integer is taken as given
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert stream_count(several, "gloo", big) == (1, 1)  # one replica of two ranks: nobody to exchange with
+
+
+def test_the_rules_accept_auto_where_they_refuse_an_integer():
+    noloco = strategy_class("noloco")
+    for kwargs in ({"ranks_per_replica": 2}, {"transport_factory": lambda **kw: None},
+                   {"elastic": ElasticConfig("localhost:29510", replica_id="x")}):
+        noloco(wire=WireConfig(streams="auto"), **kwargs)
+        noloco(**kwargs)
+        with pytest.raises(ValueError, match="wire.streams=4"):
+            noloco(wire=WireConfig(streams=4), **kwargs)
+    TrainingSimulator(tiny.TinyRegressor(), [[], []], DiLoCo(), sync_every=2, wire=WireConfig(streams="auto"))
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port=port, timeout_s=60)
+    try:
+        streams_module.AUTO_BYTES_PER_STREAM = 1024  # small payloads cut as large ones would be
+        transports = {s: TorchDistributedTransport(torch.device("cpu"), streams=s) for s in (1, 2, 3, "auto")}
+        log = tiny.CallLog()
+        log.install()
+        res: dict = {"groups": len(transports["auto"].stream_groups)}
+        for s, t in transports.items():
+            t.chunked_min_bytes = 0
+            payload = torch.randn(1001, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+            log.active = s == "auto"
+            res[s] = {"triple": t.group_sum(payload, (0, 1, 2)),
+                      "pair": t.group_sum(payload, (0, 1)) if rank < 2 else None,
+                      "all": t.all_reduce_sum(payload.clone()),
+                      "small": t.group_sum(payload[:200], (0, 1, 2)),
+                      "bytes": t.stats.bytes_sent}
+            log.active = False
+        res["calls"] = log.take()
+        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_stream_count_and_auto_give_the_sums_of_one_stream_bitwise(tmp_path):
+    world = 3
+    start_ranks(_worker, world, args=(world, free_port(), str(tmp_path)), timeout_s=180)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    payloads = {r: torch.randn(1001, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(world)}
+    expected = sum_in_group_order(payloads, range(world))
+    for r in range(world):
+        assert res[r]["groups"] == AUTO_MAX_STREAMS  # "auto" alone on gloo: the most groups
+        for s in (1, 2, 3, "auto"):
+            assert torch.equal(res[r][s]["triple"], expected), s
+            assert torch.equal(res[r][s]["all"], expected), s  # the chunked all-reduce, every count
+            assert torch.equal(res[r][s]["small"], expected[:200]), s
+            assert res[r][s]["bytes"] == res[r][1]["bytes"], s  # the same payload bytes over more connections
+            if r < 2:
+                assert torch.equal(res[r][s]["pair"], payloads[0] + payloads[1]), s
+        # "auto": 4004 bytes in 3 pieces (one per 1024 bytes), the all-reduce's chunks of ~1336 bytes whole,
+        # the 800-byte message whole
+        sizes = [len(call[1]) and call[1][0][2] for call in res[r]["calls"]]
+        counts = [c[0] for c in res[r]["calls"]]
+        assert set(counts) == {"batch_isend_irecv"}
+        pair = 1 if r < 2 else 0
+        assert len(sizes) == 3 + 3 * pair + 1 + 1 + 1, sizes
+        assert sizes[:3] == [334, 334, 333]  # the triple's three pieces (tensor_split of 1001)
+
+
+def test_a_large_exchange_on_small_send_buffers_warns_once_with_the_setting(tmp_path, monkeypatch):
+    from lightning_loco.transport import sockets
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.write_text("4096\t16384\t4194304\n")
+    large.write_text("4096 16384 33554432\n")
+    assert sockets.host_max_send_buffer(str(small)) == 4 * MB and sockets.host_max_send_buffer(str(large)) == 32 * MB
+    assert sockets.host_max_send_buffer(str(tmp_path / "none")) is None
+    monkeypatch.setattr(sockets, "_state", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not sockets.check_send_buffer(sockets.LARGE_BYTES - 1, str(small))  # small exchange: nothing read
+        assert "limit" not in sockets._state
+        assert not sockets.check_send_buffer(sockets.LARGE_BYTES, str(large))  # 32 MB buffers: fine
+    monkeypatch.setattr(sockets, "_state", {})
+    with pytest.warns(sockets.SendBufferWarning, match="net.ipv4.tcp_wmem='4096 16384 33554432'"):
+        assert sockets.check_send_buffer(200 * MB, str(small))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not sockets.check_send_buffer(200 * MB, str(small))  # once per process
