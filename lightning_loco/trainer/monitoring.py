@@ -154,7 +154,7 @@ class OuterStepMonitor(L.Callback):
                 "of the replicas is logged."
             )
         else:
-            strategy.track_norms = True
+            strategy.replica.track_norms()
         if strategy is not None and not self.mean_over_replicas:  # this replica's own: within its ranks, or none
             scope_metrics(self._replica_loss, strategy.replica_group())
         self._replica_loss = self._replica_loss.to(pl_module.device)

@@ -31,7 +31,6 @@ class ReplicaViews(DDPStrategy):
     options: Options
     replica: Replica  # the Lightning-free replica the strategy adapts its hooks to
     outer_step_reports: list[OuterStepReport]
-    _final_outer_steps: int
 
     # ------------------------------------------------------------------ the options
 
@@ -153,16 +152,14 @@ class ReplicaViews(DDPStrategy):
     def outer_steps(self) -> int:
         """Rounds started by the first optimizer (by its first fragment, with ``fragments``), resumed ones
         included; after ``fit``, the count it ended with (0 before training)."""
-        return self.outer_slots[0].outer_steps if self.outer_slots else self._final_outer_steps
+        return self.replica.outer_steps
 
     @property
     def nominal_step(self) -> Optional[float]:
         """With ``pacing``, the run's progress in nominal inner steps (t·H plus the share of the current
         phase done): what a step-based learning-rate schedule should follow, the same on every replica at
         the same wall time. None otherwise: the step count is the progress."""
-        if self.driver is None or self.driver.pacing is None:
-            return None
-        return self.driver.nominal_step()
+        return self.replica.nominal_step
 
     @property
     def last_outer_step(self) -> Optional[OuterStepReport]:
