@@ -53,19 +53,17 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.fabric.checkpointing import ReplicaCheckpoints
-from lightning_loco.replica.layout import ReplicaLayout
-from lightning_loco.replica.modes import TransportFactory
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName, check_int
 from lightning_loco.replica.replica import Replica
-from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.replica.short_runs import warn_if_short
+from lightning_loco.replica.views import AdapterViews
 from lightning_loco.rules import Facts, Fit, Launch, build_options, check_rules
 from lightning_loco.rules.table import shared_parameter
 
 _compat.check_lightning()  # a Lightning without the private symbols we use fails here, naming them
 
 
-class FabricOuterStepStrategy(ReplicaCheckpoints):
+class FabricOuterStepStrategy(AdapterViews, ReplicaCheckpoints):
     """Replicas that train apart and meet every ``sync_every`` optimizer steps, in a Fabric loop. Each
     algorithm's strategy passes its ``algorithm`` and ``sync_every``; the other arguments are the Trainer
     strategies' (docs/options.md), and:
@@ -138,53 +136,12 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
             strategy_registry.register(cls.strategy_name, cls, description=cls.description, override=True)
 
     # ------------------------------------------------------------------ what users and the replica read
-
-    @property
-    def algorithm(self) -> OuterAlgorithm:
-        return self.options.algorithm
-
-    @property
-    def sync_every(self) -> int:
-        return self.options.sync_every
-
-    @property
-    def ranks_per_replica(self) -> int:
-        return self.options.ranks_per_replica
-
-    @property
-    def num_replicas(self) -> int:
-        return self.replica.num_replicas
-
-    @property
-    def replica_index(self) -> int:
-        return self.replica.replica_index
+    # (beyond what the Trainer's strategies show alike: lightning_loco.replica.views)
 
     @property
     def replica_module(self) -> Optional[nn.Module]:
         """The module given to ``fabric.setup`` (unwrapped): the replica's model."""
         return self._module() if self._module is not None else None
-
-    @property
-    def layout(self) -> ReplicaLayout:
-        return self.replica.layout
-
-    @property
-    def transport_factory(self) -> TransportFactory:
-        return self.replica.transport_factory
-
-    @transport_factory.setter
-    def transport_factory(self, factory: TransportFactory) -> None:
-        self.replica.transport_factory = factory
-
-    @property
-    def run(self) -> Optional[ReplicaRun]:
-        """The replica's run of rounds, from the first optimizer step to ``finish()``."""
-        return self.replica.run
-
-    @property
-    def driver(self) -> Any:
-        """The replica's :class:`~lightning_loco.driver.driver.OuterStepDriver` once training started (None before)."""
-        return self.replica.driver
 
     @property
     def outer_steps(self) -> int:
