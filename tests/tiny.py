@@ -322,7 +322,7 @@ class Recorder(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._batch_start = time.perf_counter()
-        clock = getattr(trainer.strategy, "pacing_clock", None)
+        clock = getattr(getattr(trainer.strategy, "replica", None), "_clock", None)
         if isinstance(clock, VirtualClock):
             clock.now += clock.step_seconds[trainer.global_rank]
         if trainer.global_step == self.record.get("fail_at_step"):
@@ -458,7 +458,7 @@ def main(out_dir: str, config: dict[str, Any]) -> None:
     if not isinstance(strategy, str):
         observe(strategy, recorder.record, config)
         if "virtual_step_seconds" in config:
-            strategy.pacing_clock = VirtualClock(config["virtual_step_seconds"])
+            strategy.replica._clock = VirtualClock(config["virtual_step_seconds"])  # the driver's clock
     if "checkpoint" in config:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(**config["checkpoint"]))
     if "batchnorm_update" in config:

@@ -53,18 +53,17 @@ from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.fabric.checkpointing import ReplicaCheckpoints
-from lightning_loco.replica.layout import ReplicaLayout
-from lightning_loco.replica.modes import TransportFactory
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName, check_int
 from lightning_loco.replica.replica import Replica
-from lightning_loco.replica.run import ReplicaRun
 from lightning_loco.replica.short_runs import warn_if_short
-from lightning_loco.rules import Facts, Launch, build_options, check_rules
+from lightning_loco.replica.views import AdapterViews
+from lightning_loco.rules import Facts, Fit, Launch, build_options, check_rules
+from lightning_loco.rules.table import shared_parameter
 
 _compat.check_lightning()  # a Lightning without the private symbols we use fails here, naming them
 
 
-class FabricOuterStepStrategy(ReplicaCheckpoints):
+class FabricOuterStepStrategy(AdapterViews, ReplicaCheckpoints):
     """Replicas that train apart and meet every ``sync_every`` optimizer steps, in a Fabric loop. Each
     algorithm's strategy passes its ``algorithm`` and ``sync_every``; the other arguments are the Trainer
     strategies' (docs/options.md), and:
@@ -78,7 +77,6 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
 
     strategy_name = ""  # the name for Fabric(strategy=...), set by each algorithm's strategy
     description = ""
-    abandon_timeout_s: float = 10.0
 
     def __init__(
         self,
@@ -125,7 +123,7 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
             timeout=timeout, start_method=start_method,
         )
         _compat.set_backward_sync_control(self, _no_backward_sync)
-        self.replica = Replica(self.options, self, root_is_called=True)
+        self.replica = Replica(self.options, self, loop="fabric")
         self.finished = False  # finish() ran: training ended
         self._module: Optional[weakref.ReferenceType] = None
         self._optimizers: list[Optimizer] = []
@@ -138,53 +136,12 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
             strategy_registry.register(cls.strategy_name, cls, description=cls.description, override=True)
 
     # ------------------------------------------------------------------ what users and the replica read
-
-    @property
-    def algorithm(self) -> OuterAlgorithm:
-        return self.options.algorithm
-
-    @property
-    def sync_every(self) -> int:
-        return self.options.sync_every
-
-    @property
-    def ranks_per_replica(self) -> int:
-        return self.options.ranks_per_replica
-
-    @property
-    def num_replicas(self) -> int:
-        return self.replica.num_replicas
-
-    @property
-    def replica_index(self) -> int:
-        return self.replica.replica_index
+    # (beyond what the Trainer's strategies show alike: lightning_loco.replica.views)
 
     @property
     def replica_module(self) -> Optional[nn.Module]:
         """The module given to ``fabric.setup`` (unwrapped): the replica's model."""
         return self._module() if self._module is not None else None
-
-    @property
-    def layout(self) -> ReplicaLayout:
-        return self.replica.layout
-
-    @property
-    def transport_factory(self) -> TransportFactory:
-        return self.replica.transport_factory
-
-    @transport_factory.setter
-    def transport_factory(self, factory: TransportFactory) -> None:
-        self.replica.transport_factory = factory
-
-    @property
-    def run(self) -> Optional[ReplicaRun]:
-        """The replica's run of rounds, from the first optimizer step to ``finish()``."""
-        return self.replica.run
-
-    @property
-    def driver(self) -> Any:
-        """The replica's :class:`~lightning_loco.driver.driver.OuterStepDriver` once training started (None before)."""
-        return self.replica.driver
 
     @property
     def outer_steps(self) -> int:
@@ -212,7 +169,7 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
 
     @override
     def _configure_launcher(self) -> None:
-        check_rules("launch", Facts(self.options, launch=Launch(self.num_nodes, self.num_processes), loop="fabric"))
+        self.replica.check_launch(Launch(self.num_nodes, self.num_processes))
         super()._configure_launcher()
 
     @override
@@ -281,8 +238,7 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
         if self.replica_module is None or not self._optimizers:
             raise RuntimeError(f"{type(self).__name__}: set up the model and its optimizers with fabric.setup(model, "
                                "optimizer) before stepping.")
-        check_rules("fit", Facts(self.options, fit=_fit(self._optimizers, self.max_steps, self.root_device),
-                                 loop="fabric"))  # disjoint-optimizers among them
+        self.replica.check_fit(_fit(self._optimizers, self.max_steps, self.root_device))  # disjoint-optimizers too
         run = self.replica.start(self._optimizers, None, self.max_steps if self.max_steps is not None else -1)
         self.outer_step_reports = run.driver.reports
         if self.max_steps is not None and self.is_global_zero:
@@ -320,15 +276,12 @@ class FabricOuterStepStrategy(ReplicaCheckpoints):
         if self.run is None and self.replica.loaded is not None:  # fabric.load of a finished run, then no step
             self.replica.end_without_steps()
             return
-        if self.run is not None:
-            self.run.end()
-        if self.options.averages_at_end and self.replica_module is not None:
-            self.average_replicas()
-            self.replica.averaged_at_end = True
+        self.replica.end()
+        self.replica.average_at_end()
 
     @override
     def teardown(self) -> None:
-        self.replica.close(self.abandon_timeout_s)
+        self.replica.close()
         super().teardown()
 
     # ------------------------------------------------------------------ the consensus (global collectives)
@@ -360,11 +313,8 @@ def _no_backward_sync(module: nn.Module, enabled: bool) -> AbstractContextManage
     return nullcontext()
 
 
-def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Any:
+def _fit(optimizers: list[Optimizer], max_steps: Optional[int], device: torch.device) -> Fit:
     """What the ``fit`` rules look at, as a Fabric loop tells it."""
-    from lightning_loco.rules import Fit
-    from lightning_loco.rules.table import shared_parameter
-
     params = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
     return Fit(parameters=tuple(len(p) for p in params), max_steps=max_steps if max_steps is not None else -1,
                model_device=device.type, shared_parameter=shared_parameter(params))

@@ -13,7 +13,9 @@ do alike, so that they only translate their loops' hooks to it:
   optimizer step is the last (:meth:`ReplicaRun.after_step`);
 * the one save and load of the replica payloads: every replica's own file and the consensus main file
   (:mod:`.checkpoints` holds the file format);
-* the consensus (:mod:`.consensus`): the average, its state dict, its spread.
+* the consensus (:mod:`.consensus`): the average, its state dict, its spread;
+* the launch- and fit-time rules (:mod:`lightning_loco.rules`), over the facts its adapter gathers
+  (:meth:`Replica.check_launch`, :meth:`Replica.check_fit`), so that both loops check them alike.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from lightning_loco.replica.modes import TransportFactory, run_mode
 from lightning_loco.replica.options import Options
 from lightning_loco.replica.process_groups import ProcessGroups
 from lightning_loco.replica.run import ReplicaRun
+from lightning_loco.rules import Facts, Fit, Launch, check_rules
+from lightning_loco.rules.table import Loop
 
 
 class Adapter(Protocol):
@@ -69,15 +73,18 @@ class Replica:
     Args:
         options: the run's options (their build rules already checked by the strategy).
         adapter: the strategy hosting the replica.
-        root_is_called: the loop calls the module itself (a Fabric loop), which the FSDP2 layout's automatic
-            policy must know.
+        loop: whose training loop drives it, as the rules know it: the Trainer's, or a Fabric loop (which calls
+            the module itself, as the FSDP2 layout's automatic policy must know).
     """
 
-    def __init__(self, options: Options, adapter: Adapter, root_is_called: bool = False) -> None:
+    _abandon_timeout_s: float = 10.0  # how long a stopped run waits for a round in flight before dropping it
+
+    def __init__(self, options: Options, adapter: Adapter, loop: Loop = "trainer") -> None:
         self.options = options
         self.adapter = adapter
+        self.loop: Loop = loop
         self.mode = run_mode(options.elastic)
-        self.layout: ReplicaLayout = replica_layout(self, options.replica_sharding, root_is_called)
+        self.layout: ReplicaLayout = replica_layout(self, options.replica_sharding, root_is_called=loop == "fabric")
         self.transport_factory: TransportFactory = self.mode.transport_factory(options.transport_factory)
         self.groups: Optional[ProcessGroups] = None  # from the launch to the end of training
         self.run: Optional[ReplicaRun] = None  # during training
@@ -86,6 +93,9 @@ class Replica:
         # what a checkpoint loaded for training left in the replicas, until training starts: "own" weights, or the
         # average taken at the end of the run that saved it ("averaged"); None: nothing loaded
         self.loaded: Optional[str] = None
+        self.tracks_norms = False  # reports keep norms and peer distance (see track_norms)
+        self._clock: Callable[[], float] = time.perf_counter  # the driver's clock (tests inject a virtual one)
+        self._final_outer_steps = 0  # the rounds the last run started, once it is closed
 
     # ------------------------------------------------------------------ what the layout and the strategies read
 
@@ -134,6 +144,37 @@ class Replica:
         """The run's :class:`~lightning_loco.driver.driver.OuterStepDriver` during training (None otherwise)."""
         return self.run.driver if self.run is not None else None
 
+    @property
+    def outer_steps(self) -> int:
+        """Rounds started by the first optimizer (by its first fragment), resumed ones included; after training,
+        the count it ended with (0 before training)."""
+        slots = self.driver.slots if self.driver is not None else []
+        return slots[0].outer_steps if slots else self._final_outer_steps
+
+    @property
+    def nominal_step(self) -> Optional[float]:
+        """With ``pacing``, the run's progress in nominal inner steps during training (None otherwise)."""
+        if self.driver is None or self.driver.pacing is None:
+            return None
+        return self.driver.nominal_step()
+
+    def track_norms(self) -> None:
+        """From the next training on, every outer step's report keeps the norms of the outer gradient and update
+        and the distance to the peers (one copy of the anchor per outer step): what ``OuterStepMonitor`` logs, and
+        asks for at its setup."""
+        self.tracks_norms = True
+
+    # ------------------------------------------------------------------ the rules, over the adapter's facts
+
+    def check_launch(self, launch: Launch) -> None:
+        """The ``launch`` rules, once the processes are known and before any starts
+        (:class:`~lightning_loco.rules.RefusedOptions`)."""
+        check_rules("launch", Facts(self.options, launch=launch, loop=self.loop))
+
+    def check_fit(self, fit: Fit) -> None:
+        """The ``fit`` rules, once the model and its optimizers are known, before training starts."""
+        check_rules("fit", Facts(self.options, fit=fit, loop=self.loop))
+
     # ------------------------------------------------------------------ launch, training, end
 
     def setup_distributed(self, backend: str, timeout: Optional[timedelta]) -> None:
@@ -145,17 +186,16 @@ class Replica:
         self.layout.setup_distributed(backend, timeout)
 
     def start(self, optimizers: Sequence[torch.optim.Optimizer], training_state: Optional[TrainingState],
-              max_steps: int, *, clock: Callable[[], float] = time.perf_counter,
-              check_stop: Optional[Callable[[str], None]] = None, track_norms: bool = False) -> ReplicaRun:
+              max_steps: int, *, check_stop: Optional[Callable[[str], None]] = None) -> ReplicaRun:
         """Training starts: the run of rounds over ``optimizers``, from a resumed outer state if a checkpoint
         was loaded (see :meth:`ReplicaRun.start`)."""
         assert self.groups is not None, "the replica's process groups are created at launch"
         stop = {} if check_stop is None else {"check_stop": check_stop}
         model_bytes = 4 * sum(p.numel() for o in optimizers for g in o.param_groups for p in g["params"])
         self.run = ReplicaRun(self.options, self.transport_factory, self.mode, self.groups, self.layout,
-                              self.comm_device(), label=f"Replica {self.replica_index}", clock=clock,
+                              self.comm_device(), label=f"Replica {self.replica_index}", clock=self._clock,
                               model_bytes=model_bytes, **stop)
-        self.run.start(optimizers, self.resumed_outer, training_state, max_steps, track_norms)
+        self.run.start(optimizers, self.resumed_outer, training_state, max_steps, self.tracks_norms)
         self.resumed_outer, self.loaded, self.averaged_at_end = None, None, False
         return self.run
 
@@ -169,10 +209,25 @@ class Replica:
             self.average()
             self.averaged_at_end = True
 
-    def close(self, abandon_timeout: float) -> None:
-        """Training stopped, however: the run lets go (rounds in flight dropped after up to ``abandon_timeout``
-        seconds) and the process groups are destroyed once the threads still exchanging are done with them."""
-        lingering = self.run.close(abandon_timeout) if self.run is not None else []
+    def end(self) -> None:
+        """Training ended: a round still in flight lands now, early (as the final round)."""
+        if self.run is not None:
+            self.run.end()
+
+    def average_at_end(self) -> None:
+        """With ``average_at_end`` (None: unless elastic), every replica takes the replicas' average once training
+        ended, and later saves record it. Collective."""
+        if self.options.averages_at_end and self.module is not None:
+            self.average()
+            self.averaged_at_end = True
+
+    def close(self) -> None:
+        """Training stopped, however: the run lets go (rounds in flight dropped after up to ten seconds) and
+        the process groups are destroyed once the threads still exchanging are done with them; the rounds it
+        started are kept (:attr:`outer_steps`)."""
+        if self.run is not None:
+            self._final_outer_steps = self.outer_steps
+        lingering = self.run.close(self._abandon_timeout_s) if self.run is not None else []
         self.run, self.resumed_outer = None, None
         if self.groups is not None:
             self.groups.destroy(lingering)

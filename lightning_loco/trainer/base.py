@@ -15,7 +15,6 @@ are in ``checkpointing.py``, fit's facts and warnings in ``setup.py``, private L
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
 from lightning_loco.replica.replica import Replica
-from lightning_loco.rules import Facts, Launch, build_options, check_rules
+from lightning_loco.rules import Launch, build_options
 from lightning_loco.trainer import data_lengths, setup
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (
@@ -79,7 +78,6 @@ class OuterStepStrategy(ReplicaCheckpoints):
 
     strategy_name = ""  # the name for Trainer(strategy=...), set by each algorithm's strategy
     description = ""
-    abandon_timeout_s: float = 10.0  # how long an interrupted fit waits for a round in flight
 
     def __init__(
         self,
@@ -121,18 +119,15 @@ class OuterStepStrategy(ReplicaCheckpoints):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.replica = Replica(self.options, self)  # its mode, layout, process groups, run, checkpoints, consensus
-        self.pacing_clock: Callable[[], float] = time.perf_counter  # the driver's clock (tests replace it)
         self._sync_batchnorm = False
         self._trained_module: Optional[weakref.ReferenceType] = None
         # each undoes one of our changes to Lightning's trainer (see _compat.py)
         self._restore_signal_handler: Optional[Callable[[], None]] = None  # from setup to teardown
         self._restore_sigterm_check: Optional[Callable[[], None]] = None  # while training
-        self._final_outer_steps = 0
         self._nominal_schedulers: list[Any] = []  # with pacing: Lightning's step-interval scheduler configs, in fit
         self._said_why_ended = False  # the end of fit was logged
         self.outer_step_reports: list[OuterStepReport] = []  # this fit's rounds, in the order they finished
         self.rounds_started: list[tuple[int, int]] = []  # (optimizer index, t) as rounds start, in order
-        self.track_norms = False  # set by OuterStepMonitor: costs one anchor copy per outer step
 
     @classmethod
     @override
@@ -161,7 +156,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     def _configure_launcher(self) -> None:
         # Called while the Trainer is built, once devices and nodes are known: before any process starts.
         launch = Launch(self.num_nodes, self.num_processes, self._sync_batchnorm)
-        check_rules("launch", Facts(self.options, launch=launch))
+        self.replica.check_launch(launch)
         setup.warn_if_one_replica(self, launch)
         super()._configure_launcher()
 
@@ -221,7 +216,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
             self.configure_ddp()
             self.setup_optimizers(trainer)
             facts = setup.fit_facts(trainer, self.module, self.optimizers, self.root_device)
-            check_rules("fit", Facts(self.options, fit=facts))
+            self.replica.check_fit(facts)
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
@@ -236,8 +231,8 @@ class OuterStepStrategy(ReplicaCheckpoints):
         name = self.mode.replica_name(self.replica_index)
         # what a healing elastic replica takes beyond the driver's state: optimizers, schedulers, loop counters
         state = LightningTrainingState(trainer, self.layout).for_plugin()
-        run = self.replica.start(self.optimizers, state, trainer.max_steps, clock=self.pacing_clock,
-                                 check_stop=stop_on_sigterm(trainer, f"Replica {name!r}"), track_norms=self.track_norms)
+        run = self.replica.start(self.optimizers, state, trainer.max_steps,
+                                 check_stop=stop_on_sigterm(trainer, f"Replica {name!r}"))
         self.outer_step_reports, self.rounds_started = run.driver.reports, run.driver.rounds_started
         data_lengths.watch_peers(self, trainer)  # uneven data: refused now, or named when a replica stops
         BetweenSteps.insert(trainer)  # the plug-in's between_steps, before any callback sees a batch's step
@@ -287,12 +282,10 @@ class OuterStepStrategy(ReplicaCheckpoints):
         self._undo_sigterm_check()
         if self.run is not None:
             data_lengths.say_fit_ended(self, self.module.trainer)
-            self.run.end()  # a round still in flight lands now, early (as the final round)
+            self.replica.end()  # a round still in flight lands now, early (as the final round)
             self.follow_nominal_steps()
             self._say_why_ended(interrupted=False)
-        if self.options.averages_at_end:
-            self.average_replicas()
-            self.replica.averaged_at_end = True
+        self.replica.average_at_end()
         super().on_train_end()
 
     def _say_why_ended(self, interrupted: bool) -> None:
@@ -320,11 +313,10 @@ class OuterStepStrategy(ReplicaCheckpoints):
             self._end_a_fit_resumed_at_its_end(trainer)  # fit(ckpt_path=...) of a finished run: no step taken
         if self.run is not None:  # rounds are only left in flight after an interrupted fit: on_train_end lands them
             self._say_why_ended(interrupted=True)
-            self._final_outer_steps = self.outer_steps
         # elastic: leaves the membership (heartbeats stop). The outer state (float32 anchors, momenta, outer
         # optimizer state, buffers in flight: 2-3 model copies, on the accelerator by default) goes now, and the
         # process groups; outer_step_reports and the module's weights stay.
-        self.replica.close(self.abandon_timeout_s)
+        self.replica.close()
         super().teardown()
 
     # ------------------------------------------------------------------ state dicts

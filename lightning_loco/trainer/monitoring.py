@@ -114,7 +114,9 @@ class OuterStepMonitor(L.Callback):
 
     The defaults add no message between replicas: ``outer/peer_distance`` comes from what the outer
     step exchanges anyway, and validation logs each replica's own ``val/loss_local``. The replicas' mean
-    (``mean_over_replicas``) and the two global diagnostics that move weights are opt-in.
+    (``mean_over_replicas``) and the two global diagnostics that move weights are opt-in. At setup it turns on
+    the replica's norm tracking (:meth:`~lightning_loco.replica.replica.Replica.track_norms`): the norms and
+    peer distance it logs cost one copy of the anchor per outer step, and no message.
 
     Args:
         spread_every: log ``outer/replica_spread`` every this many outer steps; 0 (the default)
@@ -154,7 +156,7 @@ class OuterStepMonitor(L.Callback):
                 "of the replicas is logged."
             )
         else:
-            strategy.track_norms = True
+            strategy.replica.track_norms()
         if strategy is not None and not self.mean_over_replicas:  # this replica's own: within its ranks, or none
             scope_metrics(self._replica_loss, strategy.replica_group())
         self._replica_loss = self._replica_loss.to(pl_module.device)

@@ -1,8 +1,10 @@
 """What a strategy tells about its options and its replica: read by users, the monitor, checkpoints and tests.
 
 ``ReplicaViews`` is the first layer of :class:`~lightning_loco.trainer.base.OuterStepStrategy` over
-Lightning's ``DDPStrategy``: the options as attributes, the replica's index and count, its outer state
-(one slot per optimizer) and counters, and the run's nominal progress. Plain reads: no message.
+Lightning's ``DDPStrategy``: beyond what the Fabric strategies show alike (:mod:`lightning_loco.replica.views`:
+the algorithm, the replica's index and count, its layout, run and driver), the other options as attributes,
+its outer state (one slot per optimizer) and counters, and the run's nominal progress. Plain reads: no
+message.
 """
 
 from __future__ import annotations
@@ -14,34 +16,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_loco.algorithms.base import OuterAlgorithm
 from lightning_loco.driver.reports import OuterStepReport
 from lightning_loco.driver.slots import OuterSlot
 from lightning_loco.elastic.config import ElasticConfig
-from lightning_loco.replica.layout import ReplicaLayout
-from lightning_loco.replica.modes import RunMode, TransportFactory
-from lightning_loco.replica.options import Options
-from lightning_loco.replica.replica import Replica
-from lightning_loco.replica.run import ReplicaRun
+from lightning_loco.replica.modes import RunMode
+from lightning_loco.replica.views import AdapterViews
 
 
-class ReplicaViews(DDPStrategy):
+class ReplicaViews(AdapterViews, DDPStrategy):
     """Properties over the strategy's options, run and launch."""
 
-    options: Options
-    replica: Replica  # the Lightning-free replica the strategy adapts its hooks to
     outer_step_reports: list[OuterStepReport]
-    _final_outer_steps: int
 
     # ------------------------------------------------------------------ the options
-
-    @property
-    def algorithm(self) -> OuterAlgorithm:
-        return self.options.algorithm
-
-    @property
-    def sync_every(self) -> int:
-        return self.options.sync_every
 
     @property
     def fragments(self) -> int:
@@ -61,10 +48,6 @@ class ReplicaViews(DDPStrategy):
         return self.options.sync_seconds
 
     @property
-    def ranks_per_replica(self) -> int:
-        return self.options.ranks_per_replica
-
-    @property
     def elastic(self) -> Optional[ElasticConfig]:
         return self.options.elastic
 
@@ -76,36 +59,9 @@ class ReplicaViews(DDPStrategy):
         return self.replica.mode
 
     @property
-    def layout(self) -> ReplicaLayout:
-        """Whole or FSDP2-sharded replicas (:mod:`lightning_loco.replica.layout`)."""
-        return self.replica.layout
-
-    @property
-    def run(self) -> Optional[ReplicaRun]:
-        """The replica's run of rounds during ``fit`` (None otherwise)."""
-        return self.replica.run
-
-    @run.setter
-    def run(self, run: Optional[ReplicaRun]) -> None:
-        self.replica.run = run
-
-    @property
-    def transport_factory(self) -> TransportFactory:
-        return self.replica.transport_factory
-
-    @transport_factory.setter
-    def transport_factory(self, factory: TransportFactory) -> None:
-        self.replica.transport_factory = factory
-
-    @property
     def replica_module(self) -> Optional["pl.LightningModule"]:
         """The model the replica trains (None before the Trainer connected one)."""
         return self.lightning_module
-
-    @property
-    def driver(self) -> Any:
-        """The replica's :class:`~lightning_loco.driver.driver.OuterStepDriver` during ``fit`` (None otherwise)."""
-        return self.replica.driver
 
     @property
     def module(self) -> "pl.LightningModule":
@@ -117,14 +73,6 @@ class ReplicaViews(DDPStrategy):
     @property
     def outer_state_device(self) -> torch.device:
         return self.replica.outer_state_device
-
-    @property
-    def num_replicas(self) -> int:
-        return self.replica.num_replicas
-
-    @property
-    def replica_index(self) -> int:
-        return self.replica.replica_index
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -153,16 +101,14 @@ class ReplicaViews(DDPStrategy):
     def outer_steps(self) -> int:
         """Rounds started by the first optimizer (by its first fragment, with ``fragments``), resumed ones
         included; after ``fit``, the count it ended with (0 before training)."""
-        return self.outer_slots[0].outer_steps if self.outer_slots else self._final_outer_steps
+        return self.replica.outer_steps
 
     @property
     def nominal_step(self) -> Optional[float]:
         """With ``pacing``, the run's progress in nominal inner steps (t·H plus the share of the current
         phase done): what a step-based learning-rate schedule should follow, the same on every replica at
         the same wall time. None otherwise: the step count is the progress."""
-        if self.driver is None or self.driver.pacing is None:
-            return None
-        return self.driver.nominal_step()
+        return self.replica.nominal_step
 
     @property
     def last_outer_step(self) -> Optional[OuterStepReport]:
