@@ -287,7 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, modes: list[str], networks: Any, results: Path, out: str) -> Path:
     """The part as B1's ``main`` calls it: every mode × N × size; prints the table, writes ``out``.json."""
     from lightning_loco.algorithms import NoLoCo
-    from lightning_loco.replica.options import Options
+    from lightning_loco.rules import build_options
 
     methods = args.methods or ["noloco", "diloco"]
     if not set(methods) <= set(METHODS):
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, modes: list[str], networks: Any, results: Path
     overlap = args.overlap if args.overlap is not None else (1 if args.quick else OVERLAP)
     for F in args.fragments:
         try:
-            Options.build(NoLoCo(), sync_every, fragments=F, overlap_steps=overlap)
+            build_options(NoLoCo(), sync_every, fragments=F, overlap_steps=overlap)  # the rule table refuses
         except ValueError as err:
             raise SystemExit(f"--fragments {F} --sync-every {sync_every} --overlap {overlap}: {err}") from None
     if overlap < 1:

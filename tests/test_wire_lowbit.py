@@ -286,7 +286,7 @@ def _gloo_worker(rank: int, world: int, out_dir: str) -> None:
 def test_gloo_sums_and_bytes_of_the_new_formats(tmp_path):
     """3 processes: every replica holds bitwise the reference's sums, and counts the codec's bytes."""
     world = 3
-    start_ranks(_gloo_worker, world, args=(world, str(tmp_path)), start_method="fork", timeout_s=240)
+    start_ranks(_gloo_worker, world, args=(world, str(tmp_path)), start_method="spawn", timeout_s=240)
     res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     xs = [_payload(i) for i in range(world)]
     for name, codec in FORMATS.items():
