@@ -13,6 +13,13 @@ Every test also leaves torch.distributed's rendezvous variables as it found them
 ``MASTER_ADDR``/``MASTER_PORT`` into the process that launches (an in-process ``fit`` with ``spawn`` or
 ``fork``), and every process a later test starts from that worker would inherit the port: three replicas
 started together then all bind it (``EADDRINUSE``), and their peers wait.
+
+Where Lightning chooses the rendezvous port itself (no ``MASTER_PORT`` set), it binds port 0 and releases
+it: a port of the kernel's ephemeral range, which the next outgoing connection of any process (gloo opens
+many, in parallel tests) may take before the rank that listens on it binds it again. In the workers, and the
+ranks they fork, Lightning draws its port as :func:`lightning_loco.testing.launch.free_port` does, below that
+range; a test that starts a new interpreter running one Lightning launch gives it ``MASTER_PORT``
+(``tiny.lightning_env``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning  # noqa: F401  # see below
+import lightning.fabric.plugins.environments.lightning as lightning_environment
 import pytest
+
+from lightning_loco.testing.launch import free_port
 
 # pytest-xdist's controller rebuilds each warning a worker reports by importing the module of its category,
 # in that worker's own receiving thread: two of Lightning's warnings arriving at once from two workers made two
@@ -32,6 +42,9 @@ import pytest
 
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
               "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+lightning_environment.find_free_network_port = free_port
+
+
 DURATIONS = Path(__file__).with_name("durations.json")
 SHORT_S = 0.2  # what a test not in durations.json is taken to cost
 

@@ -13,13 +13,16 @@ import torch
 
 from lightning_loco.cli import main
 
+from tiny import lightning_env
+
 ROOT = Path(__file__).parent.parent
 CONFIGS = ROOT / "examples" / "shakespeare"
 CLI = str(Path(sys.executable).parent / "lightning-loco")
 
 
 def cli(*args, cwd=None, check=True):
-    proc = subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd)
+    proc = subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=lightning_env())
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -165,7 +168,7 @@ def test_missing_corpus_is_a_clear_error(tmp_path):
     fake = tmp_path / "shksprdata"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = lightning_env(PYTHONPATH=str(tmp_path))
     proc = subprocess.run([CLI, "fit", "--config", CONFIGS / "noloco.yaml", *small(tmp_path, "noloco"),
                            "--trainer.devices=1"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0

@@ -269,7 +269,7 @@ def runs(tmp_path_factory):
             "for name, config in json.loads(sys.argv[2]).items():\n"
             "    tiny.main(f'{sys.argv[1]}/{name}', config)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(base), json.dumps(jobs)], cwd=Path(__file__).parent,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=tiny.lightning_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = {name: [torch.load(base / name / f"rank{r}.pt") for r in range(2)] for name in RUNS}
     out["after_fit"] = {name: [torch.load(base / name / f"after_fit{r}.pt") for r in range(2)] for name in RUNS}

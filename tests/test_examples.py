@@ -9,6 +9,8 @@ import torch
 from lightning_loco.examples.gpt import GPT
 from lightning_loco.examples.text import ByteTextDataModule, shakespeare_files
 
+from tiny import lightning_env
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -38,7 +40,7 @@ def test_quickstart_trains_and_reports_a_validation_loss(tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--strategy", "noloco", "--devices", "2",
            "--steps", "12", "--sync-every", "4", "--val-batches", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=lightning_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["outer_steps"] == 3 and result["replicas"] == 2
@@ -55,7 +57,7 @@ def test_litgpt_pretraining_runs_noloco_in_a_fabric_loop(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "litgpt" / "pretrain.py"), "--devices", "2", "--max-steps", "12",
            "--sync-every", "4", "--warmup-steps", "2", "--lr", "3e-3", "--accumulate", "2", "--log-every", "4",
            "--val-batches", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=lightning_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert "litgpt GPT from 'pythia-14m'" in out and "2 replicas" in out, out

@@ -6,12 +6,20 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import lightning.fabric.plugins.environments.lightning as lightning_environment
 import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
-from lightning_loco.testing.launch import RanksFailed, init_gloo, start_ranks, strategy_class
+from lightning_loco.testing.launch import (
+    RanksFailed,
+    _ephemeral_range,
+    free_port,
+    init_gloo,
+    start_ranks,
+    strategy_class,
+)
 
 
 def _all_reduce(rank: int, store: str, out: str) -> None:
@@ -22,6 +30,22 @@ def _all_reduce(rank: int, store: str, out: str) -> None:
         torch.save(total, os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_free_port_is_drawn_below_the_ephemeral_range_and_binds() -> None:
+    """The ports a test listens on come from below the range outgoing connections take their local ports
+    from, so no connection of a parallel test can hold one between the draw and the bind (the EADDRINUSE of
+    a rendezvous). Lightning's own choice in this worker draws the same way (``conftest.py``)."""
+    import socket
+
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= port < low for port in ports), ports
+    assert len(ports) > 1  # drawn at random, not one fixed port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    assert lightning_environment.find_free_network_port is free_port
 
 
 def test_two_ranks_all_reduce_over_a_file_store(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_loco.testing.launch import finish_forked, fork_call, fork_ranks
+from lightning_loco.testing.launch import finish_forked, fork_call, fork_ranks, free_port
 
 NUM_SAMPLES = 48
 IN_FEATURES = 4
@@ -155,6 +155,13 @@ def flat(module: nn.Module) -> torch.Tensor:
                       for p in module.parameters()])
 
 
+def lightning_env(**extra: str) -> dict[str, str]:
+    """The environment for a new interpreter that runs one Lightning launch: this one's, with a rendezvous
+    port from ``free_port`` (Lightning's own choice is a released port of the ephemeral range, which another
+    process's connection can take first: see ``conftest.py``)."""
+    return {**os.environ, "MASTER_PORT": str(free_port()), **extra}
+
+
 def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
     """Runs this script under ``config``; returns every rank's record (or, when a failure is expected,
     the finished process). Runs whose ranks fork (see :func:`start_method_of`) start from a child forked
@@ -168,7 +175,8 @@ def launch(tmp_path: Path, expect_failure: bool = False, **config: Any) -> Any:
         proc = run_ranks_forked(out, config, timeout=240)
     else:
         proc = subprocess.run(
-            [sys.executable, __file__, str(out), json.dumps(config)], capture_output=True, text=True, timeout=240
+            [sys.executable, __file__, str(out), json.dumps(config)], capture_output=True, text=True, timeout=240,
+            env=lightning_env(),
         )
     if expect_failure:
         assert proc.returncode != 0, proc.stdout[-2000:]
