@@ -3,6 +3,7 @@ Lightning feature, with Lightning's default (global) validation and with ``Repli
 
     python -m benchmarks.validation_sync            # ~1 min on 2 cores: every feature, 4 CPU replicas
     python -m benchmarks.validation_sync --quick    # ~15 s: all features together, both modes
+    python -m benchmarks.validation_sync --wan      # the seconds per validation on an emulated WAN (root)
 
 A small regressor (4 → 8 → 1) trains under NoLoCo (H = 4) on N CPU ranks forked as torchrun starts them,
 ``val_check_interval`` = 3 training batches, 2 validation runs. Each rank counts every torch.distributed call
@@ -19,8 +20,13 @@ end of validation), as ``global`` (over all ranks) or ``subgroup`` (a replica's 
 
 Every feature needs a logged ``val_loss``: the rows but ``sync_dist`` log it without ``sync_dist``. Writes
 ``validation_sync.json`` (``benchmarks/results``, or a temporary folder with ``--quick``, or
-``$LOCO_BENCH_RESULTS``). Wall-clock cost on a WAN is not measured here: each global collective is at least one
-round trip over the slowest link, and each barrier waits for the slowest site.
+``$LOCO_BENCH_RESULTS``).
+
+``--wan``: the same runs with one process per node on an emulated WAN (:mod:`benchmarks.netem`, packet-level, 100
+Mbit/s and 50 ms one way between every two nodes; needs root), ``VALIDATIONS_WAN`` validation runs each, and the
+wall time of each validation run on rank 0 (from its start to the next training batch: the validation itself,
+the callbacks' decisions and saves, every collective), as a median with its range; also a run whose validation has
+no feature at all (a plain ``self.log``), the floor. Writes ``validation_sync_wan.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import collections
 import functools
 import inspect
 import json
+import os
+import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +53,7 @@ FEATURES = ("sync_dist", "torchmetrics", "OuterStepMonitor", "ModelCheckpoint", 
 MODES = ("global", "replica")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "barrier", "broadcast",
                "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter", "scatter")
-VAL_EVERY, VALIDATIONS = 3, 2
+VAL_EVERY, VALIDATIONS, VALIDATIONS_WAN = 3, 2, 4
 
 
 class Counter:
@@ -114,7 +123,10 @@ def data(samples: int = 96) -> TensorDataset:
     return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(samples, 1, generator=g))
 
 
-def run_rank(out: Path, features: tuple[str, ...], mode: str, world: int, ranks_per_replica: int, rank: int) -> None:
+def run_rank(out: Path, features: tuple[str, ...], mode: str, world: int, ranks_per_replica: int, rank: int,
+             validations: int = VALIDATIONS, nodes: int = 1) -> None:
+    """One rank's run; writes its counts (``rank<R>.json``) and the seconds of each validation run. ``nodes``: one
+    process per node (the emulated network's way), else ``world`` processes on this node."""
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
@@ -123,18 +135,25 @@ def run_rank(out: Path, features: tuple[str, ...], mode: str, world: int, ranks_
 
     torch.set_num_threads(1)
     counter = Counter()
+    seconds: list[float] = []
 
     class Window(L.Callback):
-        """Counts from a validation run's start to the next training batch (or the end of training)."""
+        """Counts, and times, from a validation run's start to the next training batch (or the end of training)."""
 
         def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             counter.active = not trainer.sanity_checking
+            self.start = time.perf_counter()
+
+        def _close(self) -> None:
+            if counter.active:
+                seconds.append(time.perf_counter() - self.start)
+            counter.active = False
 
         def on_train_batch_start(self, *args: Any) -> None:
-            counter.active = False
+            self._close()
 
         def on_train_end(self, *args: Any) -> None:
-            counter.active = False
+            self._close()
 
     callbacks: list[Any] = [Window()]
     if mode == "replica":
@@ -148,29 +167,85 @@ def run_rank(out: Path, features: tuple[str, ...], mode: str, world: int, ranks_
         callbacks.append(EarlyStopping(monitor="val_loss", patience=1000, check_on_train_epoch_end=False))
     trainer = L.Trainer(
         strategy=NoLoCoStrategy(sync_every=4, ranks_per_replica=ranks_per_replica, start_method="popen"),
-        accelerator="cpu", devices=world, max_steps=VAL_EVERY * VALIDATIONS, val_check_interval=VAL_EVERY,
+        accelerator="cpu", devices=world // nodes, num_nodes=nodes, max_steps=VAL_EVERY * validations,
+        val_check_interval=VAL_EVERY,
         check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=False, callbacks=callbacks,
         enable_checkpointing="ModelCheckpoint" in features, enable_progress_bar=False, enable_model_summary=False)
     loader = DataLoader(data(), batch_size=4)
     trainer.fit(make_module(features), loader, DataLoader(data(32), batch_size=8))
     (out / f"rank{rank}.json").write_text(json.dumps(counter.counts))
+    (out / f"seconds{rank}.json").write_text(json.dumps(seconds))
 
 
-def measure(features: tuple[str, ...], mode: str, world: int, ranks_per_replica: int, folder: Path) -> dict[str, Any]:
+def measure(features: tuple[str, ...], mode: str, world: int, ranks_per_replica: int, folder: Path,
+            validations: int = VALIDATIONS) -> dict[str, Any]:
     from lightning_loco.testing.launch import fork_ranks
 
-    out = folder / f"{mode}-{'+'.join(features)}"
-    proc = fork_ranks(lambda rank: run_rank(out, features, mode, world, ranks_per_replica, rank), world, out, 300,
-                      ["validation_sync", mode, *features])
+    out = folder / f"{mode}-{'+'.join(features)}-{world}x{validations}"
+    proc = fork_ranks(lambda rank: run_rank(out, features, mode, world, ranks_per_replica, rank, validations), world,
+                      out, 300, ["validation_sync", mode, *features])
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
     counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     most = max(counts, key=lambda c: sum(c.values()))  # rank 0 saves: the busiest rank
-    per_validation = {k: v / VALIDATIONS for k, v in sorted(most.items())}
+    per_validation = {k: v / validations for k, v in sorted(most.items())}
     return {"features": list(features), "mode": mode, "per_validation": per_validation,
             "global": sum(v for k, v in per_validation.items() if k.startswith("global:")),
             "global_barriers": per_validation.get("global:barrier", 0.0),
             "subgroup": sum(v for k, v in per_validation.items() if k.startswith("subgroup:"))}
+
+
+def measure_wan(features: tuple[str, ...], mode: str, world: int, folder: Path) -> dict[str, Any]:
+    """One run on the emulated WAN (one process per node): the calls, and rank 0's seconds per validation run."""
+    from benchmarks.netem.launch import run_workers
+    from benchmarks.netem.links import uniform
+
+    out = folder / f"wan-{mode}-{'+'.join(features) or 'none'}"
+    out.mkdir(parents=True, exist_ok=True)
+    job = json.dumps({"out": str(out), "features": list(features), "mode": mode, "world": world})
+    run_workers("emulated", uniform(world), lambda i: ["-m", "benchmarks.validation_sync", "--worker", job],
+                timeout=900)
+    seconds = json.loads((out / "seconds0.json").read_text())
+    counts = json.loads((out / "rank0.json").read_text())
+    return {"features": list(features), "mode": mode, "validations": len(seconds), "seconds": seconds,
+            "median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds),
+            "global": sum(v for k, v in counts.items() if k.startswith("global:")) / max(1, len(seconds))}
+
+
+def wan(world: int) -> None:
+    """``--wan``: seconds per validation run on the emulated WAN, every feature and all together, both modes."""
+    from benchmarks.netem.tun import available
+
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"--wan needs the packet-level emulator: {why}")
+    cases = [()] + [(f,) for f in FEATURES] + [FEATURES]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for features in cases:
+            for mode in (MODES if features else ("global",)):
+                rows.append(measure_wan(features, mode, world, Path(tmp)))
+                print(f"{'+'.join(features) or 'none'} {mode}: {rows[-1]['median_s']:.3f} s", flush=True)
+    floor = rows[0]["median_s"]
+    for row in rows:
+        row["feature"] = ("none (a plain self.log)" if not row["features"] else
+                          "all of them" if len(row["features"]) > 1 else row["features"][0])
+        row["over_floor_s"] = row["median_s"] - floor
+    print(table(rows, [("feature", "feature", "s"), ("mode", "validation", "s"), ("global", "global calls", "g"),
+                       ("median_s", "s per validation (median)", ".3f"), ("min_s", "min", ".3f"),
+                       ("max_s", "max", ".3f"), ("over_floor_s", "over the floor", "+.3f")]))
+    path = write_json("validation_sync_wan.json", {
+        "world": world, "network": "emulated, 100 Mbit/s, 50 ms one way between every two nodes",
+        "validations": VALIDATIONS_WAN, "strategy": "noloco, sync_every=4", "rows": rows,
+        "command": "python -m benchmarks.validation_sync --wan",
+    }, results_dir(False))
+    print(f"wrote {path}")
+
+
+def worker(job: dict[str, Any]) -> None:
+    """One node's rank of a ``--wan`` run (torchrun's variables set by :func:`benchmarks.netem.launch.run_workers`)."""
+    rank, world = int(os.environ["RANK"]), job["world"]
+    run_rank(Path(job["out"]), tuple(job["features"]), job["mode"], world, 1, rank, VALIDATIONS_WAN, nodes=world)
 
 
 def main() -> None:
@@ -178,7 +253,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="all features together only, in both modes")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--ranks-per-replica", type=int, default=1)
+    parser.add_argument("--wan", action="store_true", help="seconds per validation on the emulated WAN (root)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    if args.wan:
+        wan(args.world)
+        return
     cases = [(f,) for f in FEATURES] + [FEATURES]
     if args.quick:
         cases = [FEATURES]

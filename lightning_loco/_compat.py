@@ -54,6 +54,10 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, str], ...] = (
      "take the state fabric.save is given"),
     ("lightning.fabric.strategies.strategy", "_validate_keys_for_strict_loading", "load fabric.load's state strictly"),
     ("lightning.fabric.utilities.types", "_Stateful", "restore fabric.load's stateful objects"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection._forked_name",
+     "name the epoch metrics a validation's callbacks read (ReplicaValidation: replica 0's on every rank)"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection.valid_items",
+     "the epoch metrics a validation's callbacks read"),
 )
 # Optional: Lightning < 2.5.2 has no per-batch SIGTERM broadcast, so there is nothing to replace.
 OPTIONAL_SYMBOLS: tuple[tuple[str, str, str], ...] = (
@@ -307,3 +311,26 @@ def is_stateful(obj: Any) -> bool:
     from lightning.fabric.utilities.types import _Stateful
 
     return isinstance(obj, _Stateful)
+
+
+def set_epoch_metrics(trainer: Any, values: dict[str, float]) -> int:
+    """Makes the callbacks that run after this one read ``values`` as the current loop's epoch metrics (by name):
+    ``trainer.callback_metrics`` is rebuilt from the loop's results at every read, so each result's computed value
+    is replaced, and the names not among them are set in the dict itself. Returns how many results were set."""
+    import torch
+
+    results, count = trainer._results, 0
+    for _, result in (results.valid_items() if results is not None else ()):
+        name, forked = results._forked_name(result, False)
+        key = forked if forked in values else name if name in values else None
+        own = result._computed
+        if key is None or not isinstance(own, torch.Tensor) or own.numel() != 1:
+            continue
+        result._computed = torch.tensor(values[key], dtype=own.dtype, device=own.device)
+        count += 1
+    metrics = trainer.callback_metrics
+    for key, value in values.items():
+        own = metrics.get(key)
+        like = own if isinstance(own, torch.Tensor) else torch.tensor(0.0)
+        metrics[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return count

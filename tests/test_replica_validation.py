@@ -18,14 +18,29 @@ def test_what_synchronised_every_replica_issues_no_collective_in_replica_mode(tm
     assert counted["replica"]["per_validation"] == {}  # one rank per replica: no message at all
 
 
-def test_decisions_cost_one_small_broadcast_each_and_saves_no_more_than_before(tmp_path):
+def test_the_decisions_cost_one_small_broadcast_per_validation_and_saves_no_more_than_before(tmp_path):
     early = validation_sync.measure(("EarlyStopping",), "replica", 2, 1, tmp_path)
-    assert early["per_validation"] == {"global:broadcast": 1.0}
+    assert early["per_validation"] == {"global:broadcast_object_list": 1.0}  # rank 0's metrics; then local decisions
+    both = validation_sync.measure(("ModelCheckpoint", "EarlyStopping"), "replica", 2, 1, tmp_path)
+    saving = validation_sync.measure(("ModelCheckpoint",), "replica", 2, 1, tmp_path)
+    # the two callbacks' decisions (top k, file names, whether a file exists, the stop) share that one message: the
+    # rest is the saves' own (the save id's broadcast, the consensus all-reduce, the barriers)
+    assert both["per_validation"] == saving["per_validation"]
+    assert saving["per_validation"].get("global:broadcast", 0) == 0
     everything = {mode: validation_sync.measure(validation_sync.FEATURES, mode, 2, 1, tmp_path)
                   for mode in ("global", "replica")}
     assert "global:all_gather" not in everything["replica"]["per_validation"]
     assert everything["replica"]["global_barriers"] < everything["global"]["global_barriers"]
     assert everything["replica"]["global"] < everything["global"]["global"]
+
+
+def test_every_rank_decides_from_replica_0s_metrics_when_the_replicas_disagree(tmp_path):
+    """Four replicas whose validation losses differ, top 2 of 4 validations: at the third, replica 0's loss enters the
+    top 2 and others' do not. Every rank must save (or not) as rank 0 does, or the saves' collectives mismatch (the
+    run failed so before the metrics Lightning's callbacks read, rebuilt at every read, became replica 0's)."""
+    counted = validation_sync.measure(("ModelCheckpoint", "EarlyStopping"), "replica", 4, 1, tmp_path, validations=4)
+    assert counted["per_validation"]["global:broadcast_object_list"] == 3.0  # the decisions' one, and two saves' ids
+    assert "global:broadcast" not in counted["per_validation"]
 
 
 def test_each_replica_logs_its_own_validation_and_rank_0s_replica_decides(tmp_path):
@@ -38,6 +53,7 @@ def test_each_replica_logs_its_own_validation_and_rank_0s_replica_decides(tmp_pa
     assert len(losses[0]) == 3
     assert losses[0] == losses[1] and losses[2] == losses[3]  # sync_dist=True: reduced within each replica
     assert losses[0] != losses[2]  # each replica its own validation, on its own share of the data
+    assert all(rec["val_losses_read"] == losses[0] for rec in recs)  # the callbacks of every rank read replica 0's
     assert len({rec["best_model_path"] for rec in recs}) == 1  # rank 0's choice and name on every rank
     best = min(range(3), key=lambda i: losses[0][i])
     assert f"val_loss={losses[0][best]:.4f}" in recs[0]["best_model_path"]  # ranked by replica 0's val_loss

@@ -325,8 +325,11 @@ class Recorder(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.record.setdefault("after_validation", []).append(flat(pl_module))
-            if "val_loss" in trainer.callback_metrics:  # what this rank logged, as callbacks read it
-                self.record.setdefault("val_losses", []).append(float(trainer.callback_metrics["val_loss"]))
+            if "val_loss" in trainer.callback_metrics:  # what this rank logged, and what callbacks read
+                own = getattr(trainer.strategy, "replica_metrics", {}).get("val_loss")  # under ReplicaValidation
+                read = float(trainer.callback_metrics["val_loss"])
+                self.record.setdefault("val_losses", []).append(read if own is None else own)
+                self.record.setdefault("val_losses_read", []).append(read)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._batch_start = time.perf_counter()

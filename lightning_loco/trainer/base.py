@@ -40,7 +40,7 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.replica.options import FSDPConfig, PacingConfig, WireConfig, WireFormatName
 from lightning_loco.replica.replica import Replica
 from lightning_loco.rules import Launch, build_options
-from lightning_loco.trainer import data_lengths, setup
+from lightning_loco.trainer import data_lengths, setup, validation
 from lightning_loco.trainer.checkpointing import ReplicaCheckpoints
 from lightning_loco.trainer.training_state import (
     BetweenSteps,
@@ -197,6 +197,7 @@ class OuterStepStrategy(ReplicaCheckpoints):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        validation.put_first(trainer)
         # Only fit(ckpt_path=...) may restore outer state; load_checkpoint runs after setup.
         self.replica.resumed_outer = None
         if self._restore_signal_handler is None:  # Trainer registers its signal handlers after setup

@@ -54,6 +54,8 @@ class ReplicaCheckpoints(ReplicaScope):
                                    write_main, step=checkpoint, extra=extra, agreed=decisions)
         if not self.is_global_zero:
             self._take_checkpoint_decisions(agreed)
+        if self.agreed is not None:  # a save during a validation under ReplicaValidation: the file is there now
+            self.agreed.saved(filepath)
 
     def _checkpoint_decisions(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Rank 0's ``ModelCheckpoint`` states as this save holds them (best and k-th best paths and scores, the
@@ -79,6 +81,8 @@ class ReplicaCheckpoints(ReplicaScope):
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             checkpoints.remove_sidecars(filepath)
+        if self.agreed is not None:
+            self.agreed.saved(filepath, present=False)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
