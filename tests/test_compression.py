@@ -224,6 +224,39 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_within_one_step_of_the_tr
             assert error == pytest.approx(rounds * one_round, rel=1e-4)
 
 
+def test_a_decayed_residual_sends_the_payload_plus_beta_times_the_residual_and_keeps_what_it_lost():
+    """SparseLoCo's accumulator: Q(Δ + β·e), e ← Δ + β·e − D(Q(Δ + β·e)), round by round; β = 1 is plain error
+    feedback, bitwise (the sum Δ + e, no multiplication)."""
+    g = torch.Generator().manual_seed(5)
+    delta = torch.randn(8192, generator=g)
+    for beta in (0.95, 1.0):
+        wire = WireConfig("topk", density=0.02, error_feedback_decay=beta).resolve(True)
+        assert wire.decay == beta and wire.error_feedback
+        network = InProcessNetwork(2)
+        algorithm = NoLoCo()  # a payload of weights: Δ is what is sent, whatever the algorithm
+        residuals = [torch.zeros(8192) for _ in range(2)]
+        states = [algorithm.init_state(torch.zeros(8192), [torch.Size([8192])]) for _ in range(2)]
+        for t in range(4):
+            before = residuals[0].clone()
+            posted = [post_round(algorithm, states[i], delta.clone(), t, network.transport(i), wire=wire,
+                                 residual=residuals[i]) for i in range(2)]
+            sent = wire.codec.roundtrip(posted[0].payload)
+            expected = torch.add(delta, before, alpha=beta) if beta != 1.0 else delta + before
+            assert torch.equal(posted[0].payload, expected)
+            assert torch.equal(residuals[0], expected - sent)
+            assert (sent != 0).sum() < 0.05 * 8192  # top-k: a few values of each chunk travel
+            for p in posted:
+                p.pending.wait()
+
+
+def test_a_decay_is_refused_where_no_residual_is_kept_and_outside_its_range():
+    with pytest.raises(ValueError, match=r"error_feedback_decay must be a number in \(0, 1\]"):
+        WireConfig("topk", error_feedback_decay=1.5).check()
+    with pytest.raises(ValueError, match="decay-needs-error-feedback|keeps none"):
+        NoLoCoStrategy(wire=WireConfig("int8", error_feedback_decay=0.9))
+    DiLoCoStrategy(wire=WireConfig("topk", error_feedback_decay=0.95), outer_momentum=0.0, outer_lr=1.0)
+
+
 # ---------------------------------------------------------------------------- bytes on the wire
 
 

@@ -72,6 +72,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "sparse-options-topk-only": {"wire": WireConfig("int4", density=0.01)},
     "topk-pseudo-gradient-only": {"wire": "topk"},
     "topk-needs-error-feedback": {"strategy": "diloco", "wire": WireConfig("topk", error_feedback=False)},
+    "decay-needs-error-feedback": {"strategy": "noloco", "wire": WireConfig("int8", error_feedback_decay=0.95)},
     "error-feedback-lossy-only": {"wire": WireConfig("float32", error_feedback=True)},
     "outer-optimizer-pickles": {"strategy": "diloco", "start_method": "spawn",
                                 "outer_optimizer": lambda p: torch.optim.SGD(p, lr=1)},

@@ -81,7 +81,9 @@ def prepare(
     if residual is not None:
         if residual.numel() != payload.numel():
             raise ValueError(f"{who}: the residual has {residual.numel()} values, the payload {payload.numel()}")
-        payload = payload + residual  # a new tensor: never the live weights
+        decay = wire.decay if wire is not None else 1.0
+        # a new tensor: never the live weights (β = 1: the plain sum, bitwise as without a decay)
+        payload = payload + residual if decay == 1.0 else payload.add(residual, alpha=decay)
     check_payload(payload, codec, who)
     chunks = transport.num_replicas if round_.collective and not codec.gathers else 1  # as the transport encodes
     parts = segments(payload.numel(), transport.slices_per_replica, chunks)

@@ -75,6 +75,9 @@ class WireConfig:
         error_feedback: lossy formats only: keep what the codec lost of each payload and add it to the
             next (saved in checkpoints). None (default): on where the payload is a pseudo-gradient
             (DiLoCo), off where it is weights (NoLoCo, GASLoC), as docs/compression.md measured.
+        error_feedback_decay: with error feedback only: β in (0, 1], the weight of the residual added to the next
+            payload (None: 1, plain error feedback). SparseLoCo's accumulator uses 0.95 with top-k and DiLoCo
+            without outer momentum (``outer_momentum=0``, ``outer_lr=1``): docs/compression.md.
         streams: connections per pair of replicas: "auto" (default) or an integer >= 1. s > 1 cuts every
             exchange and all-reduce into s pieces, each over a process group of its own (gloo opens a connection
             per group), for a long fat pipe, where one TCP connection carries at most its send buffer per round
@@ -94,6 +97,7 @@ class WireConfig:
     streams: Union[int, Literal["auto"]] = "auto"
     density: Optional[float] = None
     value_format: Optional[ValueFormatName] = None
+    error_feedback_decay: Optional[float] = None
 
     def check(self) -> None:
         """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options)."""
@@ -115,6 +119,12 @@ class WireConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"wire density must be a number in (0, 1], got {value!r}: the share of each chunk's "
                                  f"values topk sends, e.g. 0.01 to 0.03 (None: {DEFAULT_DENSITY}).")
+        if self.error_feedback_decay is not None:
+            value = self.error_feedback_decay
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"wire error_feedback_decay must be a number in (0, 1], got {value!r}: the weight of "
+                                 "the residual added to the next payload (None: 1, plain error feedback; SparseLoCo "
+                                 "uses 0.95).")
         if self.value_format is not None and self.value_format not in VALUE_FORMATS:
             raise ValueError(f"wire value_format must be one of {', '.join(map(repr, VALUE_FORMATS))}, got "
                              f"{self.value_format!r}: the format of the values topk sends (None: "
@@ -134,7 +144,8 @@ class WireConfig:
                            DEFAULT_DENSITY if self.density is None else self.density,
                            self.value_format or DEFAULT_VALUE_FORMAT)
         feedback = pseudo_gradient if self.error_feedback is None else self.error_feedback
-        return WireFormat(codec, feedback and codec.lossy)
+        decay = 1.0 if self.error_feedback_decay is None else float(self.error_feedback_decay)
+        return WireFormat(codec, feedback and codec.lossy, decay)
 
 
 @dataclass(frozen=True)

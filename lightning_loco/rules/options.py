@@ -177,6 +177,21 @@ def _topk_needs_error_feedback(f: Facts) -> Optional[str]:
             "feedback keeps them for later rounds. Leave error_feedback out (on with topk), or set it True.")
 
 
+@rule("decay-needs-error-feedback", "build", ("wire.error_feedback_decay", "wire.error_feedback", "wire.format"),
+      "`error_feedback_decay` where no error feedback is kept",
+      "error feedback (a lossy format; on by default for DiLoCo)")
+def _decay_needs_error_feedback(f: Facts) -> Optional[str]:
+    o = f.options
+    if o.wire.error_feedback_decay is None or o.wire_format.error_feedback:
+        return None
+    why = ("the format is float32, which loses nothing" if not o.wire.lossy else
+           "error_feedback=False" if o.wire.error_feedback is False else
+           f"{type(o.algorithm).__name__} sends weights, where error feedback is off unless asked for")
+    return (f"wire error_feedback_decay={o.wire.error_feedback_decay!r} weights the error-feedback residual, and this "
+            f"run keeps none ({why}). Use a lossy format with error feedback (error_feedback=True, or DiLoCo's "
+            "default), or leave error_feedback_decay out.")
+
+
 @rule("error-feedback-lossy-only", "build", ("wire.error_feedback", "wire.format"),
       "`error_feedback` set with the float32 format", "a lossy format, or no error_feedback")
 def _error_feedback_lossy_only(f: Facts) -> Optional[str]:

@@ -28,7 +28,9 @@ all-reduce (the nominal ring figure), :func:`all_reduce_bytes` for the chunked a
 
 Error feedback (:class:`WireFormat`, ``error_feedback``): for a payload that is a pseudo-gradient Δ
 the sender keeps the residual e of what its codec lost and sends Q(Δ + e) instead of Q(Δ), then sets
-e ← Δ + e − D(Q(Δ + e)). Nothing is lost for good, only delayed.
+e ← Δ + e − D(Q(Δ + e)). Nothing is lost for good, only delayed. With a decay β < 1 (``decay``, SparseLoCo's
+error-feedback accumulator) it sends Q(Δ + β·e) and keeps e ← Δ + β·e − D(Q(Δ + β·e)): what waits longest counts
+less, and the accumulator acts as a momentum of the pseudo-gradients (SparseLoCo runs it with no outer momentum).
 """
 
 from __future__ import annotations
@@ -288,6 +290,7 @@ class WireFormat:
 
     codec: Codec
     error_feedback: bool = False
+    decay: float = 1.0  # β of the residual added to the next payload (1: plain error feedback)
 
     @property
     def lossy(self) -> bool:
