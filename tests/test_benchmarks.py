@@ -482,8 +482,9 @@ def test_b5_quick(tmp_path):
 def test_b5_fidelity_parts_quick(tmp_path):
     """The forms part (both forms over the same grid, each form's best against the baselines), the
     long part (the curve of gaps to independent replicas and DDP), the paper part (NoLoCo against DiLoCo as
-    NoLoCo's code runs it, also at equal bytes) and the scale part, each with its own summary."""
-    bench(tmp_path, "b5_convergence", "--parts", "forms", "long", "paper", "scale")
+    NoLoCo's code runs it, also at equal bytes), the scale part and the bytes part (the long part's settings with
+    the sub-8-bit and top-k formats, against its float32 runs), each with its own summary."""
+    bench(tmp_path, "b5_convergence", "--parts", "forms", "long", "paper", "scale", "bytes")
     assert not (tmp_path / "b5_convergence.json").exists()  # the other parts' summary is left alone
     forms = json.loads((tmp_path / "b5_forms.json").read_text())
     assert {(g["H"], g["form"]) for g in forms["grid"]} == {(1, "mixed"), (1, "sent"), (4, "mixed"), (4, "sent")}
@@ -530,6 +531,23 @@ def test_b5_fidelity_parts_quick(tmp_path):
     assert scale["rows"][1]["m_params"] > 4 * scale["rows"][0]["m_params"]
     # 16 steps: 4.65 at most (the small model)
     assert all(0 < r[m] < UNTRAINED - 0.5 for r in scale["rows"] for m in ("ddp", "noloco", DILOCO_CODE))
+    sent = {(r["method"], r["format"]): r for r in json.loads((tmp_path / "b5_bytes.json").read_text())["rows"]}
+    assert set(sent) == {("ddp", "-"), ("independent", "-"), ("diloco", "float32"), ("noloco", "float32"),
+                         *[("diloco", w) for w in ("topk2", "int2", "int4", "topk1", "int8", "topk3")],
+                         *[("noloco", w) for w in ("int4", "int2", "int8")], ("diloco@lr=1.0,m=0.0", "topk2_ef95")}
+    # bytes against float32's: a byte, half and a quarter of one per value plus a float32 scale per block of 256;
+    # top-k sends 2 bits and a 2-byte position per value kept, to each of the N - 1 = 3 others (an all-gather)
+    # against float32's 2(N - 1)/N model copies: 4 / (2 x 3/4 x 2.25 x density) = 59 x at 3 %
+    ratios = {w: sent[("diloco", w)]["bytes_ratio"] for w in ("int8", "int4", "int2", "topk1", "topk2", "topk3")}
+    assert 3.5 < ratios["int8"] <= 4 and 7 < ratios["int4"] <= 8 and 13 < ratios["int2"] <= 16, ratios
+    assert ratios["topk1"] > ratios["topk2"] > ratios["topk3"] > 20, ratios
+    # DiLoCo's block formats, with error feedback, learned as float32 did (8 outer steps: 3.7 at most); top-k, whose
+    # values wait in the residual for rounds, and NoLoCo's weights in 2 bits without it, less in so few rounds, but
+    # every run moved from the untrained model
+    for (method, wire), r in sent.items():
+        dense = method == "diloco" and wire.startswith("int")
+        assert 0 < r["consensus"]["mean"] < (UNTRAINED - 1.5 if dense else UNTRAINED - 0.3), r
+    assert (tmp_path / "b5_bytes.png").exists()
 
 
 def test_b5_paper_reads_losses_at_equal_bytes_and_builds_the_codes_diloco():

@@ -8,6 +8,7 @@
     python -m benchmarks.b5_convergence --parts long            # H = 50, 60 outer steps, N = 8: 15 runs
     python -m benchmarks.b5_convergence --parts paper           # NoLoCo's own protocol: its DiLoCo, equal bytes
     python -m benchmarks.b5_convergence --parts scale           # the NoLoCo − DiLoCo and DDP gaps as N and size grow
+    python -m benchmarks.b5_convergence --parts bytes           # loss per byte: int4, int2, top-k at the long settings
 
 Every method trains the same byte-level GPT on Shakespeare from the same start, with the same
 inner optimizer (AdamW, warmup then cosine), the same batch per replica and the same number of
@@ -41,7 +42,9 @@ The ``forms`` and ``long`` parts (:mod:`.fidelity`) compare GASLoC's ``momentum_
 H = 1 and 10, and run the papers' H = 50 for 60 outer steps; each writes its own summary
 (``b5_forms.json``, ``b5_long.json``). ``--seeds`` runs more seeds of the long part alongside. The ``paper``
 and ``scale`` parts (:mod:`.protocol`) run the NoLoCo paper's comparison as its authors configured it, at
-equal bytes too, and the gaps at larger N and model size (``b5_paper.json``, ``b5_scale.json``).
+equal bytes too, and the gaps at larger N and model size (``b5_paper.json``, ``b5_scale.json``). The ``bytes``
+part (:mod:`.bytes_part`) runs the long part's settings with the sub-8-bit and top-k wire formats
+(``b5_bytes.json``, ``b5_bytes.png``).
 
 Modules: :mod:`.grid` (settings, methods and the jobs of every part), :mod:`.runs` (one run in the
 simulator, and the ``processes`` part through :mod:`benchmarks.harness`), :mod:`.analysis` (tables

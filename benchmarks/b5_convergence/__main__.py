@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import benchmarks.b5_convergence
 from benchmarks.b5_convergence.analysis import report
+from benchmarks.b5_convergence.bytes_part import bytes_jobs, bytes_report
 from benchmarks.b5_convergence.fidelity import (
     LONG,
     LONG_QUICK,
@@ -44,13 +45,13 @@ def run_all(pool: Any, jobs: list[Job], settings: Settings, runs_dir: Path, star
               f"mean replica {record['final']['mean_replica']:.3f} ({record['seconds']:.0f} s)", flush=True)
 
 
-FIDELITY_PARTS = ("forms", "long", "paper", "scale")
+FIDELITY_PARTS = ("forms", "long", "paper", "scale", "bytes")
 
 
 def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, runs_dir: Path, started: float,
                    seeds: Optional[list[int]] = None) -> None:
-    """The ``forms`` and ``long`` parts (:mod:`.fidelity`) and the ``paper`` and ``scale`` parts (:mod:`.protocol`),
-    each with its own settings and summary."""
+    """The ``forms`` and ``long`` parts (:mod:`.fidelity`), the ``paper`` and ``scale`` parts (:mod:`.protocol`) and
+    the ``bytes`` part (:mod:`.bytes_part`, the long part's settings), each with its own summary."""
     forms_settings, long_settings = (QUICK, LONG_QUICK) if quick else (FULL, LONG)
 
     def missing(jobs: list[Job]) -> list[Job]:
@@ -68,6 +69,11 @@ def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, ru
             print(f"B5 long on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
             run_all(pool, todo, long_settings, runs_dir, started)
             long_report(folder, runs_dir, long_settings, quick)
+        if "bytes" in parts:
+            todo = missing(bytes_jobs(long_settings, quick))
+            print(f"B5 bytes on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
+            run_all(pool, todo, long_settings, runs_dir, started)
+            bytes_report(folder, runs_dir, long_settings, quick)
         for part, (settings, jobs_of, report_of) in (("paper", ((PAPER_QUICK if quick else PAPER), paper_jobs,
                                                                   paper_report)),
                                                        ("scale", ((SCALE_QUICK if quick else SCALE), scale_jobs,

@@ -72,6 +72,13 @@ CODECS = {
     "float16": WireConfig("float16"),
     "int8_ef": WireConfig("int8", error_feedback=True),  # error feedback on weights (NoLoCo, GASLoC)
     "int8_no_ef": WireConfig("int8", error_feedback=False),  # DiLoCo without its error feedback
+    # the bytes part (:mod:`.bytes_part`): the sub-8-bit block formats and top-k (values in 2 bits, error feedback)
+    "int4": WireConfig("int4"),
+    "int2": WireConfig("int2"),
+    "topk2": WireConfig("topk"),  # its default density, 2 %
+    "topk3": WireConfig("topk", density=0.03),
+    "topk1": WireConfig("topk", density=0.01),
+    "topk2_ef95": WireConfig("topk", error_feedback_decay=0.95),  # SparseLoCo's accumulator (with no outer momentum)
 }
 CODEC_METHODS = ("diloco", "noloco", "gasloc_pairs")
 
@@ -148,7 +155,8 @@ class Job:
     split: str
     seed: int
     sync_every: int
-    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "forms", "long", "paper" or "scale"
+    part: str  # "main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "forms", "long", "paper",
+    # "scale" or "bytes"
     wire: str = "float32"  # a key of CODECS
     fragments: int = 1  # F, streaming fragments (the fragments part)
     model: str = ""  # "" (the settings' model) or "wide" (see model_settings; the scale part)
@@ -156,7 +164,7 @@ class Job:
 
     @property
     def name(self) -> str:
-        wire = "" if self.part != "codecs" else f"-{self.wire}"
+        wire = "" if self.part not in ("codecs", "bytes") else f"-{self.wire}"
         fragments = "" if self.part != "fragments" else f"-f{self.fragments}"
         model = f"-{self.model}" if self.model else ""
         overlap = f"-o{self.overlap}" if self.overlap else ""

@@ -1,0 +1,137 @@
+"""B5's ``bytes`` part: loss per byte in the papers' regime, for the sub-8-bit and sparse wire formats.
+
+The long part's configuration (:data:`.fidelity.LONG`: N = 8, iid, H = 50, 60 outer steps, paper
+defaults) with the wire formats of ``FORMATS``: DiLoCo with int8, int4, int2 (block scales) and top-k
+at 2 % (its default), 1 % and 3 % of each chunk (values in 2 bits), error feedback on, as by default for its
+pseudo-gradients; NoLoCo with int8, int4 and int2 (its payload is weights, which top-k does not take:
+the rule ``topk-pseudo-gradient-only``). The float32 runs, DDP and independent replicas are the long
+part's own (``b5_long.json``, 3 seeds each): the same model, data, seeds and code path.
+
+Jobs go in priority order: DiLoCo's top-k at its default 2 % on every seed first (the target: within
+the seeds' spread of float32 DiLoCo while sending at least 20 × fewer bytes), then one seed of every other
+format. Top-k's all-reduce is an all-gather: at N = 8 each replica sends 7 payloads of about 2.25 bytes per
+value kept, against float32's 2·7/8 model copies of 4 bytes, so 3 % is about 15 × fewer bytes and 2 % 22 ×.
+The summary (``b5_bytes.json``) holds each format's final consensus loss (mean and half range over the seeds it
+ran), the MB it sent per replica, the ratio of float32's bytes to its own and the
+difference from float32's loss; ``b5_bytes.png`` plots the loss against the MB sent, with the long
+part's float32, DDP and independent runs beside.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.b5_convergence.grid import Job, Settings
+from benchmarks.common import table, write_json
+
+FORMATS = {"diloco": ("topk2", "int2", "int4", "topk1", "int8", "topk3"), "noloco": ("int4", "int2", "int8")}
+TARGET = ("diloco", "topk2")
+# SparseLoCo's form: the error-feedback accumulator decayed (β = 0.95) in place of the outer momentum, which is
+# off, with outer lr 1: DiLoCo(outer_lr=1, outer_momentum=0) and WireConfig("topk", error_feedback_decay=0.95)
+SPARSELOCO = ("diloco@lr=1.0,m=0.0", "topk2_ef95")
+LONG_BASELINES = ("ddp", "independent", "diloco", "noloco")
+
+
+def bytes_jobs(settings: Settings, quick: bool) -> list[Job]:
+    """The target on every seed, then every other format on seed 0, in ``FORMATS``'s order, the two
+    methods taking turns; then SparseLoCo's form on every seed."""
+    n, seeds = (4, (0,)) if quick else (8, (0, 1, 2))
+    jobs = [Job(TARGET[0], n, "iid", s, settings.sync_every, "bytes", TARGET[1]) for s in seeds]
+    rest = [[(m, w) for w in FORMATS[m] if (m, w) != TARGET] for m in FORMATS]
+    for k in range(max(map(len, rest))):
+        jobs += [Job(m, n, "iid", 0, settings.sync_every, "bytes", w) for r in rest if k < len(r) for m, w in [r[k]]]
+    return jobs + [Job(SPARSELOCO[0], n, "iid", s, settings.sync_every, "bytes", SPARSELOCO[1]) for s in seeds]
+
+
+def _order(key: tuple[str, str]) -> tuple[int, int]:
+    method, wire = key
+    if (method, wire) == SPARSELOCO:
+        return len(FORMATS), 0
+    return list(FORMATS).index(method), FORMATS[method].index(wire)
+
+
+def _stat(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.mean(values), "half_range": (max(values) - min(values)) / 2, "n": len(values)}
+
+
+def bytes_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) -> dict[str, Any]:
+    """Each format's final consensus loss against the bytes it sent, beside the long part's float32 runs."""
+    records = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("bytes-*.json"))]
+    long_file = folder / "b5_long.json"
+    long_rows = {r["method"]: r for r in json.loads(long_file.read_text())["rows"]} if long_file.exists() else {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["method"], r["wire"]), []).append(r)
+    rows = []
+    for method in LONG_BASELINES:
+        if method in long_rows:
+            base = long_rows[method]
+            rows.append({"method": method, "format": "float32" if method in FORMATS else "-", "seeds": base["seeds"],
+                         "consensus": base["consensus"], "mbytes_per_replica": base["mbytes_per_replica"],
+                         "source": "b5_long.json"})
+    for (method, wire), runs in sorted(groups.items(), key=lambda kv: _order(kv[0])):
+        rows.append({"method": method, "format": wire, "seeds": len(runs),
+                     "consensus": _stat([r["final"]["consensus"] for r in runs]),
+                     "mbytes_per_replica": statistics.mean(r["final"]["bytes_per_replica"] for r in runs) / 1e6,
+                     "compression_error_ratio": statistics.mean(r["compression_error_ratio"] or 0.0 for r in runs),
+                     "source": "here"})
+    for row in rows:
+        base = row["method"].split("@")[0]  # SparseLoCo's form against DiLoCo's float32 with its paper defaults
+        full = long_rows.get(base) if base in FORMATS and row["source"] == "here" else None
+        if full is not None and row["mbytes_per_replica"]:
+            row["bytes_ratio"] = full["mbytes_per_replica"] / row["mbytes_per_replica"]
+            row["minus_float32"] = row["consensus"]["mean"] - full["consensus"]["mean"]
+            # within float32's spread over its seeds (plus this row's own, where it has several)
+            row["within_spread"] = abs(row["minus_float32"]) <= (full["consensus"]["half_range"]
+                                                                  + row["consensus"]["half_range"])
+    flat = [{**r, "c": r["consensus"]["mean"], "cpm": r["consensus"]["half_range"],
+             "ratio": r.get("bytes_ratio", float("nan")), "d": r.get("minus_float32", float("nan"))} for r in rows]
+    print(table(flat, [("method", "method", "s"), ("format", "format", "s"), ("seeds", "seeds", "d"),
+                       ("c", "consensus", ".3f"), ("cpm", "±", ".3f"), ("mbytes_per_replica", "MB/replica", ".2f"),
+                       ("ratio", "× fewer bytes than float32", ".1f"), ("d", "Δ vs float32", "+.3f"),
+                       ("source", "source", "s")]))
+    pngs = bytes_plot(rows, folder)
+    summary = {"settings": asdict(settings), "quick": quick, "rows": rows, "runs": len(records),
+               "curves": {f"{m}-{w}": [{"mbytes": p["bytes_per_replica"] / 1e6, "consensus": p["consensus"]}
+                                       for p in runs[0]["curve"]] for (m, w), runs in groups.items()},
+               "pngs": pngs}
+    write_json("b5_bytes.json", summary, folder)
+    print(f"wrote {folder / 'b5_bytes.json'}")
+    return summary
+
+
+def bytes_plot(rows: list[dict[str, Any]], folder: Path) -> list[str]:
+    """Final consensus loss against MB sent per replica (log), one marker per method and format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sent = [r for r in rows if r["mbytes_per_replica"] > 0]
+    if not sent:
+        return []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    colours = {"diloco": "C0", "noloco": "C1", "ddp": "C2", SPARSELOCO[0]: "C4"}
+    for r in sent:
+        c = r["consensus"]
+        ax.errorbar(r["mbytes_per_replica"], c["mean"], yerr=c["half_range"], marker="o", ms=4, capsize=2,
+                    color=colours.get(r["method"], "C3"))
+        ax.annotate(f"{r['method']} {r['format']}", (r["mbytes_per_replica"], c["mean"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    independent = next((r for r in rows if r["method"] == "independent"), None)
+    if independent is not None:
+        ax.axhline(independent["consensus"]["mean"], color="grey", ls=":", lw=1, label="independent replicas' average")
+        ax.legend(fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per replica in the run (log)")
+    ax.set_ylabel("final consensus validation loss")
+    ax.set_title("B5 long (N = 8, H = 50, 60 outer steps): loss against bytes", fontsize=9)
+    fig.tight_layout()
+    path = folder / "b5_bytes.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [str(path)]
