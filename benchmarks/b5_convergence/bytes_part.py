@@ -3,9 +3,10 @@
 The long part's configuration (:data:`.fidelity.LONG`: N = 8, iid, H = 50, 60 outer steps, paper
 defaults) with the wire formats of ``FORMATS``: DiLoCo with int8, int4, int2 (block scales) and top-k
 at 2 % (its default), 1 % and 3 % of each chunk (values in 2 bits), error feedback on, as by default for its
-pseudo-gradients; NoLoCo with int8, int4 and int2 (its payload is weights, which top-k does not take:
-the rule ``topk-pseudo-gradient-only``). The float32 runs, DDP and independent replicas are the long
-part's own (``b5_long.json``, 3 seeds each): the same model, data, seeds and code path.
+pseudo-gradients; NoLoCo with int8, int4 and int2, without error feedback (its default for weights) and
+int4 and int2 with it (its payload is weights, which top-k does not take: the rule
+``topk-pseudo-gradient-only``). The float32 runs, DDP and independent replicas are the long part's own
+(``b5_long.json``, 3 seeds each): the same model, data, seeds and code path.
 
 Jobs go in priority order: DiLoCo's top-k at its default 2 % on every seed first (the target: within
 the seeds' spread of float32 DiLoCo while sending at least 20 × fewer bytes), then one seed of every other
@@ -28,7 +29,8 @@ from typing import Any
 from benchmarks.b5_convergence.grid import Job, Settings
 from benchmarks.common import table, write_json
 
-FORMATS = {"diloco": ("topk2", "int2", "int4", "topk1", "int8", "topk3"), "noloco": ("int4", "int2", "int8")}
+FORMATS = {"diloco": ("topk2", "int2", "int4", "topk1", "int8", "topk3"),
+           "noloco": ("int4", "int2", "int8", "int4_ef", "int2_ef")}
 TARGET = ("diloco", "topk2")
 # SparseLoCo's form: the error-feedback accumulator decayed (β = 0.95) in place of the outer momentum, which is
 # off, with outer lr 1: DiLoCo(outer_lr=1, outer_momentum=0) and WireConfig("topk", error_feedback_decay=0.95)
