@@ -9,7 +9,8 @@ adversary.
 * :func:`compare_over_world` all-gathers every rank's digests (one int64 tensor of 2 numbers per tensor, over the
   default group) and raises :class:`StateMismatchError` naming the first replica, tensor and step that differ from
   replica 0's (ranks holding the same part of the model are compared: rank j of each replica);
-* :func:`first_difference` compares this rank's digests with saved ones (a checkpoint's).
+* :func:`first_difference` compares this rank's digests with saved ones (a checkpoint's, or those a heal's donor
+  sent with its state: :mod:`lightning_loco.elastic.heal_digests`).
 
 Lightning-free: the callback is :class:`lightning_loco.trainer.verify.VerifyState`.
 """
