@@ -23,6 +23,10 @@ Per repeat, interleaved (the machine's load drifts alike over all four):
   every heal did before the weights equal to the anchor travelled once;
 * ``without the optimizer``: the heal of a donor with ``heal_optimizer=False`` (AdamW's moments left out:
   the outer state, 2 × N float32);
+* ``verified``: the heal of a donor with ``verify_heal=True``: the donor digests every tensor into the header,
+  the joiner digests what it received and compares (:mod:`lightning_loco.elastic.heal_digests`); ``digests``:
+  the joiner's digests alone (:func:`~lightning_loco.elastic.heal_digests.sign` of the healed state, one
+  thread), the cost each side adds;
 * ``torchft``: the same state through torchft's own recovery path, the checkpoint transport its ``Manager``
   uses by default (``torchft.checkpointing.HTTPTransport``, ``num_chunks=0``): the donor stages the state
   (``send_checkpoint``), the joiner fetches it over HTTP and loads it (``recv_checkpoint``), all into fresh
@@ -95,6 +99,7 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
     from torchft.process_group import ProcessGroupGloo, create_store_client
 
     from lightning_loco.elastic import state_transfer as heal
+    from lightning_loco.elastic.heal_digests import sign
 
     torch.set_num_threads(1)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=600))
@@ -137,19 +142,26 @@ def worker(rank: int, address: str, whole_address: str, sizes: list[str], repeat
             # the heal, and the same with the weights sent apart from the anchor (as before they travelled once)
             lean = {**state, "extra": {**state["extra"], "optimizers": None}} if rank == 0 else None  # no moments
             variants = (("heal", state, True), ("fresh_heal", state, False),
-                        ("apart", {**state, "weights": [weights]} if rank == 0 else None, True), ("lean", lean, True))
+                        ("apart", {**state, "weights": [weights]} if rank == 0 else None, True), ("lean", lean, True),
+                        ("verified", state, True))
             for name, sent, in_place in variants:
                 key = f"{name}/{label}/{repeat}"
                 barrier()
                 started = time.perf_counter()
                 if rank == 0:
-                    heal.prepare(sent, head).send(pg, store, key, [1], 600.0)
+                    heal.prepare(sent, head, verify=name == "verified").send(pg, store, key, [1], 600.0)
                 else:
                     incoming = heal.Incoming(heal.take(store, key, 1), head)
                     into = heal.in_place(incoming.skeleton, own, incoming.metas) if in_place else None
                     healed = incoming.receive(pg, 0, 600.0, into)
                     row[f"{name}_s"] = time.perf_counter() - started
                     row[f"{name}_bytes"] = incoming.nbytes
+                    if name == "heal":  # the digests one side adds, alone
+                        tensors: list[Any] = []
+                        heal.split(healed, tensors)
+                        started = time.perf_counter()
+                        sign(tensors)
+                        row["digests_s"] = time.perf_counter() - started
                     del healed, incoming
             barrier()
             step = 1000 * sizes.index(label) + repeat
@@ -239,6 +251,10 @@ def main() -> None:
             "lean": spread([r["lean_s"] for r in mine]), "lean_mb": mine[0]["lean_bytes"] / 1e6,
             "lean_ratio": statistics.median([r["lean_s"] for r in mine]) / statistics.median(once),
             "lean_ratios": spread([r["lean_s"] / r["once_s"] for r in mine]),
+            "verified": spread([r["verified_s"] for r in mine]),
+            "verified_vs_heal": spread([r["verified_s"] / r["heal_s"] for r in mine]),
+            "digests": spread([r["digests_s"] for r in mine]),
+            "digests_vs_heal": spread([r["digests_s"] / r["heal_s"] for r in mine]),
             "torchft": spread([r["torchft_s"] for r in mine]),
             "torchft_vs_heal": spread([r["torchft_s"] / r["heal_s"] for r in mine]),
         })
@@ -249,6 +265,9 @@ def main() -> None:
              "vs_apart": r["heal_vs_apart"]["median"], "lean_s": r["lean"]["median"],
              "fresh_heal_s": r["fresh_heal"]["median"], "in_place": r["in_place_vs_fresh"]["median"],
              "lean_range": f"{r['lean_ratios']['min']:.2f}-{r['lean_ratios']['max']:.2f}",
+             "verified_s": r["verified"]["median"], "verified_vs_heal": r["verified_vs_heal"]["median"],
+             "verified_range": f"{r['verified_vs_heal']['min']:.2f}-{r['verified_vs_heal']['max']:.2f}",
+             "digests_s": r["digests"]["median"], "digests_vs_heal": r["digests_vs_heal"]["median"],
              "torchft_s": r["torchft"]["median"], "torchft_vs_heal": r["torchft_vs_heal"]["median"],
              "torchft_range": f"{r['torchft_vs_heal']['min']:.2f}-{r['torchft_vs_heal']['max']:.2f}"} for r in rows]
     print(f"\nhealing over loopback gloo on {machine()}, median of {repeats} repeats (min-max)")
@@ -263,6 +282,9 @@ def main() -> None:
                        ("lean_mb", "no optimizer MB", ".0f"), ("lean_s", "no optimizer s", ".3f"),
                        ("lean_ratio", "no optimizer / once", ".2f"), ("lean_range", "per repeat", ""),
                        ("once_gb_s", "once GB/s", ".2f"), ("heal_gb_s", "heal GB/s", ".2f"),
+                       ("verified_s", "verified s", ".3f"), ("verified_vs_heal", "verified / heal", ".2f"),
+                       ("verified_range", "per repeat", ""), ("digests_s", "digests (one side) s", ".3f"),
+                       ("digests_vs_heal", "digests / heal", ".2f"),
                        ("store_s", "store path s", ".3f"), ("store_ratio", "store / once", ".2f"),
                        ("torchft_s", "torchft HTTP s", ".3f"), ("torchft_vs_heal", "torchft / heal", ".2f"),
                        ("torchft_range", "per repeat", "")]))

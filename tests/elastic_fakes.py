@@ -4,7 +4,8 @@
 donates) instead of asking a Lighthouse; its views carry a :class:`FakeGroup`, a process group with the
 ``send`` / ``recv`` / ``allreduce`` / ``abort`` calls the elastic transport makes, over a shared
 :class:`Hub` in this process. Joiners heal as real ones do (:mod:`~lightning_loco.elastic.state_transfer`): a
-header through a :class:`FakeStore`, the tensors over a fake group. ``Hub.kill(replica_id)`` stands
+header through a :class:`FakeStore`, the tensors over a fake group, every heal checked against the donor's
+digests (``verify_heal``). ``Hub.kill(replica_id)`` stands
 for a replica that died: exchanges with it fail, as gloo's do when a peer's connection breaks.
 Replicas run in threads of their own.
 
@@ -223,7 +224,7 @@ class FakeMembership:
         roster = (plan.donor or "", *plan.joiners)
         if self.replica_id in plan.joiners:
             via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
-            incoming = heal.Incoming(heal.take(store, key, len(plan.joiners)), head)
+            incoming = heal.Incoming(heal.take(store, key, len(plan.joiners)), head, self.replica_id)
             into = None  # as a membership does: a whole-state heal lands in the joiner's own outer state
             if self.heal and receive_into is not None and incoming.skeleton is not None:
                 into = heal.in_place(incoming.skeleton, receive_into(incoming.skeleton), incoming.metas)
@@ -231,7 +232,7 @@ class FakeMembership:
             next_round = load(incoming.receive(via, 0, self.hub.timeout, into), self.heal)
         elif plan.donor == self.replica_id:
             via = FakeGroup(self.hub, ("heal", plan.quorum_id), roster, self.replica_id)
-            outgoing = heal.prepare(export(), head, chunk_bytes=self.chunk_bytes)
+            outgoing = heal.prepare(export(), head, chunk_bytes=self.chunk_bytes, verify=True)  # checked
             outgoing.send(via, store, key, range(1, len(roster)), self.hub.timeout)
         group = FakeGroup(self.hub, plan.quorum_id, plan.members, self.replica_id)
         self.view = View(plan.quorum_id, plan.members, plan.members.index(self.replica_id), plan.switch, group)

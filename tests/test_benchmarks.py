@@ -656,6 +656,8 @@ def test_elastic_heal_quick(tmp_path):
         assert row["lean_mb"] == pytest.approx(row["heal_mb"] / 2, rel=0.01), size
         # the same state through torchft's own recovery path (its HTTP checkpoint transport), timed beside it
         assert 0 < row["torchft"]["min"] <= row["torchft"]["median"] <= row["torchft"]["max"], size
+        # the heal checked against the donor's digests (verify_heal), and one side's digests alone
+        assert 0 < row["verified"]["min"] and 0 < row["digests"]["min"], size
     assert rows["10M"]["heal_mb"] == pytest.approx(10 * rows["1M"]["heal_mb"], rel=0.01)
 
 

@@ -52,6 +52,7 @@ def elastic(lighthouse: str = "h:1", **fields: Any) -> ElasticConfig:
         (dict(elastic=elastic(), transport_factory=print), ["transport_factory and elastic replicas"]),
         (dict(elastic=elastic(heal_optimizer="no")), ["heal_optimizer must be True or False", "'no'"]),
         (dict(elastic=elastic(heal=1)), ["heal must be True or False"]),
+        (dict(elastic=elastic(verify_heal="yes")), ["verify_heal must be True or False", "'yes'", "default False"]),
         (dict(elastic=elastic(), average_at_end=True), ["average_at_end=True with elastic replicas"]),
     ],
 )

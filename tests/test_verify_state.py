@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_loco import VerifyState
+from lightning_loco.replica import state_digest
 from lightning_loco.replica.state_digest import digest, digests, first_difference
 from lightning_loco.testing.launch import free_port, start_ranks
 from lightning_loco.trainer.verify import KEY
@@ -35,6 +36,28 @@ def test_a_digest_sees_one_bit_and_a_swap_of_two_elements(dtype):
     swapped[[2, 3]] = swapped[[3, 2]]
     assert digest(swapped) != digest(t)
     assert digest(t.t()) != digest(t) or dtype == torch.bool  # the bytes in order, not the values as a set
+
+
+def signed64(n: int) -> int:
+    return (n + 2**63) % 2**64 - 2**63
+
+
+@pytest.mark.parametrize("chunk", [7, 2**18], ids=["many-chunks", "one-chunk"])
+def test_a_digest_taken_in_chunks_is_the_whole_tensors(monkeypatch, chunk):
+    """digest takes CHUNK_WORDS words at a time (its temporaries that small); its numbers are the whole tensor's
+    (the sum of the words and of each word times its position from 1, modulo 2**64, here in Python's integers),
+    also with the scratch reused across the tensors of one pass (digests)."""
+    monkeypatch.setattr(state_digest, "CHUNK_WORDS", chunk)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randint(-2**62, 2**62, (1000,), generator=g, dtype=torch.int64),  # the sums wrap
+               "f": torch.randn(300, 7, generator=g).t(), "h": torch.randn(50, generator=g).to(torch.bfloat16),
+               "b": torch.rand(33, generator=g) > 0.5, "one": torch.tensor(3.5), "none": torch.zeros(0, 3)}
+    words = {torch.int64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.bool: torch.bool}
+    for name, t in tensors.items():
+        w = t.contiguous().reshape(-1).view(words[t.dtype]).tolist()
+        want = (signed64(sum(w)), signed64(sum(int(x) * (i + 1) for i, x in enumerate(w))))
+        assert digest(t) == want, name
+    assert digests(tensors.items()) == {name: digest(t) for name, t in tensors.items()}
 
 
 def test_first_difference_names_the_first_tensor_that_differs_or_is_missing():

@@ -11,6 +11,7 @@ each membership. Built here around it, one concept a module:
   refreshed in the background;
 * :mod:`~lightning_loco.elastic.healing`: when a joiner heals and from whom (the orchestration of a switch);
 * :mod:`~lightning_loco.elastic.state_transfer`: how a state crosses (the wire protocol of a heal);
+* :mod:`~lightning_loco.elastic.heal_digests`: a heal checked against the donor's digests (``verify_heal``);
 * :mod:`~lightning_loco.elastic.keys`: every store key, in one place;
 * :mod:`~lightning_loco.elastic.ranks`: a replica of several ranks as one member;
 * :mod:`~lightning_loco.elastic.works`: the posted operations of an exchange, each with its partner;

@@ -83,6 +83,10 @@ class ElasticConfig:
             optimizer's (True, default: AdamW's moments, twice the weights' bytes). False halves a heal
             with AdamW: the joiner's inner optimizer starts afresh (at the schedule's learning rate), so
             it is no longer a copy of its donor.
+        verify_heal: whether the state this replica hands joiners carries the digests of its tensors (two int64
+            numbers each, in the header it writes anyway), which a joiner checks what it received against before
+            it loads anything (``StateMismatchError`` naming the tensor otherwise). Default False: the digests on
+            both sides cost about as much as the transfer on loopback (docs/elastic.md, Healing).
         straggler_timeout: seconds an exchange waits for a live partner that is late before both take
             that round alone (DiLoCo: drop it) and meet again next round (default None: a live partner
             is waited for up to ``outer_step_timeout``). See :mod:`~lightning_loco.elastic.straggler`.
@@ -100,6 +104,7 @@ class ElasticConfig:
     membership_every: int = 1
     heal: bool = True
     heal_optimizer: bool = True
+    verify_heal: bool = False
     straggler_timeout: Optional[float] = None
     data_slots: Optional[int] = None
     data_slot: Optional[int] = None
@@ -136,6 +141,11 @@ class ElasticConfig:
                     "whole training state; heal_optimizer=False leaves its inner optimizer's state out, halving a "
                     "heal with AdamW)."
                 )
+        if not isinstance(self.verify_heal, bool):
+            raise ValueError(
+                f"verify_heal must be True or False, got {self.verify_heal!r} (default False; True: a joiner checks "
+                "the state it received against the digests its donor sent with it)."
+            )
         every = self.membership_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(

@@ -18,6 +18,7 @@ from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.elastic.keys import heal_key
 from lightning_loco.elastic.plan import Plan
 from lightning_loco.elastic.waiting import GRACE_S, in_thread, wait_in_slices
+from lightning_loco.replica.state_digest import StateMismatchError
 
 log = logging.getLogger("lightning_loco")
 
@@ -60,6 +61,8 @@ def _receive(member: Side, plan: Plan, pg: Optional[Any], incoming: Any, everyth
     thread, box = in_thread(lambda: incoming.receive(pg, src, timeout, into), "lightning_loco-heal")
     ended = wait_in_slices(thread, incoming.bound(timeout) + GRACE_S, member.check_stop,
                            f"the state of replica {plan.donor!r}")
+    if isinstance(box.get("error"), StateMismatchError):  # every tensor arrived, but not as the donor sent it
+        raise box["error"]
     if "result" not in box:
         raise RuntimeError(
             f"Replica {member.replica_id!r} joined membership {plan.quorum_id} but the transfer of replica "
@@ -84,7 +87,8 @@ def hand_state(member: Side, plan: Plan, pg: Optional[Any], state: dict[str, Any
     membership's process group (see :mod:`~lightning_loco.elastic.state_transfer`); waits until they are sent, as
     they are views of the live state."""
     started, timeout = time.perf_counter(), member.config.outer_step_timeout
-    outgoing = state_transfer.prepare(state, _header(plan), over_group=pg is not None)
+    outgoing = state_transfer.prepare(state, _header(plan), over_group=pg is not None,
+                                      verify=member.config.verify_heal)
     key, ranks = heal_key(plan.joiners), [plan.members.index(j) for j in plan.joiners]
     thread, box = in_thread(lambda: outgoing.send(pg, member.store_client(plan), key, ranks, timeout),
                             "lightning_loco-heal")
@@ -118,7 +122,7 @@ def take_state(member: Side, plan: Plan, pg: Optional[Any], load: Callable[[dict
             f"{plan.donor!r} within join_timeout={config.join_timeout:g} s "
             f"({box.get('error') if ended else 'no answer'}); restart it to try again."
         ) from box.get("error")
-    incoming = state_transfer.Incoming(box["result"], _header(plan))
+    incoming = state_transfer.Incoming(box["result"], _header(plan), member.replica_id)
     everything = config.heal or member.replica_id in plan.behind
     try:
         state, into = _receive(member, plan, pg, incoming, everything, receive_into)
@@ -135,7 +139,7 @@ def take_state(member: Side, plan: Plan, pg: Optional[Any], load: Callable[[dict
             f"{plan.quorum_id} starts at outer step {plan.switch}; restart this replica to join again."
         )
     what = taken(state, everything)
-    member.info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s.",
+    member.info("Replica %r joined membership %d at outer step %d and took %s from %r: %s in %.2f s%s.",
                member.replica_id, plan.quorum_id, plan.switch, what, plan.donor, size(incoming.nbytes),
-               time.perf_counter() - started)
+               time.perf_counter() - started, ", checked against the donor's digests" if incoming.verified else "")
     return next_round

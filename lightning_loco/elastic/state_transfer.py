@@ -23,6 +23,10 @@ as point-to-point messages from the donor's rank to each joiner's (:class:`Outgo
   bounded by the process group's timeout, so a donor that dies or hangs mid-transfer is an error on the
   joiner naming the message and the timeout, never a silent wait;
 * the state loaded is bitwise the one exported (dtypes, shapes and values; tensors come back contiguous);
+  with the donor's ``verify_heal``, the header also holds the digests of every tensor it exports (two int64
+  numbers each: :mod:`~lightning_loco.elastic.heal_digests`), and the joiner checks what it received against
+  them before it assembles the state (the store's path too): a tensor corrupted or changed in transit is a
+  ``StateMismatchError`` naming it, and nothing is loaded;
 * a joiner may name tensors of its own to receive into (:func:`in_place`: where its own state holds a CPU
   tensor of the same path, dtype and shape, such as the outer state it is about to overwrite), which saves
   the first touch of fresh memory, about as costly as the transfer itself on loopback; the others arrive
@@ -49,6 +53,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_loco.elastic.heal_digests import check, sign
 from lightning_loco.elastic.keys import taken_key
 
 CHUNK_BYTES = 64 * 2**20  # the largest message of a heal
@@ -57,6 +62,7 @@ IN_FLIGHT = 4  # messages posted at once, per joiner
 TAG_BASE = 1 << 30  # heal messages' tags: above every exchange tag of the elastic transport
 STORE_VALUE_MAX = 8 * 2**20 - 2**16  # the largest store value torch's TCPStore (libuv backend) takes: 8 MiB
 _TENSOR = "__lightning_loco_tensor__"  # a tensor's placeholder in the header's skeleton
+_DIGESTS = "__lightning_loco_digests__"  # the header's entry of the donor's digests, one pair per tensor
 
 
 def header(quorum_id: int, first_round: int, joiners: Sequence[str], donor: str) -> dict[str, Any]:
@@ -64,10 +70,12 @@ def header(quorum_id: int, first_round: int, joiners: Sequence[str], donor: str)
     return {"quorum_id": int(quorum_id), "first_round": int(first_round), "joiners": list(joiners), "donor": donor}
 
 
-def encode(state: dict[str, Any], head: dict[str, Any]) -> bytes:
-    """The state and its header as bytes for the store (``torch.save``)."""
+def encode(state: dict[str, Any], head: dict[str, Any], signed: Optional[list[tuple[int, int]]] = None) -> bytes:
+    """The state and its header as bytes for the store (``torch.save``), with the digests of the tensors it
+    travels with (``signed``: see :func:`~.heal_digests.sign`) if given."""
     buffer = io.BytesIO()
-    torch.save({**state, "donor": head["donor"], "membership": head}, buffer)
+    torch.save({**state, "donor": head["donor"], "membership": head,
+                **({} if signed is None else {_DIGESTS: signed})}, buffer)
     return buffer.getvalue()
 
 
@@ -159,6 +167,24 @@ def in_place(skeleton: Any, own: Any, metas: Sequence[tuple[torch.dtype, tuple[i
     return found
 
 
+def paths(skeleton: Any) -> list[str]:
+    """Each placeholder's path in the state (``extra.optimizers.0.state.3.exp_avg``), by index."""
+    found: dict[int, str] = {}
+
+    def walk(value: Any, at: tuple[str, ...]) -> None:
+        if isinstance(value, dict) and len(value) == 1 and _TENSOR in value:
+            found[value[_TENSOR]] = ".".join(at)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, (*at, str(key)))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, (*at, str(i)))
+
+    walk(skeleton, ())
+    return [found[i] for i in sorted(found)]
+
+
 def cut(sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES,
         small: int = SMALL_BYTES) -> list[list[tuple[int, int, int]]]:
     """The messages of a heal: each a list of (tensor index, first byte, end byte). A tensor of ``small``
@@ -245,34 +271,41 @@ class Outgoing:
 
 
 def prepare(state: dict[str, Any], head: dict[str, Any], over_group: bool = True,
-            chunk_bytes: int = CHUNK_BYTES) -> Outgoing:
+            chunk_bytes: int = CHUNK_BYTES, verify: bool = False) -> Outgoing:
     """The donor's heal of ``state`` for the membership ``head`` names: its tensors over the process group
-    (``over_group``), or, without one, the whole state in the header."""
+    (``over_group``), or, without one, the whole state in the header; ``verify``: the header also holds the
+    digests of every tensor, which the joiner checks what it received against (:mod:`.heal_digests`)."""
+    tensors: list[Tensor] = []
+    skeleton = split(state, tensors)
     if not over_group:
-        whole = encode(state, head)
+        whole = encode(state, head, sign(tensors) if verify else None)
         if len(whole) <= STORE_VALUE_MAX:
             return Outgoing(whole)
         return Outgoing(encode({"unavailable": (
             f"the donor has no process group for this membership (its rendezvous failed), and its state "
             f"({len(whole) / 1e6:.1f} MB) is more than one store value holds ({STORE_VALUE_MAX / 1e6:.1f} MB); "
             "restart this replica to join the next membership")}, head))
-    tensors: list[Tensor] = []
-    skeleton = split(state, tensors)
     tensors = [t.detach().contiguous() for t in tensors]
     metas = [(t.dtype, tuple(t.shape), str(t.device)) for t in tensors]
     views = [_bytes_of(t) for t in tensors]
     messages = cut([v.numel() for v in views], chunk_bytes)
-    head_bytes = encode({"skeleton": skeleton, "tensors": metas, "chunk_bytes": chunk_bytes}, head)
+    head_bytes = encode({"skeleton": skeleton, "tensors": metas, "chunk_bytes": chunk_bytes}, head,
+                        sign(tensors) if verify else None)
     return Outgoing(head_bytes, views, messages)
 
 
 class Incoming:
     """A joiner's side of one heal, from the header it took (checked against ``expected``: see :func:`decode`).
 
-    ``state`` is the donor's state once :meth:`receive` ran (at once for a state that came whole)."""
+    ``state`` is the donor's state once :meth:`receive` ran (at once for a state that came whole). Where the
+    header holds the donor's digests (``verified``), the tensors received are checked against them before the
+    state is assembled (:func:`~.heal_digests.check`, naming ``me``, this replica): a mismatch leaves ``state``
+    None."""
 
-    def __init__(self, raw: bytes, expected: dict[str, Any]) -> None:
+    def __init__(self, raw: bytes, expected: dict[str, Any], me: Optional[str] = None) -> None:
         decoded = decode(raw, expected)
+        self.me, self.signed = me, decoded.pop(_DIGESTS, None)
+        self.verified = self.signed is not None
         self.nbytes = len(raw)
         self.metas: list[tuple[torch.dtype, tuple[int, ...], str]] = []
         self.messages: list[list[tuple[int, int, int]]] = []
@@ -281,6 +314,10 @@ class Incoming:
         if "unavailable" in decoded:
             raise RuntimeError(decoded["unavailable"])
         if "tensors" not in decoded:  # the donor had no process group: the state came whole
+            if self.signed is not None:
+                tensors: list[Tensor] = []
+                skeleton = split({k: v for k, v in decoded.items() if k not in ("donor", "membership")}, tensors)
+                check(paths(skeleton), tensors, self.signed, decoded["membership"], me)
             self.state = decoded
             return
         self._decoded = decoded
@@ -332,6 +369,8 @@ class Incoming:
                 land(*posted.popleft())
         while posted:
             land(*posted.popleft())
+        if self.signed is not None:
+            check(paths(self.skeleton), tensors, self.signed, self._decoded["membership"], self.me)
         placed = [t if device == "cpu" else t.to(device) for t, (_, _, device) in zip(tensors, self.metas)]
         decoded = self._decoded
         self.state = {**join(decoded["skeleton"], placed), "donor": decoded["donor"],
