@@ -6,14 +6,13 @@ server thread among them)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+from peers import spawn_pair, torchft_group
 
 from lightning_loco.elastic import state_transfer as heal
 
@@ -195,11 +194,7 @@ def _peer(rank: int, address: str, dies_after: int, conn: Any) -> None:
     """One process: rank 0 sends mixed_state() in small messages (dying after ``dies_after`` of them,
     if set), rank 1 receives it and reports whether it is bitwise the state, or the error it got."""
     try:
-        from torchft.process_group import ProcessGroupGloo, create_store_client
-
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
-        pg.configure(f"{address}/pg", f"r{rank}", rank, 2)
-        store = create_store_client(f"{address}/heal", timedelta(seconds=60))
+        pg, store = torchft_group(address, rank)
         head = heal.header(1, 0, ["r1"], "r0")
         if rank == 0:
             outgoing = heal.prepare(mixed_state(), head, chunk_bytes=CHUNK)
@@ -230,31 +225,7 @@ def _peer(rank: int, address: str, dies_after: int, conn: Any) -> None:
 
 
 def run_pair(dies_after: int = 0) -> tuple[Any, Any]:
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=60))
-    ctx = multiprocessing.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_peer, args=(r, f"127.0.0.1:{store.port}", dies_after, pipes[r][1]), daemon=True)
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for _, sending in pipes:
-        sending.close()  # a child that dies without reporting closes the pipe: EOF here
-
-    def result(r: int) -> Any:
-        try:
-            return pipes[r][0].recv() if pipes[r][0].poll(90) else ("silent", None)
-        except EOFError:
-            return ("silent", None)
-
-    try:
-        results = [result(0), result(1)]
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-    return results[0], results[1]
+    return spawn_pair(_peer, dies_after)
 
 
 def test_over_gloo_a_state_crosses_in_several_messages_bitwise() -> None:

@@ -7,14 +7,13 @@ healing's own calls, and over torchft's real gloo process group and a TCPStore b
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
-from datetime import timedelta
 from typing import Any, Optional
 
 import pytest
 import torch
+from peers import spawn_pair, torchft_group
 from test_elastic_heal import CHUNK, assert_bitwise, mixed_state
 
 from lightning_loco.elastic import healing
@@ -215,11 +214,7 @@ def _peer(rank: int, address: str, changed: bool, conn: Any) -> None:
     its digest was taken), then through the store with one digest off; rank 1 takes both and reports what
     each gave (bitwise, or the error's type and message)."""
     try:
-        from torchft.process_group import ProcessGroupGloo, create_store_client
-
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=60))
-        pg.configure(f"{address}/pg", f"r{rank}", rank, 2)
-        store = create_store_client(f"{address}/heal", timedelta(seconds=60))
+        pg, store = torchft_group(address, rank)
         head = heal.header(1, 6, ["r1"], "r0")
         if rank == 0:
             state = mixed_state()
@@ -254,31 +249,7 @@ def _peer(rank: int, address: str, changed: bool, conn: Any) -> None:
 
 
 def run_pair(changed: bool) -> tuple[Any, Any]:
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=60))
-    ctx = multiprocessing.get_context("spawn")  # not forked: see test_elastic_heal
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_peer, args=(r, f"127.0.0.1:{store.port}", changed, pipes[r][1]), daemon=True)
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for _, sending in pipes:
-        sending.close()
-
-    def result(r: int) -> Any:
-        try:
-            return pipes[r][0].recv() if pipes[r][0].poll(90) else ("silent", None)
-        except EOFError:
-            return ("silent", None)
-
-    try:
-        results = [result(0), result(1)]
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-    return results[0], results[1]
+    return spawn_pair(_peer, changed)
 
 
 @pytest.mark.parametrize("changed", [False, True], ids=["intact", "changed"])
