@@ -92,6 +92,9 @@ def publish_failure(store: Any, prefix: str, rank: int, error: BaseException) ->
     store.set(f"{prefix}failed/{rank}", f"{type(error).__name__}: {error}"[:2000])
 
 
+DONE_WAIT_S = 10.0  # how long rank 0 waits, before it stops, for every rank to have read the plans
+
+
 def check_plans(store: Any, prefix: str, rank: int, world: int, steps: int, ranks_per_replica: int = 1,
                 timeout_s: float = 1800.0) -> None:
     """Shares every rank's planned optimizer steps through the process group's ``store`` (one small key each, no
@@ -105,6 +108,16 @@ def check_plans(store: Any, prefix: str, rank: int, world: int, steps: int, rank
     if message is not None:  # everyone has read every plan before anyone stops (rank 0 may hold the store)
         store.set(f"{prefix}read/{rank}", "1")
         _wait_for_all(store, prefix, "read", world, ranks_per_replica, deadline)
+        # and rank 0, whose process may serve the store, stops last: a rank still inside its wait for the "read"
+        # keys needs the server to answer it (it failed with "Broken pipe" when rank 0 had already exited)
+        # (bounded by DONE_WAIT_S: a rank that died after reading leaves only its error to say)
+        store.set(f"{prefix}done/{rank}", "1")
+        if rank == 0:
+            try:
+                _wait_for_all(store, prefix, "done", world, ranks_per_replica,
+                              min(deadline, time.monotonic() + DONE_WAIT_S))
+            except Exception:  # noqa: BLE001  # the uneven data is the error to raise, whoever else stopped
+                pass
         raise UnevenDataError(message)
 
 
