@@ -257,6 +257,14 @@ def test_a_decay_is_refused_where_no_residual_is_kept_and_outside_its_range():
     DiLoCoStrategy(wire=WireConfig("topk", error_feedback_decay=0.95), outer_momentum=0.0, outer_lr=1.0)
 
 
+def test_topk_mean_is_refused_without_topk_and_reaches_the_codec():
+    with pytest.raises(ValueError, match="topk_mean='senders'.*format='topk'"):
+        DiLoCoStrategy(wire=WireConfig("int8", topk_mean="senders"))
+    codec = DiLoCoStrategy(wire=WireConfig("topk", topk_mean="senders")).options.wire_format.codec
+    assert codec.name == "topk" and getattr(codec, "mean") == "senders"
+    assert getattr(DiLoCoStrategy(wire="topk").options.wire_format.codec, "mean") == "replicas"
+
+
 # ---------------------------------------------------------------------------- bytes on the wire
 
 
@@ -355,6 +363,7 @@ def test_resuming_with_a_residual_and_a_round_in_flight_continues_bitwise(name, 
         (lambda: WireConfig("topk", density=0), "wire density must be a number in \\(0, 1\\], got 0"),
         (lambda: WireConfig("topk", density=1.5), "wire density must be a number in \\(0, 1\\], got 1.5"),
         (lambda: WireConfig("topk", value_format="int3"), "wire value_format must be one of 'int8', 'int4'"),
+        (lambda: WireConfig("topk", topk_mean="median"), "wire topk_mean must be one of 'replicas', 'senders'"),
         (3, "wire must be a format name"),
         (lambda: WireConfig("int8", block_size=0), "wire block_size must be an integer >= 1, got 0"),
         (lambda: WireConfig("int8", block_size=64.0), "wire block_size .* got 64.0"),

@@ -29,6 +29,7 @@ WIRES = {
     "int4": WireConfig("int4", block_size=4),  # small blocks: several per tiny model
     "int2": WireConfig("int2", block_size=4),
     "topk": WireConfig("topk", density=0.3, value_format="int4"),
+    "topk_senders": WireConfig("topk", density=0.3, value_format="int4", topk_mean="senders"),
 }
 
 
@@ -186,11 +187,37 @@ def test_a_sparse_all_reduce_is_every_payload_summed_in_replica_order():
         assert all_reduce_bytes(codec, 5000, n_rep, 0) == (n_rep - 1) * codec.nbytes(5000)
 
 
+def test_topk_senders_mean_averages_each_position_over_the_replicas_that_sent_it():
+    """SparseLoCo's aggregation: a position's sum × N / (replicas that sent it), so that the algorithm's division
+    by N gives the mean over its senders; positions nobody sent stay 0. The senders come from torch.topk here."""
+    chunk, n, num = sparse.DEFAULT_CHUNK, 2 * sparse.DEFAULT_CHUNK + 100, 3
+    codec = make_codec("topk", density=0.01, value_format="float16", topk_mean="senders")
+    plain = make_codec("topk", density=0.01, value_format="float16")
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(num)]
+    xs[1][:chunk] = xs[0][:chunk]  # replicas 0 and 1 send the same positions of the first chunk
+    counts = torch.zeros(n)
+    for x in xs:
+        for start in range(0, n, chunk):
+            piece = x[start : start + chunk]
+            k = sparse.kept(0.01, piece.numel())
+            counts[start + torch.topk(piece.abs(), k).indices] += 1
+    total = chunked_all_reduce(xs, plain)
+    expected = total * num / counts.clamp(min=1)
+    got = chunked_all_reduce(xs, codec)
+    assert torch.equal(got, expected)
+    assert ((counts == 0) == (got == 0)).all() and (counts == 2).any() and (counts == 1).any()
+    one = counts == 1  # a position only one replica sent: N × its value, where "replicas" gives its value
+    assert torch.equal(got[one], total[one] * num)
+    assert repr(codec).endswith("mean='senders')")
+    with pytest.raises(ValueError, match="topk's mean must be one of"):
+        TopKCodec(make_codec("int2", 41), 0.01, chunk, "median")
+
+
 # ---------------------------------------------------------------------------- runs over the in-process transport
 
 
 CASES = [("int4", a) for a in ("noloco", "diloco", "gasloc_random_pairs", "gasloc_complete")] + \
-        [("int2", a) for a in ("noloco", "diloco")] + [("topk", "diloco")]
+        [("int2", a) for a in ("noloco", "diloco")] + [("topk", "diloco"), ("topk_senders", "diloco")]
 
 
 @pytest.mark.parametrize("wire,name", CASES)
@@ -256,7 +283,8 @@ def test_the_strategies_build_the_new_formats():
 # ---------------------------------------------------------------------------- torch.distributed, forked gloo
 
 FORMATS = {"int4": make_codec("int4", 5), "int2": make_codec("int2", 5),
-           "topk": make_codec("topk", density=0.02, value_format="int2")}
+           "topk": make_codec("topk", density=0.02, value_format="int2"),
+           "topk_senders": make_codec("topk", density=0.02, value_format="int2", topk_mean="senders")}
 SIZE = 9001  # three chunks of topk, the last short
 
 

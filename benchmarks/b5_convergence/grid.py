@@ -79,6 +79,9 @@ CODECS = {
     "topk3": WireConfig("topk", density=0.03),
     "topk1": WireConfig("topk", density=0.01),
     "topk2_ef95": WireConfig("topk", error_feedback_decay=0.95),  # SparseLoCo's accumulator (with no outer momentum)
+    # SparseLoCo's aggregation: each position's mean over the replicas that sent it
+    "topk2_senders": WireConfig("topk", topk_mean="senders"),
+    "topk2_ef95_senders": WireConfig("topk", error_feedback_decay=0.95, topk_mean="senders"),
     "int4_ef": WireConfig("int4", error_feedback=True),  # error feedback on weights (NoLoCo)
     "int2_ef": WireConfig("int2", error_feedback=True),
 }

@@ -31,10 +31,11 @@ from lightning_loco.driver.overlap import MERGES as OVERLAP_MERGES
 from lightning_loco.driver.overlap import OverlapSteps, check_overlap_steps
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.wire.codecs import DEFAULT_BLOCK_SIZE, FORMATS, WireFormat, make_codec
-from lightning_loco.wire.sparse import DEFAULT_DENSITY, DEFAULT_VALUE_FORMAT, VALUE_FORMATS
+from lightning_loco.wire.sparse import DEFAULT_DENSITY, DEFAULT_MEAN, DEFAULT_VALUE_FORMAT, MEANS, VALUE_FORMATS
 
 WireFormatName = Literal["float32", "bfloat16", "float16", "int8", "int4", "int2", "topk"]
 ValueFormatName = Literal["int8", "int4", "int2", "float16"]
+TopKMeanName = Literal["replicas", "senders"]
 Block = Union[type, str]
 FINAL_OUTER_STEPS = ("average", "outer")
 PACING_MERGES = ("mean", "steps")
@@ -72,6 +73,9 @@ class WireConfig:
         density: topk only: the share of each chunk's values sent, a number in (0, 1] (None: 0.02).
         value_format: topk only: the format of the values sent, "int8", "int4", "int2" or "float16", with
             one float32 scale per chunk for the integer formats (None: "int2").
+        topk_mean: topk only: how the replicas' sparse payloads are averaged: "replicas" (each payload's values
+            count 1/N, as if the others sent zero where it sent a value) or "senders" (SparseLoCo's: each position's
+            mean over the replicas that sent it). None: "replicas". docs/compression.md compares them.
         error_feedback: lossy formats only: keep what the codec lost of each payload and add it to the
             next (saved in checkpoints). None (default): on where the payload is a pseudo-gradient
             (DiLoCo), off where it is weights (NoLoCo, GASLoC), as docs/compression.md measured.
@@ -98,6 +102,7 @@ class WireConfig:
     density: Optional[float] = None
     value_format: Optional[ValueFormatName] = None
     error_feedback_decay: Optional[float] = None
+    topk_mean: Optional[TopKMeanName] = None
 
     def check(self) -> None:
         """Raises ``ValueError`` naming a field that holds no value it can take (checked with the options)."""
@@ -129,6 +134,10 @@ class WireConfig:
             raise ValueError(f"wire value_format must be one of {', '.join(map(repr, VALUE_FORMATS))}, got "
                              f"{self.value_format!r}: the format of the values topk sends (None: "
                              f"{DEFAULT_VALUE_FORMAT!r}, 2 bits per value with one scale per chunk).")
+        if self.topk_mean is not None and self.topk_mean not in MEANS:
+            raise ValueError(f"wire topk_mean must be one of {', '.join(map(repr, MEANS))}, got {self.topk_mean!r}: how "
+                             "topk's sparse payloads are averaged ('replicas': every payload counts 1/N; 'senders': "
+                             f"each position over the replicas that sent it; None: {DEFAULT_MEAN!r}).")
         if self.streams != "auto":
             check_int("wire streams", self.streams,
                       "'auto' (the default) chooses from the payload's size; 1 sends each exchange over one connection "
@@ -142,7 +151,7 @@ class WireConfig:
         """The codec and the error feedback of a run whose payloads are pseudo-gradients (or weights)."""
         codec = make_codec(self.format, self.block_size or DEFAULT_BLOCK_SIZE,
                            DEFAULT_DENSITY if self.density is None else self.density,
-                           self.value_format or DEFAULT_VALUE_FORMAT)
+                           self.value_format or DEFAULT_VALUE_FORMAT, self.topk_mean or DEFAULT_MEAN)
         feedback = pseudo_gradient if self.error_feedback is None else self.error_feedback
         decay = 1.0 if self.error_feedback_decay is None else float(self.error_feedback_decay)
         return WireFormat(codec, feedback and codec.lossy, decay)

@@ -144,11 +144,12 @@ def _block_size_block_formats(f: Facts) -> Optional[str]:
             f"{w.format!r}. Use one of those formats with it, or leave block_size out.")
 
 
-@rule("sparse-options-topk-only", "build", ("wire.density", "wire.value_format", "wire.format"),
-      "`density` or `value_format` with a format other than topk", "`format='topk'`, or neither")
+@rule("sparse-options-topk-only", "build", ("wire.density", "wire.value_format", "wire.topk_mean", "wire.format"),
+      "`density`, `value_format` or `topk_mean` with a format other than topk", "`format='topk'`, or none of them")
 def _sparse_options_topk_only(f: Facts) -> Optional[str]:
     w = f.options.wire
-    given = [f"{k}={v!r}" for k, v in (("density", w.density), ("value_format", w.value_format)) if v is not None]
+    given = [f"{k}={v!r}" for k, v in (("density", w.density), ("value_format", w.value_format),
+                                       ("topk_mean", w.topk_mean)) if v is not None]
     if not given or w.format == "topk":
         return None
     return (f"wire {' and '.join(given)} set(s) what topk sends of each chunk, and the format is {w.format!r}. Use "

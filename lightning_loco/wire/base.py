@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -33,6 +34,12 @@ class Codec(ABC):
         """``total += D(data)`` for the ``total.numel()`` values in ``data``, bitwise
         ``total.add_(self.decode(data, total.numel()))``; codecs override it to skip the decoded copy."""
         return total.add_(self.decode(data, total.numel()))
+
+    def finish_sum_(self, total: Tensor, encoded: Sequence[Tensor]) -> Tensor:
+        """The group's sum ``total`` of the decoded ``encoded`` payloads (every member's, in ascending replica
+        order), as the exchange delivers it: the sum itself for every codec but a sparse one that averages each
+        position over the members that sent it (:class:`~lightning_loco.wire.sparse.TopKCodec`)."""
+        return total
 
     def roundtrip(self, x: Tensor) -> Tensor:
         """D(Q(x)): what a receiver gets for ``x``."""

@@ -48,6 +48,7 @@ from lightning_loco.wire.lowbit import LOWBIT_FORMATS, LowBitBlockCodec
 from lightning_loco.wire.sparse import (
     DEFAULT_CHUNK,
     DEFAULT_DENSITY,
+    DEFAULT_MEAN,
     DEFAULT_VALUE_FORMAT,
     TopKCodec,
     check_density,
@@ -156,9 +157,10 @@ class Int8BlockCodec(Codec):
 
 
 def make_codec(format: str = "float32", block_size: int = DEFAULT_BLOCK_SIZE, density: float = DEFAULT_DENSITY,
-               value_format: str = DEFAULT_VALUE_FORMAT) -> Codec:
+               value_format: str = DEFAULT_VALUE_FORMAT, topk_mean: str = DEFAULT_MEAN) -> Codec:
     """The codec of a wire format (one of :data:`FORMATS`; ``block_size``: the values per scale of int8,
-    int4 and int2; ``density`` and ``value_format``: topk's share of each chunk sent and its values' format)."""
+    int4 and int2; ``density``, ``value_format`` and ``topk_mean``: topk's share of each chunk sent, its values'
+    format and how a group's payloads are averaged)."""
     if format not in FORMATS:
         raise ValueError(f"the wire format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
     if format == "int8":
@@ -170,7 +172,7 @@ def make_codec(format: str = "float32", block_size: int = DEFAULT_BLOCK_SIZE, de
         if value_format not in ("int8", "int4", "int2", "float16"):
             raise ValueError(f"topk's value_format must be 'int8', 'int4', 'int2' or 'float16', got {value_format!r}")
         values = make_codec(value_format, kept(density, DEFAULT_CHUNK))  # one scale per chunk
-        return TopKCodec(values, density, DEFAULT_CHUNK)
+        return TopKCodec(values, density, DEFAULT_CHUNK, topk_mean)
     if format == "float32":
         return Float32Codec()
     return CastCodec(torch.bfloat16 if format == "bfloat16" else torch.float16)
@@ -235,12 +237,13 @@ def roundtrip_segments(x: Tensor, codec: Codec, parts: Sequence[tuple[int, int]]
 
 
 def decode_sum(encoded: dict[int, Tensor], n: int, codec: Codec, group: Sequence[int]) -> Tensor:
-    """Σ_j D(encoded_j) in float32, added in ascending replica order (identical on every member)."""
+    """Σ_j D(encoded_j) in float32, added in ascending replica order (identical on every member), as the
+    codec delivers a sum (:meth:`~lightning_loco.wire.base.Codec.finish_sum_`)."""
     order = sorted(group)
     total = codec.decode(encoded[order[0]], n)
     for j in order[1:]:
         codec.decode_add_(total, encoded[j])
-    return total
+    return codec.finish_sum_(total, [encoded[j] for j in order])
 
 
 def chunked_all_reduce(payloads: Sequence[Tensor], codec: Codec) -> Tensor:

@@ -18,11 +18,20 @@ A sum of such payloads is not sparse, so a collective round does not re-encode o
 ``gathers`` (:class:`~lightning_loco.wire.base.Codec`), every replica's encoded payload goes to every
 other, and each decodes and adds all N in float32 in ascending replica order: bitwise the same sum
 everywhere, for (N − 1)·nbytes(n) bytes sent per replica, growing with N.
+
+How the N sparse payloads are averaged (``mean``):
+
+* ``"replicas"``: their sum, which the algorithm divides by N as for any format: a position one replica
+  sent counts 1/N of its value, as if the others had sent zero there;
+* ``"senders"`` (SparseLoCo's aggregation): each position's mean over the replicas that sent it, delivered as
+  that mean × N so that the algorithm's division by N gives it; a position nobody sent stays 0. The counts come
+  from the indices, the same on every member, so the result is bitwise the same everywhere too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -34,6 +43,8 @@ VALUE_FORMATS = ("int8", "int4", "int2", "float16")
 DEFAULT_DENSITY = 0.02
 DEFAULT_VALUE_FORMAT = "int2"
 DEFAULT_CHUNK = 4096
+MEANS = ("replicas", "senders")
+DEFAULT_MEAN = "replicas"
 
 
 class TopKCodec(Codec):
@@ -42,10 +53,15 @@ class TopKCodec(Codec):
     name = "topk"
     gathers = True
 
-    def __init__(self, values: Codec, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(self, values: Codec, density: float = DEFAULT_DENSITY, chunk: int = DEFAULT_CHUNK,
+                 mean: str = DEFAULT_MEAN) -> None:
         """``values``: the chosen values' codec (one of :data:`VALUE_FORMATS`; a block format with block size
-        ``kept(density, chunk)``: :func:`~lightning_loco.wire.codecs.make_codec` builds it)."""
+        ``kept(density, chunk)``: :func:`~lightning_loco.wire.codecs.make_codec` builds it). ``mean``: how a
+        group's payloads are averaged, one of :data:`MEANS` (the module docstring)."""
         check_density(density)
+        if mean not in MEANS:
+            raise ValueError(f"topk's mean must be one of {', '.join(map(repr, MEANS))}, got {mean!r}")
+        self.mean = mean
         if values.name not in VALUE_FORMATS:
             raise ValueError(f"topk's value_format must be one of {', '.join(map(repr, VALUE_FORMATS))}, "
                              f"got {values.name!r}")
@@ -94,6 +110,33 @@ class TopKCodec(Codec):
         out[v:].view(torch.int16).copy_(indices.to(torch.int32).to(torch.int16))  # 0 … 65535 as 16 bits
         return out
 
+    def _indices(self, data: Tensor, m: int) -> Tensor:
+        """The positions inside their chunks of the ``m`` values in ``data`` (int64)."""
+        v = self._value_bytes(m)
+        return data[v : v + 2 * m].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+
+    def positions(self, data: Tensor, n: int) -> Tensor:
+        """The positions in the whole buffer of ``n`` values of the values ``data`` carries (int64, ascending)."""
+        m = self.selected(n)
+        indices = self._indices(data, m)
+        full = n // self.chunk
+        fk = full * self.k
+        offsets = torch.arange(full, dtype=torch.int64, device=data.device).mul_(self.chunk).repeat_interleave(self.k)
+        indices[:fk].add_(offsets)
+        indices[fk:].add_(full * self.chunk)
+        return indices
+
+    def finish_sum_(self, total: Tensor, encoded: Sequence[Tensor]) -> Tensor:
+        """With ``mean="senders"``: each position of the sum × (members / members that sent it)."""
+        if self.mean == "replicas" or not total.numel():
+            return total
+        n = total.numel()
+        counts = torch.zeros_like(total)
+        one = torch.ones(self.selected(n), dtype=total.dtype, device=total.device)
+        for data in encoded:  # the positions of one payload are distinct: each adds 1 where it sent a value
+            counts.index_add_(0, self.positions(data, n), one)
+        return total.mul_(float(len(encoded))).div_(counts.clamp_(min=1.0))
+
     def decode(self, data: Tensor, n: int, out: Tensor | None = None) -> Tensor:
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=data.device)
@@ -101,9 +144,8 @@ class TopKCodec(Codec):
         if not n:
             return out
         c, m = self.chunk, self.selected(n)
-        v = self._value_bytes(m)
         values = self.values.decode(data[: self.values.nbytes(m)], m)
-        indices = data[v : v + 2 * m].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+        indices = self._indices(data, m)
         full = n // c
         if full:
             fk = full * self.k
@@ -116,7 +158,8 @@ class TopKCodec(Codec):
         return self.values.check(largest)
 
     def __repr__(self) -> str:
-        return f"TopKCodec(density={self.density!r}, value_format={self.value_format!r}, chunk={self.chunk})"
+        return (f"TopKCodec(density={self.density!r}, value_format={self.value_format!r}, chunk={self.chunk}, "
+                f"mean={self.mean!r})")
 
 
 def check_density(density: float) -> None:
