@@ -14,7 +14,7 @@ from benchmarks.netem.links import Network, uniform
 
 ALGORITHMS = ("noloco", "gasloc", "diloco", "ddp")
 # --codecs: the wire formats of lightning_loco.wire.codecs, as (wire_dtype, compression)
-CODECS = ("float32", "bfloat16", "float16", "int8")
+CODECS = ("float32", "bfloat16", "float16", "int8", "int4", "int2", "topk")  # topk: pseudo-gradients only (DiLoCo)
 WARM_NUMEL = 1 << 20  # float32 per pair for warm_all_pairs: 4 MB is past TCP slow start on the emulated WAN
 # The workers meet through this file in their shared output folder (a FileStore: no port, and no
 # rendezvous connection beside gloo's on the emulated network), whatever their network namespaces.

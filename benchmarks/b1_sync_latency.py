@@ -148,6 +148,8 @@ def worker(params: int, rounds: int, out: str, algorithms: tuple[str, ...] = ALG
             state = None  # the codecs of one method take turns on one outer state (memory: 50 M × N replicas)
             for codec in codecs:
                 algorithm, wire = build(name, codec)
+                if codec == "topk" and not algorithm.payload_is_pseudo_gradient:
+                    continue  # the strategies refuse topk for weights (rule topk-pseudo-gradient-only)
                 if state is None:
                     state = algorithm.init_state(torch.zeros(params), [delta.shape])
                 residual = torch.zeros(algorithm.payload_numel(state)) if wire.error_feedback else None
@@ -255,7 +257,7 @@ def measure(mode: str, network: Network, params: int, rounds: int, algorithms: t
         row["bytes_sent"][key] = [statistics.mean(rank["bytes_sent"][key]) for rank in ranks]  # per replica and round
     for name in algorithms:
         for codec in codecs if name != "ddp" and "float32" in codecs else []:
-            if codec != "float32":
+            if codec != "float32" and column(name, codec) in slowest:
                 key = column(name, codec)
                 row["speedup"][key] = spread([a / b for a, b in zip(slowest[name], slowest[key])])
     if "noloco" in algorithms and "diloco" in algorithms:

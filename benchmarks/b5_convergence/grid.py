@@ -130,6 +130,10 @@ def make_algorithm(method: str) -> Any:
             return NoLoCo(outer_lr=lr, outer_momentum=momentum)
         return GASLoC(outer_lr=lr, outer_momentum=momentum, gossip_step=float(values.get("a", 0.25)),
                       **gasloc_form(base))
+    if method == "noloco_from_start":  # the bytes part's study: NoLoCo sending θ − θ₀ (:mod:`.study`)
+        from benchmarks.b5_convergence.study import NoLoCoFromStart
+
+        return NoLoCoFromStart()
     if method.startswith("gasloc") and method.endswith("_sent"):
         return GASLoC(**gasloc_form(method))
     return {
