@@ -36,6 +36,10 @@ TARGET = ("diloco", "topk2")
 # off, with outer lr 1: DiLoCo(outer_lr=1, outer_momentum=0) and WireConfig("topk", error_feedback_decay=0.95)
 SPARSELOCO = ("diloco@lr=1.0,m=0.0", "topk2_ef95")
 LONG_BASELINES = ("ddp", "independent", "diloco", "noloco")
+# B1 on the emulated WAN for B8's clock: python -m benchmarks.b1_sync_latency --parts main --modes emulated
+#   --replicas 8 --params 120576 --methods noloco diloco --codecs float32 int8 int4 int2 topk --rounds 4
+#   --out b5_bytes_exchange
+EXCHANGE_FILE = "b5_bytes_exchange.json"
 
 
 def bytes_jobs(settings: Settings, quick: bool) -> list[Job]:
@@ -96,14 +100,56 @@ def bytes_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) 
                        ("c", "consensus", ".3f"), ("cpm", "±", ".3f"), ("mbytes_per_replica", "MB/replica", ".2f"),
                        ("ratio", "× fewer bytes than float32", ".1f"), ("d", "Δ vs float32", "+.3f"),
                        ("source", "source", "s")]))
+    clock = b8_clock(rows, folder / EXCHANGE_FILE, settings)
     pngs = bytes_plot(rows, folder)
-    summary = {"settings": asdict(settings), "quick": quick, "rows": rows, "runs": len(records),
+    summary = {"settings": asdict(settings), "quick": quick, "rows": rows, "runs": len(records), "b8_clock": clock,
                "curves": {f"{m}-{w}": [{"mbytes": p["bytes_per_replica"] / 1e6, "consensus": p["consensus"]}
                                        for p in runs[0]["curve"]] for (m, w), runs in groups.items()},
                "pngs": pngs}
     write_json("b5_bytes.json", summary, folder)
     print(f"wrote {folder / 'b5_bytes.json'}")
     return summary
+
+
+def exchange_key(method: str, wire: str) -> str | None:
+    """The B1 column of a (method, format) row: ``diloco+int4``; None where B1 has no such format."""
+    base = method.split("@")[0]
+    codec = {"topk2": "topk", "topk2_senders": "topk", "topk2_ef95_senders": "topk", "topk2_ef95": "topk",
+             "int4_ef": "int4", "int2_ef": "int2"}.get(wire, wire)
+    if base not in ("diloco", "noloco") or codec not in ("float32", "int8", "int4", "int2", "topk"):
+        return None
+    return base if codec == "float32" else f"{base}+{codec}"
+
+
+def b8_clock(rows: list[dict[str, Any]], exchange_file: Path, settings: Settings) -> list[dict[str, Any]]:
+    """Each row's run on B8's clock: every inner step costs X = float32 DiLoCo's measured all-reduce ÷ H (so that
+    it costs H inner steps, as in B8), and every outer step the format's measured exchange e, blocking (B1 on the
+    emulated WAN, N = 8, the GPT's parameters, ``EXCHANGE_FILE``): steps·X + rounds·e."""
+    if not exchange_file.exists():
+        return []
+    found = [r for r in json.loads(exchange_file.read_text())["rows"] if r["replicas"] == 8]
+    if not found or "diloco" not in found[0]:
+        return []
+    measured = found[0]
+    x = measured["diloco"]["median"] / settings.sync_every
+    rounds = settings.steps // settings.sync_every
+    out = []
+    for r in rows:
+        key = exchange_key(r["method"], r["format"])
+        if key is None or key not in measured:
+            continue
+        e = measured[key]
+        out.append({"method": r["method"], "format": r["format"], "consensus": r["consensus"]["mean"],
+                    "exchange_s": e["median"], "exchange_min": e["min"], "exchange_max": e["max"],
+                    "wall_s": settings.steps * x + rounds * e["median"],
+                    "exchange_share": rounds * e["median"] / (settings.steps * x + rounds * e["median"])})
+    print(f"\nB8's clock: inner step X = {x:.4f} s (float32 DiLoCo's all-reduce / H), each outer step's measured "
+          f"exchange e blocking ({exchange_file.name}: {measured['mode']}, N = 8, {measured['params']} parameters)")
+    print(table(out, [("method", "method", "s"), ("format", "format", "s"), ("consensus", "consensus", ".3f"),
+                      ("exchange_s", "exchange s", ".3f"), ("exchange_min", "min", ".3f"),
+                      ("exchange_max", "max", ".3f"), ("wall_s", "run s", ".0f"),
+                      ("exchange_share", "share exchanging", ".2f")]))
+    return out
 
 
 def bytes_plot(rows: list[dict[str, Any]], folder: Path) -> list[str]:

@@ -130,10 +130,10 @@ def make_algorithm(method: str) -> Any:
             return NoLoCo(outer_lr=lr, outer_momentum=momentum)
         return GASLoC(outer_lr=lr, outer_momentum=momentum, gossip_step=float(values.get("a", 0.25)),
                       **gasloc_form(base))
-    if method == "noloco_from_start":  # the bytes part's study: NoLoCo sending θ − θ₀ (:mod:`.study`)
-        from benchmarks.b5_convergence.study import NoLoCoFromStart
+    if method in ("noloco_from_start", "noloco_pairwise"):  # the bytes part's study (:mod:`.study`)
+        from benchmarks.b5_convergence.study import NoLoCoFromStart, NoLoCoPairwise
 
-        return NoLoCoFromStart()
+        return NoLoCoFromStart() if method == "noloco_from_start" else NoLoCoPairwise()
     if method.startswith("gasloc") and method.endswith("_sent"):
         return GASLoC(**gasloc_form(method))
     return {
@@ -165,7 +165,7 @@ class Job:
     seed: int
     sync_every: int
     part: str  # "main", "h1", "large", "tuning", "h_study", "codecs", "fragments", "forms", "long", "paper",
-    # "scale" or "bytes"
+    # "scale", "bytes" or "paper_bytes" (the bytes part's best formats at the paper's protocol)
     wire: str = "float32"  # a key of CODECS
     fragments: int = 1  # F, streaming fragments (the fragments part)
     model: str = ""  # "" (the settings' model) or "wide" (see model_settings; the scale part)
@@ -173,7 +173,7 @@ class Job:
 
     @property
     def name(self) -> str:
-        wire = "" if self.part not in ("codecs", "bytes") else f"-{self.wire}"
+        wire = "" if self.part not in ("codecs", "bytes", "paper_bytes") else f"-{self.wire}"
         fragments = "" if self.part != "fragments" else f"-f{self.fragments}"
         model = f"-{self.model}" if self.model else ""
         overlap = f"-o{self.overlap}" if self.overlap else ""
