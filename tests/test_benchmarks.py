@@ -771,3 +771,41 @@ def test_b8_quick(tmp_path):
     methods = {(r["replicas"], r["method"]) for r in result["rows"]}
     assert {(2, "diloco, τ = 2"), (2, "DDP"), (4, "torchft DiLoCo (its defaults)"), (4, "gasloc_pairs")} <= methods
     assert len(list((tmp_path / "b8_runs").glob("*.json"))) == 11
+
+
+def test_b5_bytes_studies_equal_noloco_losslessly_and_keep_pair_references_alike():
+    """NoLoCo sending θ − θ₀ or θ − r_ij: with a lossless wire the same outer steps as NoLoCo (to rounding);
+    with int4 the two sides of a pair hold bitwise the same reference after they met."""
+    import torch
+
+    from benchmarks.b5_convergence.study import NoLoCoFromStart, NoLoCoPairwise
+    from lightning_loco.algorithms import NoLoCo
+    from lightning_loco.wire.codecs import make_codec
+
+    n, size, rounds = 4, 3000, 5
+    w0 = torch.randn(size, generator=torch.Generator().manual_seed(0))
+
+    def run(algorithm, codec):
+        states = [algorithm.init_state(w0, [w0.shape]) for _ in range(n)]
+        noise = torch.Generator().manual_seed(1)
+        for t in range(rounds):
+            round_ = algorithm.schedule(t, n)
+            live = [s.anchor + 0.05 * torch.randn(size, generator=noise) for s in states]
+            sent = []
+            for i in range(n):  # as the driver does: the replica's group, then its payload
+                round_.group_of(i)
+                payload = algorithm.payload(states[i], live[i])
+                sent.append(payload if codec is None else codec.roundtrip(payload))
+            for i in range(n):
+                group = round_.group_of(i)
+                algorithm.apply(states[i], sum(sent[j] for j in group), len(group))
+        return states
+
+    plain = run(NoLoCo(), None)
+    for study in (NoLoCoFromStart(), NoLoCoPairwise()):
+        for a, b in zip(plain, run(study, None)):
+            assert torch.allclose(a.anchor, b.anchor, atol=1e-6) and torch.allclose(a.momentum, b.momentum, atol=1e-6)
+    states = run(NoLoCoPairwise(), make_codec("int4"))
+    met = [(i, j) for i in range(n) for j in states[i].references]
+    assert met and all(torch.equal(states[i].references[j], states[j].references[i]) for i, j in met)
+    assert any(not torch.equal(states[i].references[j], w0) for i, j in met)
