@@ -86,3 +86,35 @@ def test_the_chunked_all_reduce_sums_in_replica_order_bitwise_on_every_replica(t
         assert res[r]["small_calls"] == ["all_reduce"]
         assert res[r]["large_calls"] == ["batch_isend_irecv", "batch_isend_irecv"]
         assert torch.equal(res[r]["large"], large)
+
+
+def _ranks_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port=port, timeout_s=60)
+    try:
+        replica_groups = [dist.new_group(list(range(i * k, i * k + k))) for i in range(world // k)]
+        slice_groups = [dist.new_group(list(range(j, world, k))) for j in range(k)]
+        t = TorchDistributedTransport(torch.device("cpu"), ranks_per_replica=k, replica_group=replica_groups[rank // k],
+                                      slice_group=slice_groups[rank % k])
+        t.chunked_min_bytes = 0
+        mine = _payload(t.replica, SMALL)  # the replica's payload, whole on each of its ranks
+        res = {"chosen": t.chunked_all_reduce, "sum": t.all_reduce_sum(mine),
+               "stats": (t.stats.bytes_sent, t.stats.bytes_received)}
+        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_chunked_all_reduce_with_replicas_of_two_ranks_moves_each_slice_and_gathers_the_sum(tmp_path):
+    """3 replicas of 2 ranks (6 processes): each rank reduces its own slice of the replica's payload over the
+    other replicas' ranks of the same slice, then the replica's ranks gather the whole sum; every rank ends
+    with the float32 sum in ascending replica order, bitwise, and counts a ring's bytes for its slice."""
+    world, k = 6, 2
+    start_ranks(_ranks_worker, world, args=(world, k, free_port(), str(tmp_path)), timeout_s=240)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    replicas = world // k
+    expected = sum_in_group_order({i: _payload(i, SMALL) for i in range(replicas)}, range(replicas))
+    for r in range(world):
+        assert res[r]["chosen"]
+        assert torch.equal(res[r]["sum"], expected), r
+        part = torch.tensor_split(torch.empty(SMALL), k)[r % k].numel()
+        assert res[r]["stats"] == (ring_all_reduce_bytes(4 * part, replicas),) * 2, r
