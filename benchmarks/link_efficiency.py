@@ -20,7 +20,8 @@ direction at once, since a replica's exchange is two-way:
 * ``gloo all-reduce``: ``torch.distributed.all_reduce`` of the same payload, what our two replicas' DiLoCo
   ran before;
 * ``noloco pair ×s`` and ``diloco all-reduce ×s`` for each s of ``--transport-streams`` (default 4): the same
-  over a transport with ``streams=s``, the payload spread over s process groups, s connections per pair.
+  over a transport with ``streams=s``, the payload spread over s process groups, s connections per pair; s =
+  ``auto`` is the strategies' default (``WireConfig(streams="auto")``: one piece per 4 MB, at most 8).
 
 Each is timed from a barrier to its end on both nodes (the slower counts; buffers are allocated before the
 barrier), and reported as the rate it reached per direction (payload bits ÷ seconds) and that rate as a fraction
@@ -195,7 +196,7 @@ def tcp_settings() -> dict[str, str]:
 
 
 def measure(mbit: float, one_way_ms: float, loss: float, params: int, streams: list[int], repeats: int,
-            wmem: str | None = None, transport_streams: tuple[int, ...] = (4,)) -> dict:
+            wmem: str | None = None, transport_streams: tuple[int | str, ...] = (4,)) -> dict:
     network = uniform(2, mbit=mbit, one_way_ms=one_way_ms, loss=loss)
     sysctls = {"net.ipv4.tcp_slow_start_after_idle": "0"}
     if wmem:
@@ -222,6 +223,10 @@ def measure(mbit: float, one_way_ms: float, loss: float, params: int, streams: l
     return row
 
 
+def _streams_arg(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -236,8 +241,9 @@ def main() -> None:
     parser.add_argument("--tcp-wmem", help="net.ipv4.tcp_wmem in the namespaces, 'MIN DEFAULT MAX' bytes (default: the "
                         "host's): a connection's send window is at most MAX, so one connection carries at most "
                         "MAX per round trip")
-    parser.add_argument("--transport-streams", nargs="*", type=int, default=[4],
-                        help="s of our transport's streams= to time beside it (default 4; none: leave out)")
+    parser.add_argument("--transport-streams", nargs="*", type=_streams_arg, default=[4],
+                        help="s of our transport's streams= to time beside it, an integer or auto (the strategies' "
+                        "default) (default 4; none: leave out)")
     parser.add_argument("--out", default="link_efficiency", help="the results' name (default link_efficiency)")
     args = parser.parse_args()
     if args.worker:

@@ -86,7 +86,9 @@ class ReplicaSimulator:
         for i in group:
             x = payloads[i]
             if self.residuals is not None:
-                x = x + self.residuals.get(i, torch.zeros_like(x))
+                residual = self.residuals.get(i, torch.zeros_like(x))
+                assert self.wire is not None
+                x = x + residual if self.wire.decay == 1.0 else x.add(residual, alpha=self.wire.decay)
                 parts = segments(x.numel(), 1, n if collective and not codec.gathers else 1)
                 self.residuals[i] = x - roundtrip_segments(x, codec, parts)
             sent[i] = x

@@ -535,7 +535,12 @@ def test_b5_fidelity_parts_quick(tmp_path):
     assert set(sent) == {("ddp", "-"), ("independent", "-"), ("diloco", "float32"), ("noloco", "float32"),
                          *[("diloco", w) for w in ("topk2", "int2", "int4", "topk1", "int8", "topk3")],
                          *[("noloco", w) for w in ("int4", "int2", "int8", "int4_ef", "int2_ef")],
-                         ("diloco@lr=1.0,m=0.0", "topk2_ef95")}
+                         ("diloco@lr=1.0,m=0.0", "topk2_ef95_senders"), ("diloco@lr=1.0,m=0.0", "topk2_ef95"),
+                         ("noloco_pairwise", "int4")}
+    summary = json.loads((tmp_path / "b5_bytes.json").read_text())
+    # the paper's protocol for the best format of each method, beside the paper part's float32 runs
+    assert {(r["method"], r["format"]) for r in summary["paper_protocol"]} == {(DILOCO_CODE, "int2"), ("noloco", "int8")}
+    assert all(r["bytes_ratio"] > 3.5 for r in summary["paper_protocol"])
     # bytes against float32's: a byte, half and a quarter of one per value plus a float32 scale per block of 256;
     # top-k sends 2 bits and a 2-byte position per value kept, to each of the N - 1 = 3 others (an all-gather)
     # against float32's 2(N - 1)/N model copies: 4 / (2 x 3/4 x 2.25 x density) = 59 x at 3 %

@@ -32,6 +32,7 @@ from lightning_loco.wire.codecs import (
     roundtrip_segments,
     segments,
 )
+from lightning_loco.wire.sparse import TopKCodec
 
 import tiny
 from oracle import ReplicaSimulator
@@ -257,12 +258,16 @@ def test_a_decay_is_refused_where_no_residual_is_kept_and_outside_its_range():
     DiLoCoStrategy(wire=WireConfig("topk", error_feedback_decay=0.95), outer_momentum=0.0, outer_lr=1.0)
 
 
-def test_topk_mean_is_refused_without_topk_and_reaches_the_codec():
+def test_topk_defaults_to_sparselocos_form_and_refuses_it_with_an_outer_momentum():
     with pytest.raises(ValueError, match="topk_mean='senders'.*format='topk'"):
         DiLoCoStrategy(wire=WireConfig("int8", topk_mean="senders"))
-    codec = DiLoCoStrategy(wire=WireConfig("topk", topk_mean="senders")).options.wire_format.codec
-    assert codec.name == "topk" and getattr(codec, "mean") == "senders"
-    assert getattr(DiLoCoStrategy(wire="topk").options.wire_format.codec, "mean") == "replicas"
+    sparseloco = DiLoCoStrategy(wire="topk", outer_lr=1.0, outer_momentum=0.0).options.wire_format
+    assert isinstance(sparseloco.codec, TopKCodec) and sparseloco.codec.mean == "senders" and sparseloco.decay == 0.95
+    with pytest.raises(ValueError, match="with outer_momentum=0.9 as well"):
+        DiLoCoStrategy(wire="topk")  # DiLoCo's Nesterov 0.9 with the senders' mean: diverged in B5
+    kept = DiLoCoStrategy(wire=WireConfig("topk", topk_mean="replicas")).options.wire_format  # the momentum kept
+    assert isinstance(kept.codec, TopKCodec) and kept.codec.mean == "replicas" and kept.decay == 0.95
+    assert DiLoCoStrategy(wire="int8").options.wire_format.decay == 1.0  # plain error feedback elsewhere
 
 
 # ---------------------------------------------------------------------------- bytes on the wire

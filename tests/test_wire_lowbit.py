@@ -28,8 +28,8 @@ from test_driver import ALGORITHMS, assert_same, lockstep, replicas_for, roundtr
 WIRES = {
     "int4": WireConfig("int4", block_size=4),  # small blocks: several per tiny model
     "int2": WireConfig("int2", block_size=4),
-    "topk": WireConfig("topk", density=0.3, value_format="int4"),
-    "topk_senders": WireConfig("topk", density=0.3, value_format="int4", topk_mean="senders"),
+    "topk": WireConfig("topk", density=0.3, value_format="int4", topk_mean="replicas", error_feedback_decay=1.0),
+    "topk_senders": WireConfig("topk", density=0.3, value_format="int4"),  # SparseLoCo's: senders, decay 0.95
 }
 
 
@@ -177,7 +177,7 @@ def test_topk_refuses_bad_arguments_and_float16_range():
 
 
 def test_a_sparse_all_reduce_is_every_payload_summed_in_replica_order():
-    codec = make_codec("topk", density=0.05)
+    codec = make_codec("topk", density=0.05, topk_mean="replicas")
     xs = [torch.randn(5000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     expected = codec.decode(codec.encode(xs[0]), 5000)
     for x in xs[1:]:
@@ -192,7 +192,7 @@ def test_topk_senders_mean_averages_each_position_over_the_replicas_that_sent_it
     by N gives the mean over its senders; positions nobody sent stay 0. The senders come from torch.topk here."""
     chunk, n, num = sparse.DEFAULT_CHUNK, 2 * sparse.DEFAULT_CHUNK + 100, 3
     codec = make_codec("topk", density=0.01, value_format="float16", topk_mean="senders")
-    plain = make_codec("topk", density=0.01, value_format="float16")
+    plain = make_codec("topk", density=0.01, value_format="float16", topk_mean="replicas")
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(num)]
     xs[1][:chunk] = xs[0][:chunk]  # replicas 0 and 1 send the same positions of the first chunk
     counts = torch.zeros(n)
@@ -274,16 +274,18 @@ def test_diloco_resumes_with_a_residual_and_a_round_in_flight_bitwise(wire):
 
 
 def test_the_strategies_build_the_new_formats():
-    wire = DiLoCoStrategy(wire=WireConfig("topk", density=0.01, value_format="int8")).options.wire_format
+    wire = DiLoCoStrategy(wire=WireConfig("topk", density=0.01, value_format="int8"), outer_lr=1.0,
+                          outer_momentum=0.0).options.wire_format
     assert isinstance(wire.codec, TopKCodec) and wire.error_feedback
     assert wire.codec.density == 0.01 and wire.codec.value_format == "int8"
+    assert wire.codec.mean == "senders" and wire.decay == 0.95  # SparseLoCo's aggregation and accumulator
     assert DiLoCoStrategy(wire="int2").options.wire_format.codec.name == "int2"
 
 
 # ---------------------------------------------------------------------------- torch.distributed, forked gloo
 
 FORMATS = {"int4": make_codec("int4", 5), "int2": make_codec("int2", 5),
-           "topk": make_codec("topk", density=0.02, value_format="int2"),
+           "topk": make_codec("topk", density=0.02, value_format="int2", topk_mean="replicas"),
            "topk_senders": make_codec("topk", density=0.02, value_format="int2", topk_mean="senders")}
 SIZE = 9001  # three chunks of topk, the last short
 
@@ -335,8 +337,9 @@ def test_gloo_sums_and_bytes_of_the_new_formats(tmp_path):
 def test_diloco_strategy_with_the_new_formats_over_three_processes(tmp_path, wire):
     """Lightning end to end, 3 replicas: bitwise the same weights after every outer step, the codec's bytes."""
     h, steps = 4, 8
+    outer = {"outer_lr": 1.0, "outer_momentum": 0.0} if wire["format"] == "topk" else {}  # SparseLoCo's form
     recs = tiny.launch(tmp_path, strategy="diloco", devices=3, max_steps=steps,
-                       strategy_kwargs={"sync_every": h, "wire": wire})
+                       strategy_kwargs={"sync_every": h, "wire": wire, **outer})
     numel = recs[0]["weights"][0].numel()
     codec = WireConfig(**wire).resolve(True).codec
     for step in range(steps):

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import benchmarks.b5_convergence
 from benchmarks.b5_convergence.analysis import report
-from benchmarks.b5_convergence.bytes_part import bytes_jobs, bytes_report
+from benchmarks.b5_convergence.bytes_part import bytes_jobs, bytes_report, paper_bytes_jobs
 from benchmarks.b5_convergence.fidelity import (
     LONG,
     LONG_QUICK,
@@ -69,11 +69,6 @@ def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, ru
             print(f"B5 long on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
             run_all(pool, todo, long_settings, runs_dir, started)
             long_report(folder, runs_dir, long_settings, quick)
-        if "bytes" in parts:
-            todo = missing(bytes_jobs(long_settings, quick))
-            print(f"B5 bytes on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
-            run_all(pool, todo, long_settings, runs_dir, started)
-            bytes_report(folder, runs_dir, long_settings, quick)
         for part, (settings, jobs_of, report_of) in (("paper", ((PAPER_QUICK if quick else PAPER), paper_jobs,
                                                                   paper_report)),
                                                        ("scale", ((SCALE_QUICK if quick else SCALE), scale_jobs,
@@ -83,6 +78,15 @@ def fidelity_parts(parts: list[str], quick: bool, workers: int, folder: Path, ru
                 print(f"B5 {part} on {machine()}: {len(todo)} runs to do, {workers} at a time", flush=True)
                 run_all(pool, todo, settings, runs_dir, started)
                 report_of(folder, runs_dir, settings, quick)
+        # after the paper part: its float32 runs are the paper-protocol formats' baseline
+        if "bytes" in parts:
+            todo = missing(bytes_jobs(long_settings, quick))
+            paper_settings = PAPER_QUICK if quick else PAPER
+            protocol = missing(paper_bytes_jobs(paper_settings, quick))
+            print(f"B5 bytes on {machine()}: {len(todo) + len(protocol)} runs to do, {workers} at a time", flush=True)
+            run_all(pool, todo, long_settings, runs_dir, started)
+            run_all(pool, protocol, paper_settings, runs_dir, started)
+            bytes_report(folder, runs_dir, long_settings, quick)
 
 
 def main() -> None:

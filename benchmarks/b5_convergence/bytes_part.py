@@ -27,37 +27,95 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.b5_convergence.grid import Job, Settings
+from benchmarks.b5_convergence.protocol import paper_h
 from benchmarks.common import table, write_json
 
 FORMATS = {"diloco": ("topk2", "int2", "int4", "topk1", "int8", "topk3"),
            "noloco": ("int4", "int2", "int8", "int4_ef", "int2_ef")}
-TARGET = ("diloco", "topk2")
-# SparseLoCo's form: the error-feedback accumulator decayed (β = 0.95) in place of the outer momentum, which is
-# off, with outer lr 1: DiLoCo(outer_lr=1, outer_momentum=0) and WireConfig("topk", error_feedback_decay=0.95)
-SPARSELOCO = ("diloco@lr=1.0,m=0.0", "topk2_ef95")
+# SparseLoCo's form, topk's defaults (each position averaged over its senders, the residual decayed by 0.95) with
+# its outer step (outer lr 1, no outer momentum): DiLoCo(outer_lr=1, outer_momentum=0) and WireConfig("topk").
+# The target: within float32 DiLoCo's seed spread for at least 20 × fewer bytes.
+SPARSELOCO = ("diloco@lr=1.0,m=0.0", "topk2_ef95_senders")
+TARGET = SPARSELOCO
+# What each part of that form does, one seed each: the 1/N mean (with and without the decay), no decay, DiLoCo's own
+# outer step (Nesterov 0.9, lr 0.7), an outer momentum of 0.5, outer lr 0.7, decays of 0.9 and 0.8.
+SPARSE_VARIANTS = (("diloco@lr=1.0,m=0.0", "topk2_ef95"), ("diloco@lr=1.0,m=0.0", "topk2_senders"),
+                   ("diloco", "topk2_senders"), ("diloco@lr=1.0,m=0.5", "topk2_ef95_senders"),
+                   ("diloco@lr=0.7,m=0.0", "topk2_ef95_senders"), ("diloco@lr=1.0,m=0.0", "topk2_ef90_senders"),
+                   ("diloco@lr=1.0,m=0.0", "topk2_ef80_senders"))
+# NoLoCo sending a difference both peers know (:mod:`.study`): from the initial weights, or from the pair's
+# reference (CHOCO-style public copies), in int4 and int2 (the same bytes as NoLoCo's own payload in them).
+STUDIES = (("noloco_pairwise", "int4"), ("noloco_pairwise", "int2"), ("noloco_pairwise", "int2_ef"),
+           ("noloco_from_start", "int4"), ("noloco_from_start", "int2"))
+# Every seed: the target, DiLoCo's int2 and int4, NoLoCo's int8 and its pairwise int4
+SEEDED = (SPARSELOCO, ("diloco", "int2"), ("diloco", "int4"), ("noloco", "int8"), ("noloco_pairwise", "int4"))
 LONG_BASELINES = ("ddp", "independent", "diloco", "noloco")
 # B1 on the emulated WAN for B8's clock: python -m benchmarks.b1_sync_latency --parts main --modes emulated
 #   --replicas 8 --params 120576 --methods noloco diloco --codecs float32 int8 int4 int2 topk --rounds 4
 #   --out b5_bytes_exchange
 EXCHANGE_FILE = "b5_bytes_exchange.json"
+# The paper's protocol (the ``paper`` part's settings) for the best format of each method, one seed: the DiLoCo of
+# NoLoCo's code (H = 100, heavy ball 0.3) with int2 and NoLoCo with int8, against the paper part's float32 runs.
+PAPER_FORMATS = (("diloco@lr=0.7,m=0.3,nesterov=0", "int2"), ("noloco", "int8"))
 
 
 def bytes_jobs(settings: Settings, quick: bool) -> list[Job]:
-    """The target on every seed, then every other format on seed 0, in ``FORMATS``'s order, the two
-    methods taking turns; then SparseLoCo's form on every seed."""
+    """The target on every seed, then every other format on seed 0 (the two methods taking turns), SparseLoCo's
+    variants and the NoLoCo studies; then the other seeded rows' further seeds. Quick: N = 4, seed 0, and of the
+    variants and studies only the first of each."""
     n, seeds = (4, (0,)) if quick else (8, (0, 1, 2))
     jobs = [Job(TARGET[0], n, "iid", s, settings.sync_every, "bytes", TARGET[1]) for s in seeds]
     rest = [[(m, w) for w in FORMATS[m] if (m, w) != TARGET] for m in FORMATS]
     for k in range(max(map(len, rest))):
         jobs += [Job(m, n, "iid", 0, settings.sync_every, "bytes", w) for r in rest if k < len(r) for m, w in [r[k]]]
-    return jobs + [Job(SPARSELOCO[0], n, "iid", s, settings.sync_every, "bytes", SPARSELOCO[1]) for s in seeds]
+    extra = SPARSE_VARIANTS[:1] + STUDIES[:1] if quick else SPARSE_VARIANTS + STUDIES
+    jobs += [Job(m, n, "iid", 0, settings.sync_every, "bytes", w) for m, w in extra]
+    return jobs + [Job(m, n, "iid", s, settings.sync_every, "bytes", w) for m, w in SEEDED[1:] for s in seeds[1:]]
+
+
+def paper_bytes_jobs(settings: Settings, quick: bool) -> list[Job]:
+    """:data:`PAPER_FORMATS` at the paper's protocol (``settings``: the ``paper`` part's), seed 0."""
+    return [Job(m, 4 if quick else 8, "iid", 0, paper_h(m, settings), "paper_bytes", w) for m, w in PAPER_FORMATS]
+
+
+def paper_bytes_report(folder: Path, runs_dir: Path) -> list[dict[str, Any]]:
+    """The paper-protocol runs of :data:`PAPER_FORMATS` beside the ``paper`` part's float32 runs (iid, 3 seeds)."""
+    paper_file = folder / "b5_paper.json"
+    if not paper_file.exists():
+        return []
+    base = {r["method"]: r for r in json.loads(paper_file.read_text())["rows"] if r["split"] == "iid"}
+    rows = []
+    for path in sorted(runs_dir.glob("paper_bytes-*.json")):
+        r = json.loads(path.read_text())
+        full = base.get(r["method"])
+        if full is None:
+            continue
+        mb = r["final"]["bytes_per_replica"] / 1e6
+        rows.append({"method": r["method"], "format": r["wire"], "consensus": r["final"]["consensus"],
+                     "float32": full["consensus"]["mean"], "float32_half_range": full["consensus"]["half_range"],
+                     "minus_float32": r["final"]["consensus"] - full["consensus"]["mean"], "mbytes_per_replica": mb,
+                     "bytes_ratio": full["mbytes_per_replica"] / mb if mb else float("nan")})
+    if rows:
+        print("\nThe paper's protocol (B5 paper part's settings, iid, N = 8): the best format of each method, one "
+              "seed, against the paper part's float32 runs (3 seeds)")
+        print(table(rows, [("method", "method", "s"), ("format", "format", "s"), ("consensus", "consensus", ".3f"),
+                           ("float32", "float32", ".3f"), ("float32_half_range", "±", ".3f"),
+                           ("minus_float32", "Δ", "+.3f"), ("mbytes_per_replica", "MB/replica", ".2f"),
+                           ("bytes_ratio", "× fewer bytes", ".1f")]))
+    return rows
 
 
 def _order(key: tuple[str, str]) -> tuple[int, int]:
     method, wire = key
     if (method, wire) == SPARSELOCO:
         return len(FORMATS), 0
-    return list(FORMATS).index(method), FORMATS[method].index(wire)
+    if (method, wire) in SPARSE_VARIANTS:
+        return len(FORMATS) + 1, SPARSE_VARIANTS.index((method, wire))
+    if (method, wire) in STUDIES:
+        return len(FORMATS) + 2, STUDIES.index((method, wire))
+    if method in FORMATS and wire in FORMATS[method]:
+        return list(FORMATS).index(method), FORMATS[method].index(wire)
+    return len(FORMATS) + 3, 0
 
 
 def _stat(values: list[float]) -> dict[str, float]:
@@ -101,8 +159,10 @@ def bytes_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) 
                        ("ratio", "× fewer bytes than float32", ".1f"), ("d", "Δ vs float32", "+.3f"),
                        ("source", "source", "s")]))
     clock = b8_clock(rows, folder / EXCHANGE_FILE, settings)
+    paper = paper_bytes_report(folder, runs_dir)
     pngs = bytes_plot(rows, folder)
     summary = {"settings": asdict(settings), "quick": quick, "rows": rows, "runs": len(records), "b8_clock": clock,
+               "paper_protocol": paper,
                "curves": {f"{m}-{w}": [{"mbytes": p["bytes_per_replica"] / 1e6, "consensus": p["consensus"]}
                                        for p in runs[0]["curve"]] for (m, w), runs in groups.items()},
                "pngs": pngs}

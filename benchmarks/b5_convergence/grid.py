@@ -75,13 +75,19 @@ CODECS = {
     # the bytes part (:mod:`.bytes_part`): the sub-8-bit block formats and top-k (values in 2 bits, error feedback)
     "int4": WireConfig("int4"),
     "int2": WireConfig("int2"),
-    "topk2": WireConfig("topk"),  # its default density, 2 %
-    "topk3": WireConfig("topk", density=0.03),
-    "topk1": WireConfig("topk", density=0.01),
-    "topk2_ef95": WireConfig("topk", error_feedback_decay=0.95),  # SparseLoCo's accumulator (with no outer momentum)
+    # top-k with every payload counted 1/N, plain error feedback; 2 % is topk's default density
+    "topk2": WireConfig("topk", topk_mean="replicas", error_feedback_decay=1.0),
+    "topk3": WireConfig("topk", density=0.03, topk_mean="replicas", error_feedback_decay=1.0),
+    "topk1": WireConfig("topk", density=0.01, topk_mean="replicas", error_feedback_decay=1.0),
+    # SparseLoCo's accumulator (with no outer momentum), every payload counted 1/N
+    "topk2_ef95": WireConfig("topk", error_feedback_decay=0.95, topk_mean="replicas"),
     # SparseLoCo's aggregation: each position's mean over the replicas that sent it
-    "topk2_senders": WireConfig("topk", topk_mean="senders"),
+    "topk2_senders": WireConfig("topk", topk_mean="senders", error_feedback_decay=1.0),
     "topk2_ef95_senders": WireConfig("topk", error_feedback_decay=0.95, topk_mean="senders"),
+    "topk2_ef90_senders": WireConfig("topk", error_feedback_decay=0.9, topk_mean="senders"),
+    "topk2_ef80_senders": WireConfig("topk", error_feedback_decay=0.8, topk_mean="senders"),
+    "topk2_ef70_senders": WireConfig("topk", error_feedback_decay=0.7, topk_mean="senders"),
+    "topk2_ef60_senders": WireConfig("topk", error_feedback_decay=0.6, topk_mean="senders"),
     "int4_ef": WireConfig("int4", error_feedback=True),  # error feedback on weights (NoLoCo)
     "int2_ef": WireConfig("int2", error_feedback=True),
 }

@@ -31,7 +31,14 @@ from lightning_loco.driver.overlap import MERGES as OVERLAP_MERGES
 from lightning_loco.driver.overlap import OverlapSteps, check_overlap_steps
 from lightning_loco.elastic.config import ElasticConfig
 from lightning_loco.wire.codecs import DEFAULT_BLOCK_SIZE, FORMATS, WireFormat, make_codec
-from lightning_loco.wire.sparse import DEFAULT_DENSITY, DEFAULT_MEAN, DEFAULT_VALUE_FORMAT, MEANS, VALUE_FORMATS
+from lightning_loco.wire.sparse import (
+    DEFAULT_DECAY,
+    DEFAULT_DENSITY,
+    DEFAULT_MEAN,
+    DEFAULT_VALUE_FORMAT,
+    MEANS,
+    VALUE_FORMATS,
+)
 
 WireFormatName = Literal["float32", "bfloat16", "float16", "int8", "int4", "int2", "topk"]
 ValueFormatName = Literal["int8", "int4", "int2", "float16"]
@@ -73,15 +80,16 @@ class WireConfig:
         density: topk only: the share of each chunk's values sent, a number in (0, 1] (None: 0.02).
         value_format: topk only: the format of the values sent, "int8", "int4", "int2" or "float16", with
             one float32 scale per chunk for the integer formats (None: "int2").
-        topk_mean: topk only: how the replicas' sparse payloads are averaged: "replicas" (each payload's values
-            count 1/N, as if the others sent zero where it sent a value) or "senders" (SparseLoCo's: each position's
-            mean over the replicas that sent it). None: "replicas". docs/compression.md compares them.
+        topk_mean: topk only: how the replicas' sparse payloads are averaged: "senders" (SparseLoCo's: each
+            position's mean over the replicas that sent it; None means this) or "replicas" (each payload's values
+            count 1/N, as if the others sent zero where it sent a value). "senders" needs DiLoCo without outer
+            momentum (``outer_momentum=0``, with ``outer_lr=1`` as SparseLoCo): docs/compression.md.
         error_feedback: lossy formats only: keep what the codec lost of each payload and add it to the
             next (saved in checkpoints). None (default): on where the payload is a pseudo-gradient
             (DiLoCo), off where it is weights (NoLoCo, GASLoC), as docs/compression.md measured.
         error_feedback_decay: with error feedback only: β in (0, 1], the weight of the residual added to the next
-            payload (None: 1, plain error feedback). SparseLoCo's accumulator uses 0.95 with top-k and DiLoCo
-            without outer momentum (``outer_momentum=0``, ``outer_lr=1``): docs/compression.md.
+            payload (None: 0.95 with topk, SparseLoCo's accumulator; 1, plain error feedback, with the other
+            formats): docs/compression.md.
         streams: connections per pair of replicas: "auto" (default) or an integer >= 1. s > 1 cuts every
             exchange and all-reduce into s pieces, each over a process group of its own (gloo opens a connection
             per group), for a long fat pipe, where one TCP connection carries at most its send buffer per round
@@ -135,9 +143,9 @@ class WireConfig:
                              f"{self.value_format!r}: the format of the values topk sends (None: "
                              f"{DEFAULT_VALUE_FORMAT!r}, 2 bits per value with one scale per chunk).")
         if self.topk_mean is not None and self.topk_mean not in MEANS:
-            raise ValueError(f"wire topk_mean must be one of {', '.join(map(repr, MEANS))}, got {self.topk_mean!r}: how "
-                             "topk's sparse payloads are averaged ('replicas': every payload counts 1/N; 'senders': "
-                             f"each position over the replicas that sent it; None: {DEFAULT_MEAN!r}).")
+            raise ValueError(f"wire topk_mean must be one of {', '.join(map(repr, MEANS))}, got {self.topk_mean!r}: "
+                             "how topk's sparse payloads are averaged ('senders': each position over the replicas that "
+                             f"sent it, SparseLoCo's; 'replicas': every payload counts 1/N; None: {DEFAULT_MEAN!r}).")
         if self.streams != "auto":
             check_int("wire streams", self.streams,
                       "'auto' (the default) chooses from the payload's size; 1 sends each exchange over one connection "
@@ -153,7 +161,8 @@ class WireConfig:
                            DEFAULT_DENSITY if self.density is None else self.density,
                            self.value_format or DEFAULT_VALUE_FORMAT, self.topk_mean or DEFAULT_MEAN)
         feedback = pseudo_gradient if self.error_feedback is None else self.error_feedback
-        decay = 1.0 if self.error_feedback_decay is None else float(self.error_feedback_decay)
+        decay = float(self.error_feedback_decay) if self.error_feedback_decay is not None else (
+            DEFAULT_DECAY if self.format == "topk" else 1.0)
         return WireFormat(codec, feedback and codec.lossy, decay)
 
 

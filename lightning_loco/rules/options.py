@@ -9,6 +9,7 @@ from lightning_loco.algorithms.outer_optimizer import picklable_problem
 from lightning_loco.replica.options import Options
 from lightning_loco.rules.table import Facts, Rules
 from lightning_loco.wire.codecs import BLOCK_FORMATS
+from lightning_loco.wire.sparse import DEFAULT_MEAN
 
 RULES = Rules()
 rule = RULES.rule
@@ -176,6 +177,25 @@ def _topk_needs_error_feedback(f: Facts) -> Optional[str]:
         return None
     return ("wire format 'topk' with error_feedback=False would drop every value it does not send, for good; error "
             "feedback keeps them for later rounds. Leave error_feedback out (on with topk), or set it True.")
+
+
+@rule("senders-mean-without-momentum", "build", ("wire.topk_mean", "wire.format", "algorithm"),
+      "topk's `topk_mean='senders'` (its default) with an outer momentum", "`outer_momentum=0.0` (SparseLoCo's form, "
+      "with `outer_lr=1.0`), or `topk_mean='replicas'`")
+def _senders_mean_without_momentum(f: Facts) -> Optional[str]:
+    o = f.options
+    if o.wire.format != "topk" or (o.wire.topk_mean or DEFAULT_MEAN) != "senders":
+        return None
+    if not o.algorithm.payload_is_pseudo_gradient:  # refused for topk already (topk-pseudo-gradient-only)
+        return None
+    momentum = getattr(o.algorithm, "outer_momentum", 0.0)
+    if getattr(o.algorithm, "custom_outer_optimizer", False) or not momentum:
+        return None
+    return (f"wire format 'topk' averages each position over the replicas that sent it (topk_mean='senders', "
+            f"SparseLoCo's aggregation), whose decayed error feedback already plays the outer momentum's part; with "
+            f"outer_momentum={momentum} as well the outer step overshoots (measured at N = 8: "
+            "momentum 0.9 diverged, 0.5 ended 0.09 above 0; docs/compression.md). Use outer_momentum=0.0 and "
+            "outer_lr=1.0 (SparseLoCo's form), or topk_mean='replicas' to keep the momentum.")
 
 
 @rule("decay-needs-error-feedback", "build", ("wire.error_feedback_decay", "wire.error_feedback", "wire.format"),

@@ -44,7 +44,8 @@ DEFAULT_DENSITY = 0.02
 DEFAULT_VALUE_FORMAT = "int2"
 DEFAULT_CHUNK = 4096
 MEANS = ("replicas", "senders")
-DEFAULT_MEAN = "replicas"
+DEFAULT_MEAN = "senders"  # SparseLoCo's
+DEFAULT_DECAY = 0.95  # SparseLoCo's error-feedback decay, topk's default
 
 
 class TopKCodec(Codec):
