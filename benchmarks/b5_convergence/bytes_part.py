@@ -184,10 +184,10 @@ def bytes_report(folder: Path, runs_dir: Path, settings: Settings, quick: bool) 
 
 
 def exchange_key(method: str, wire: str) -> str | None:
-    """The B1 column of a (method, format) row: ``diloco+int4``; None where B1 has no such format."""
-    base = method.split("@")[0]
-    codec = {"topk2": "topk", "topk2_senders": "topk", "topk2_ef95_senders": "topk", "topk2_ef95": "topk",
-             "int4_ef": "int4", "int2_ef": "int2"}.get(wire, wire)
+    """The B1 column of a (method, format) row: ``diloco+int4``; the studies take NoLoCo's pair exchange of their
+    format (the same bytes); None where B1 has no such format."""
+    base = "noloco" if method.startswith("noloco_") else method.split("@")[0]
+    codec = "topk" if wire.startswith("topk2") else wire.removesuffix("_ef")  # B1 timed topk at its 2 %
     if base not in ("diloco", "noloco") or codec not in ("float32", "int8", "int4", "int2", "topk"):
         return None
     return base if codec == "float32" else f"{base}+{codec}"
