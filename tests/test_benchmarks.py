@@ -802,8 +802,8 @@ def test_b5_bytes_studies_equal_noloco_losslessly_and_keep_pair_references_alike
                 payload = algorithm.payload(states[i], live[i])
                 sent.append(payload if codec is None else codec.roundtrip(payload))
             for i in range(n):
-                group = round_.group_of(i)
-                algorithm.apply(states[i], sum(sent[j] for j in group), len(group))
+                group = round_.peers_of(i) + (i,)
+                algorithm.apply(states[i], sum(sent[j] for j in sorted(group)), len(group))
         return states
 
     plain = run(NoLoCo(), None)
@@ -814,3 +814,21 @@ def test_b5_bytes_studies_equal_noloco_losslessly_and_keep_pair_references_alike
     met = [(i, j) for i in range(n) for j in states[i].references]
     assert met and all(torch.equal(states[i].references[j], states[j].references[i]) for i, j in met)
     assert any(not torch.equal(states[i].references[j], w0) for i, j in met)
+
+
+def test_b5_pairwise_study_knows_each_replicas_peer_in_the_simulators_threads():
+    """The simulator runs each replica's round in a thread of its own: the study's record of who asked for their
+    group is per thread, so the two sides of every pair still hold bitwise the same reference after a run."""
+    import torch
+
+    import tiny
+    from benchmarks.b5_convergence.study import NoLoCoPairwise
+    from lightning_loco.simulator import TrainingSimulator, distributed_shards
+
+    sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 4, 4), NoLoCoPairwise(),
+                            sync_every=2, wire="int4")
+    sim.run(16)
+    states = [d.slots[0].state for d in sim.drivers]
+    met = [(i, j) for i in range(4) for j in states[i].references]
+    assert len(met) >= 8  # 8 rounds of 2 pairs: several pairs met
+    assert all(torch.equal(states[i].references[j], states[j].references[i]) for i, j in met)

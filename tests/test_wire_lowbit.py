@@ -213,6 +213,25 @@ def test_topk_senders_mean_averages_each_position_over_the_replicas_that_sent_it
         TopKCodec(make_codec("int2", 41), 0.01, chunk, "median")
 
 
+@pytest.mark.parametrize("n", [0, 1, 5, 16, 32, 37, 48, 50])
+def test_topk_positions_and_senders_mean_for_short_exact_and_empty_chunks(n):
+    """Chunks of 16 values: n smaller than a chunk, exact multiples, a short last chunk, nothing at all. The
+    positions are each chunk's top k in the whole buffer, and the senders' mean is N × sum / count."""
+    chunk, density, num = 16, 0.25, 3
+    codec = TopKCodec(make_codec("float16"), density, chunk, "senders")
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(7 + i)) for i in range(num)]
+    counts, total = torch.zeros(n), torch.zeros(n)
+    for x in xs:
+        encoded = codec.encode(x)
+        chosen = [start + int(j) for start in range(0, n, chunk)
+                  for j in torch.topk(x[start : start + chunk].abs(), sparse.kept(density, min(chunk, n - start))).indices]
+        assert sorted(codec.positions(encoded, n).tolist()) == sorted(chosen)
+        counts[chosen] += 1
+        total += codec.decode(encoded, n)
+    got = decode_sum({i: codec.encode(x) for i, x in enumerate(xs)}, n, codec, range(num))
+    assert torch.equal(got, total * num / counts.clamp(min=1))
+
+
 # ---------------------------------------------------------------------------- runs over the in-process transport
 
 

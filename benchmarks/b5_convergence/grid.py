@@ -131,7 +131,12 @@ def make_algorithm(method: str) -> Any:
         values = dict(item.split("=") for item in spec.split(","))
         lr, momentum = float(values["lr"]), float(values["m"])
         if base == "diloco":  # "nesterov=0": heavy ball, as the NoLoCo authors' DiLoCo baseline steps
-            return DiLoCo(outer_lr=lr, outer_momentum=momentum, nesterov=values.get("nesterov", "1") != "0")
+            nesterov = values.get("nesterov", "1") != "0"
+            if values.get("opt") == "sgd":  # the same SGD given as an outer_optimizer (B5 bytes: see SPARSE_VARIANTS)
+                from lightning_loco.algorithms.outer_optimizer import SGDFactory
+
+                return DiLoCo(outer_optimizer=SGDFactory(lr, momentum, nesterov))
+            return DiLoCo(outer_lr=lr, outer_momentum=momentum, nesterov=nesterov)
         if base == "noloco":
             return NoLoCo(outer_lr=lr, outer_momentum=momentum)
         return GASLoC(outer_lr=lr, outer_momentum=momentum, gossip_step=float(values.get("a", 0.25)),

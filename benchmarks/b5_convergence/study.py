@@ -12,13 +12,15 @@ reference r_ij, the same on both sides: θ₀ until they first meet, then the me
 of their last meeting (both compute it from the same two messages, bitwise alike). A replica sends
 θ − r_ij to its peer of the round, which adds r_ij back: the difference is what both moved since they last met
 (about N − 1 rounds ago with random pairs), not the weights. N − 1 more model copies per replica. The
-simulator asks each replica's group (``Round.group_of``) right before its payload, one replica at a time;
-the study's round remembers who asked, which is how the payload knows its peer (the strategies' algorithms
-are not told which replica they run on).
+driver asks for a replica's group (``Round.group_of``) right before it computes that replica's payload, in the
+same thread (the simulator runs each replica's round in a thread of its own); the study's round remembers,
+per thread, who asked last, which is how the payload knows its peer (the strategies' algorithms are not told
+which replica they run on).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,15 +70,21 @@ class NoLoCoFromStart(NoLoCo):
         return super().final_weights(state, self._weights_sum(state, group_sum, group_size), group_size)
 
 
+class _Asked(threading.local):
+    """Who asked for their group last, and the group, in this thread."""
+
+    last: tuple[int, tuple[int, ...]] | None = None
+
+
 @dataclass(frozen=True)
 class _AskedRound(Round):
-    """A round that tells ``asked`` who asked for their group last."""
+    """A round that tells ``asked`` who asked for their group last, in each thread."""
 
-    asked: list[tuple[int, tuple[int, ...]]] = field(default_factory=list, compare=False)
+    asked: _Asked = field(default_factory=_Asked, compare=False)
 
     def group_of(self, replica: int) -> tuple[int, ...]:
         group = super().group_of(replica)
-        self.asked.append((replica, group))
+        self.asked.last = (replica, group)
         return group
 
 
@@ -97,7 +105,7 @@ class NoLoCoPairwise(NoLoCo):
 
     def __init__(self) -> None:
         super().__init__()
-        self.asked: list[tuple[int, tuple[int, ...]]] = []
+        self.asked = _Asked()
 
     def schedule(self, outer_step: int, num_replicas: int) -> Round:
         base = super().schedule(outer_step, num_replicas)
@@ -107,9 +115,9 @@ class NoLoCoPairwise(NoLoCo):
         return PairwiseState(anchor=weights.clone(), momentum=torch.zeros_like(weights), start=weights.clone())
 
     def payload(self, state: OuterState, weights: Tensor) -> Tensor:
-        assert isinstance(state, PairwiseState) and self.sends_weights_only and self.asked
-        me, group = self.asked[-1]
-        self.asked.clear()
+        assert isinstance(state, PairwiseState) and self.sends_weights_only and self.asked.last is not None
+        me, group = self.asked.last
+        self.asked.last = None  # each payload after its own group_of
         state.peer = next(j for j in group if j != me) if len(group) == 2 else -1
         return weights - state.reference(state.peer) if state.peer >= 0 else weights
 

@@ -38,7 +38,7 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
-from lightning_loco.wire.codecs import Codec, all_reduce_bytes, chunked_all_reduce, ring_all_reduce_bytes
+from lightning_loco.wire.codecs import Codec, all_reduce_bytes, chunked_all_reduce, decode_sum, ring_all_reduce_bytes
 
 
 class InProcessNetwork:
@@ -183,7 +183,13 @@ class InProcessTransport(Transport):
             raise peer_error(self.replica, [self.replica], [self.replica], "this replica stopped")
         members = tuple(sorted(group))
         key = self._key("group", members)
-        if codec is not None and codec.lossy and len(members) > 1:  # members sum every decoded payload, their own too
+        if codec is not None and codec.gathers and len(members) > 1:  # a sparse format: summed as it delivers a sum
+            def combine(buffers: dict[int, Tensor], group: Sequence[int]) -> Tensor:
+                return decode_sum({j: codec.encode(buffers[j]) for j in group}, payload.numel(), codec, group)
+
+            self.network._post(key, self.replica, payload, members, combine=combine)
+            nbytes = codec.nbytes(payload.numel()) * (len(members) - 1)
+        elif codec is not None and codec.lossy and len(members) > 1:  # members sum every decoded payload, theirs too
             self.network._post(key, self.replica, codec.roundtrip(payload), members)
             nbytes = codec.nbytes(payload.numel()) * (len(members) - 1)
         else:
