@@ -821,9 +821,10 @@ def test_b5_pairwise_study_knows_each_replicas_peer_in_the_simulators_threads():
     group is per thread, so the two sides of every pair still hold bitwise the same reference after a run."""
     import torch
 
-    import tiny
     from benchmarks.b5_convergence.study import NoLoCoPairwise
     from lightning_loco.simulator import TrainingSimulator, distributed_shards
+
+    import tiny
 
     sim = TrainingSimulator(tiny.TinyRegressor(), distributed_shards(tiny.dataset(), 4, 4), NoLoCoPairwise(),
                             sync_every=2, wire="int4")
