@@ -17,7 +17,9 @@ the workers, so that the first stays torchft's default). Every sync
 of torchft's is one quorum (an RPC to the Lighthouse through the group's manager server; it also waits there for
 the slowest replica to reach the sync), the all-reduce of the pseudo-gradients (one per parameter tensor with its
 defaults) and one ``should_commit`` RPC; ours is the exchange alone (no membership: the torch.distributed
-transport, as the strategies use outside elastic mode). The table also gives torchft's exposed time without its
+transport, as the strategies build it outside elastic mode: ``streams="auto"``, with as many stream groups as the
+model's payload needs, none under 8 MB; results written before that default ran one stream). The table also gives
+torchft's exposed time without its
 quorum and commit calls, exchange against exchange.
 
 Each of N processes (one per node: ``benchmarks/netem``, as B1) holds every (method, F) at once, each with its own
@@ -172,6 +174,7 @@ def worker(options: dict[str, Any]) -> None:
     from lightning_loco.elastic.lighthouse import start_lighthouse
     from lightning_loco.testing.launch import init_gloo
     from lightning_loco.transport import TorchDistributedTransport
+    from lightning_loco.transport.streams import auto_stream_groups
 
     torch.set_num_threads(1)
     os.environ.pop("TORCHFT_USE_BUCKETIZATION", None)  # would make torchft's default run bucketed
@@ -182,7 +185,10 @@ def worker(options: dict[str, Any]) -> None:
     servers: list[Any] = []
     runs: dict[str, Any] = {}
     try:
-        transport = TorchDistributedTransport(torch.device("cpu"))
+        # ours as the strategies build it: streams="auto" with as many groups as the model's payload needs
+        groups = auto_stream_groups(4 * options["params"], "gloo", 1)
+        extra = [dist.new_group(backend="gloo") for _ in range(groups - 1)]
+        transport = TorchDistributedTransport(torch.device("cpu"), streams="auto", stream_groups=extra)
         warm_all_pairs(transport, min(options["params"], WARM_NUMEL))
         streamed = None
         if any(m.endswith("_streams") for m in options["methods"]):  # every rank builds it (its groups), once
