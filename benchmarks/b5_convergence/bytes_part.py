@@ -263,8 +263,11 @@ def bytes_plot(rows: list[dict[str, Any]], folder: Path) -> list[str]:
         c = r["consensus"]
         ax.errorbar(r["mbytes_per_replica"], c["mean"], yerr=c["half_range"], marker="o", ms=4, capsize=2,
                     color=colours.get(r["method"], "C3"))
+        left = r["method"] == SPARSELOCO[0]  # beside DiLoCo's int2 and int4: their labels go right, these left
         ax.annotate(plot_label(r["method"], r["format"]), (r["mbytes_per_replica"], c["mean"]), fontsize=6,
-                    xytext=(4, -2 if r["method"] == "diloco" else 3), textcoords="offset points")
+                    xytext=(-5 if left else 4, -2 if r["method"] in ("diloco", SPARSELOCO[0]) else
+                            -9 if r["method"] == "noloco_pairwise" else 3),
+                    ha="right" if left else "left", textcoords="offset points")
     if independent is not None:
         ax.axhline(independent["consensus"]["mean"], color="grey", ls=":", lw=1, label="independent replicas' average")
         ax.legend(fontsize=7)
