@@ -183,14 +183,11 @@ class InProcessTransport(Transport):
             raise peer_error(self.replica, [self.replica], [self.replica], "this replica stopped")
         members = tuple(sorted(group))
         key = self._key("group", members)
-        if codec is not None and codec.gathers and len(members) > 1:  # a sparse format: summed as it delivers a sum
-            def combine(buffers: dict[int, Tensor], group: Sequence[int]) -> Tensor:
-                return decode_sum({j: codec.encode(buffers[j]) for j in group}, payload.numel(), codec, group)
+        if codec is not None and codec.lossy and len(members) > 1:  # each sends its encoded payload, as on the wire;
+            def combine(encoded: dict[int, Tensor], group: Sequence[int]) -> Tensor:  # members sum every one decoded
+                return decode_sum({j: encoded[j] for j in group}, payload.numel(), codec, group)
 
-            self.network._post(key, self.replica, payload, members, combine=combine)
-            nbytes = codec.nbytes(payload.numel()) * (len(members) - 1)
-        elif codec is not None and codec.lossy and len(members) > 1:  # members sum every decoded payload, theirs too
-            self.network._post(key, self.replica, codec.roundtrip(payload), members)
+            self.network._post(key, self.replica, codec.encode(payload), members, combine=combine)
             nbytes = codec.nbytes(payload.numel()) * (len(members) - 1)
         else:
             self.network._post(key, self.replica, payload, members)
