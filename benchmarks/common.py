@@ -4,7 +4,8 @@ helper processes start.
 With ``LOCO_BENCH_FORK_WORKERS=1`` (the test suite's smoke runs set it) a benchmark's helper processes on this
 machine (``python -m`` runs, a pool's workers, loopback or modelled-network workers) are children forked from the
 benchmark's process instead of new interpreters: the same runs, without the seconds each new interpreter spends
-importing torch and Lightning on a 2-core machine. Measured runs keep new interpreters (the variable unset).
+importing torch and Lightning on a 2-core machine. Measured runs keep new interpreters (the variable unset), and
+so does a process where torchft's runtime runs (a forked child of it crashed: see :func:`forking`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ FORK_ENV = "LOCO_BENCH_FORK_WORKERS"
 
 
 def forking() -> bool:
-    """Whether helper processes are forked from this one (see the module docstring)."""
-    return os.environ.get(FORK_ENV) == "1"
+    """Whether helper processes are forked from this one (see the module docstring): not where this process
+    runs threads a forked child could not do without (``lightning_loco.testing.launch.fork_hazards``)."""
+    if os.environ.get(FORK_ENV) != "1":
+        return False
+    from lightning_loco.testing.launch import fork_hazards
+
+    return not fork_hazards()
 
 
 def pool_context() -> Any:

@@ -14,12 +14,12 @@ import torch.distributed as dist
 from lightning_loco import DiLoCoStrategy, GASLoCStrategy, NoLoCoStrategy
 from lightning_loco.testing.launch import (
     RanksFailed,
-    _ephemeral_range,
     free_port,
     init_gloo,
     start_ranks,
     strategy_class,
 )
+from lightning_loco.testing.ports import _ephemeral_range
 
 
 def _all_reduce(rank: int, store: str, out: str) -> None:
@@ -149,3 +149,44 @@ def test_a_forked_child_stays_on_one_thread_whatever_it_asks_for(tmp_path: Path)
         assert torch.get_num_threads() == 2  # the parent's own setting is its own
     finally:
         torch.set_num_threads(before)
+
+
+_PROBE = """
+import sys
+print("torchft imported:", "torchft" in sys.modules)
+"""
+
+_AFTER_A_LIGHTHOUSE = """
+import os, sys
+from pathlib import Path
+from lightning_loco.testing.launch import fork_hazards, run_module_forked
+import benchmarks.common as common
+import torchft.coordination
+
+os.environ[common.FORK_ENV] = "1"
+assert fork_hazards() == [] and common.forking(), fork_hazards()  # torchft imported, its runtime not started
+before = run_module_forked("fork_probe", [], Path(sys.argv[1]) / "before", {}, 120, Path(sys.argv[1]))
+server = torchft.coordination.LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+hazards = fork_hazards()
+after = run_module_forked("fork_probe", [], Path(sys.argv[1]) / "after", {}, 120, Path(sys.argv[1]))
+server.shutdown()
+print(before.returncode, before.stdout.strip(), "|", after.returncode, after.stdout.strip(), "|",
+      bool(hazards), all(h.startswith("torchft") for h in hazards), common.forking())
+"""
+
+
+def test_a_process_running_torchfts_threads_starts_a_new_interpreter_instead_of_forking(tmp_path: Path) -> None:
+    # A forked child of a process that had served a Lighthouse segfaulted when its own torchft Manager started
+    # (B7's smoke run after the elastic group tests in one pytest worker). The check runs in a process of its own
+    # so that this one stays safe to fork.
+    pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
+    import subprocess
+    import sys
+
+    (tmp_path / "fork_probe.py").write_text(_PROBE)
+    root = Path(__file__).parent.parent
+    proc = subprocess.run([sys.executable, "-c", _AFTER_A_LIGHTHOUSE, str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # forked before (torchft already imported in the child), a new interpreter after (nothing imported)
+    assert proc.stdout.split("\n")[-2] == "0 torchft imported: True | 0 torchft imported: False | True True False"

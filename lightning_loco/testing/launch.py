@@ -11,7 +11,9 @@
   own registry (where ``import lightning_loco`` registers ours), not from a map of our own;
 * :func:`fork_call`, :func:`fork_ranks`, :func:`run_module_forked`: a script's run, or a run's ranks as
   torchrun would start them, in children forked from this process (no new interpreter to start), with
-  their own output files and exit status (:func:`finish_forked`).
+  their own output files and exit status (:func:`finish_forked`); :func:`fork_hazards` says when a fork
+  is unsafe (torchft's runtime threads in this process), and :func:`run_module_forked` then starts a new
+  interpreter.
 
 Elastic replicas and their Lighthouse, separate processes each, are in :mod:`lightning_loco.testing.elastic`.
 """
@@ -275,14 +277,40 @@ def finish_forked(pid: int, streams: dict[int, Path], timeout: float, args: list
     return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(wait_status), stdout, stderr)
 
 
+def fork_hazards() -> list[str]:
+    """The threads of this process that make a forked child unsafe: torchft's runtime ("torchft-…" threads,
+    started by a ``LighthouseServer`` or a ``Manager`` in this process, and never ended). A child inherits that
+    runtime's state without its threads; a torchft Manager started in it crashed (SIGSEGV) or hung. Empty where
+    the threads cannot be listed (no ``/proc``)."""
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return []
+    names = []
+    for task in tasks:
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(name for name in names if name.startswith("torchft"))
+
+
 def run_module_forked(module: str, argv: list[str], out: Path, env: dict[str, str], timeout: float,
                       cwd: Path) -> subprocess.CompletedProcess:
     """``python -m module *argv`` (in ``cwd``, with ``env`` added to the environment) as a child forked from
-    this process: the same run without a new interpreter's start-up. Its output goes to ``out``."""
+    this process: the same run without a new interpreter's start-up. Its output goes to ``out``. Where a fork
+    is unsafe (:func:`fork_hazards`) it runs in a new interpreter instead, with the same output files."""
     out.mkdir(parents=True, exist_ok=True)
     streams = {1: out / "stdout.txt", 2: out / "stderr.txt"}
+    args = [sys.executable, "-m", module, *argv]
+    if fork_hazards():
+        with open(streams[1], "w") as stdout, open(streams[2], "w") as stderr:
+            proc = subprocess.run(args, cwd=cwd, env={**os.environ, **env}, stdout=stdout, stderr=stderr,
+                                  timeout=timeout, check=False)
+        return subprocess.CompletedProcess(args, proc.returncode, *(streams[fd].read_text(errors="replace")
+                                                                    for fd in (1, 2)))
     pid = fork_call(module_runner(module, argv, cwd), streams, env)
-    return finish_forked(pid, streams, timeout, [sys.executable, "-m", module, *argv])
+    return finish_forked(pid, streams, timeout, args)
 
 
 def module_runner(module: str, argv: Sequence[str], cwd: Path) -> Callable[[], None]:
