@@ -57,7 +57,9 @@ def print_latency_model(model: dict) -> None:
                                        ("tree_allreduce_s", "tree all-reduce s", ".3f"),
                                        ("tree_over_pair", "tree/pair", ".1f"),
                                        ("ring_allreduce_s", "ring all-reduce s", ".3f"),
-                                       ("ring_over_pair", "ring/pair", ".1f")]))
+                                       ("ring_over_pair", "ring/pair", ".1f"),
+                                       ("chunked_allreduce_s", "chunked all-reduce s", ".3f"),
+                                       ("chunked_over_pair", "chunked/pair", ".1f")]))
 
 
 def print_idle(idle_rows: list[dict], first_rows: list[dict], idle_rounds: int) -> None:
@@ -117,6 +119,9 @@ def plot(rows: list[dict], model: dict, path: Path) -> None:
         axes[1].plot(ns, [p["pair_s"] for p in model["predictions"]], "-", label="pair exchange (model)")
         axes[1].plot(ns, [p["tree_allreduce_s"] for p in model["predictions"]], "-", label="tree all-reduce (model)")
         axes[1].plot(ns, [p["ring_allreduce_s"] for p in model["predictions"]], "--", label="ring all-reduce (model)")
+        if "chunked_allreduce_s" in model["predictions"][0]:
+            axes[1].plot(ns, [p["chunked_allreduce_s"] for p in model["predictions"]], ":",
+                         label="our chunked all-reduce (model)")
         for m in model["measured"]:
             axes[1].plot(m["replicas"], m["noloco_s"], "ko")
             axes[1].plot(m["replicas"], m["diloco_s"], "rs")
