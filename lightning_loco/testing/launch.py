@@ -280,8 +280,9 @@ def finish_forked(pid: int, streams: dict[int, Path], timeout: float, args: list
 def fork_hazards() -> list[str]:
     """The threads of this process that make a forked child unsafe: torchft's runtime ("torchft-…" threads,
     started by a ``LighthouseServer`` or a ``Manager`` in this process, and never ended). A child inherits that
-    runtime's state without its threads; a torchft Manager started in it crashed (SIGSEGV) or hung. Empty where
-    the threads cannot be listed (no ``/proc``)."""
+    runtime's state without its threads; a torchft Manager started in it crashed (SIGSEGV) or hung. A thread is
+    listed once it has first run (it names itself then), so a fork in the first moments after a server started
+    can miss it. Empty where the threads cannot be listed (no ``/proc``)."""
     try:
         tasks = list(Path("/proc/self/task").iterdir())
     except OSError:
