@@ -76,16 +76,20 @@ from benchmarks.netem.tcp import host_congestion
 TORCHFT = ("torchft", "torchft_buckets")
 DEFAULT_METHODS = (*TORCHFT, "diloco", "noloco", "gasloc")
 STREAMS = 4  # the *_streams methods: ours over a transport of WireConfig(streams=4)'s 4 connections per pair
-METHODS = (*DEFAULT_METHODS, "diloco_streams", "noloco_streams")
+# the *_onestream methods: ours over the transport as it was built before streams="auto" and our own all-reduces:
+# one connection per pair and gloo's all-reduce whatever N (the baseline for "nothing got slower")
+METHODS = (*DEFAULT_METHODS, "diloco_streams", "noloco_streams", "diloco_onestream", "noloco_onestream",
+           "gasloc_onestream")
 SYNC_EVERY = 20
 SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
 TIMEOUT_S = 900
 IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the emulated namespaces only
 
 
-def networks(n: int) -> dict[str, Network]:
-    """The modes' networks: loopback, the emulated WAN, and the emulated long fat pipe (``fat``)."""
-    return {"loopback": Network("loopback", uniform(n).links), "emulated": uniform(n, mbit=100, one_way_ms=50),
+def networks(n: int, wan_mbit: float = 100.0) -> dict[str, Network]:
+    """The modes' networks: loopback, the emulated WAN (``wan_mbit`` per node), and the emulated long fat pipe
+    (``fat``)."""
+    return {"loopback": Network("loopback", uniform(n).links), "emulated": uniform(n, mbit=wan_mbit, one_way_ms=50),
             "fat": uniform(n, mbit=1000, one_way_ms=100)}
 
 
@@ -190,10 +194,13 @@ def worker(options: dict[str, Any]) -> None:
         extra = [dist.new_group(backend="gloo") for _ in range(groups - 1)]
         transport = TorchDistributedTransport(torch.device("cpu"), streams="auto", stream_groups=extra)
         warm_all_pairs(transport, min(options["params"], WARM_NUMEL))
-        streamed = None
+        others: dict[str, Any] = {"": transport}
         if any(m.endswith("_streams") for m in options["methods"]):  # every rank builds it (its groups), once
-            streamed = TorchDistributedTransport(torch.device("cpu"), streams=STREAMS)
-            warm_all_pairs(streamed, min(options["params"], WARM_NUMEL))
+            others["streams"] = TorchDistributedTransport(torch.device("cpu"), streams=STREAMS)
+            warm_all_pairs(others["streams"], min(options["params"], WARM_NUMEL))
+        if any(m.endswith("_onestream") for m in options["methods"]):
+            one = others["onestream"] = TorchDistributedTransport(torch.device("cpu"), streams=1)
+            one.pairwise_all_reduce = one.chunked_all_reduce = False  # gloo's all-reduce, as before
         for m in options["methods"]:
             for F in options["fragments"]:
                 if m in TORCHFT:
@@ -208,8 +215,8 @@ def worker(options: dict[str, Any]) -> None:
                                                    options["step_seconds"][m], rank, world, address, str(lighthouse[0]),
                                                    bucketed=m == "torchft_buckets")
                 else:
-                    base, _, streams = m.partition("_")
-                    runs[key(m, F)] = Turns(base, F, options["params"], streamed if streams else transport,
+                    base, _, variant = m.partition("_")
+                    runs[key(m, F)] = Turns(base, F, options["params"], others[variant],
                                             options["sync_every"], options["overlap"], options["step_seconds"][m],
                                             rank)
         take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"))
@@ -227,11 +234,11 @@ def worker(options: dict[str, Any]) -> None:
 
 
 def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fragments: list[int], sync_every: int,
-            overlap: int) -> dict[str, Any]:
+            overlap: int, wan_mbit: float = 100.0) -> dict[str, Any]:
     """One configuration; per (method, F) the slowest replica's wall and exposed seconds per round, their spreads,
     and ours ÷ torchft's round by round."""
     seconds = {m: (SECONDS_PER_M * params / 1e6 if overlap else 0.0) for m in methods}
-    network = networks(n)[mode]
+    network = networks(n, wan_mbit)[mode]
     options = {"mode": mode, "params": params, "rounds": rounds, "methods": methods, "fragments": fragments,
                "sync_every": sync_every, "overlap": overlap, "step_seconds": seconds}
     with tempfile.TemporaryDirectory() as out:
@@ -271,6 +278,12 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
                     ratios["net_s"] = [a / b if b > 0 else float("inf") for a, b in
                                        zip(slowest[key(m, F)]["exposed_s"], slowest[against]["net_s"])]
                     row["runs"][key(m, F)][f"over_{reference}"] = {q: spread(v) for q, v in ratios.items()}
+            before = key(f"{m}_onestream", F)  # ours as built now over ours as built before, round by round
+            if before in slowest:
+                row["runs"][key(m, F)]["over_onestream"] = {
+                    q: spread([a / b if b > 0 else float("inf") for a, b in zip(slowest[key(m, F)][q],
+                                                                                slowest[before][q])])
+                    for q in ("wall_s", "exposed_s")}
     return row
 
 
@@ -280,6 +293,7 @@ def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for run in row["runs"].values():
             ratio = {m: (run.get(f"over_{m}") or {}).get("exposed_s", {}) for m in TORCHFT}
             net = (run.get("over_torchft_buckets") or {}).get("net_s", {})
+            onestream = (run.get("over_onestream") or {}).get("exposed_s", {})
             flat.append({
                 "mode": row["mode"], "n": row["replicas"], "params_m": row["params"] / 1e6,
                 "tau": row["overlap_steps"], "method": run["method"], "F": run["fragments"],
@@ -290,6 +304,7 @@ def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "net": run.get("net_s", {}).get("median"), "net_ratio": net.get("median"),
                 "net_ratio_min": net.get("min"), "net_ratio_max": net.get("max"),
                 **{f"{m}_{q}": ratio[m].get(q) for m in TORCHFT for q in ("median", "min", "max")},
+                **{f"onestream_{q}": onestream.get(q) for q in ("median", "min", "max")},
             })
     return flat
 
@@ -302,7 +317,8 @@ def print_table(rows: list[dict[str, Any]], rounds: int) -> None:
           f"(torchft with use_bucketization=True): exposed, round by round, the same F "
           f"(rounds = syncs per turn; torchft counts its commits); quorum, commit = torchft's time in "
           f"start_quorum and should_commit (the slowest replica's), w/o quorum = its exposed time without them; "
-          f"÷ bucketed w/o quorum = ours over that; {machine()}")
+          f"÷ bucketed w/o quorum = ours over that; ÷ one stream = ours over the same method's *_onestream run "
+          f"(one connection per pair, gloo's all-reduce: the transport as built before streams='auto'); {machine()}")
     print(table(flat_rows(rows), [
         ("mode", "mode", "s"), ("n", "N", "d"), ("params_m", "M params", "g"), ("tau", "τ", "d"),
         ("method", "method", "s"), ("F", "F", "d"), ("X", "X s", ".3g"), ("rounds", "rounds", "s"),
@@ -312,7 +328,9 @@ def print_table(rows: list[dict[str, Any]], rounds: int) -> None:
         ("torchft_median", "÷ torchft", ".2f"), ("torchft_min", "min", ".2f"), ("torchft_max", "max", ".2f"),
         ("torchft_buckets_median", "÷ bucketed", ".2f"), ("torchft_buckets_min", "min", ".2f"),
         ("torchft_buckets_max", "max", ".2f"), ("net_ratio", "÷ bucketed w/o quorum", ".2f"),
-        ("net_ratio_min", "min", ".2f"), ("net_ratio_max", "max", ".2f")]))
+        ("net_ratio_min", "min", ".2f"), ("net_ratio_max", "max", ".2f"),
+        ("onestream_median", "÷ one stream", ".2f"), ("onestream_min", "min", ".2f"),
+        ("onestream_max", "max", ".2f")]))
 
 
 def main() -> None:
@@ -323,10 +341,14 @@ def main() -> None:
                         help="default: loopback, and emulated (100 Mbit/s, 50 ms one way) where root; fat: "
                         "the emulated long fat pipe (1 Gbit/s, 100 ms one way)")
     parser.add_argument("--replicas", nargs="+", type=int, help="default 2 4")
+    parser.add_argument("--wan-mbit", type=float, default=100.0,
+                        help="the emulated WAN's bandwidth per node (default 100 Mbit/s; 50 ms one way)")
     parser.add_argument("--params", nargs="+", type=float, help="default 10e6 (multiples of 16)")
     parser.add_argument("--methods", nargs="+", choices=METHODS,
-                        help="default: all but the *_streams ones (ours with WireConfig(streams=4)); torchft (its "
-                        "defaults) and torchft_buckets (use_bucketization=True) are the references")
+                        help="default: all but the *_streams ones (ours with WireConfig(streams=4)) and the "
+                        "*_onestream ones (ours with one connection per pair and gloo's all-reduce, as built before "
+                        "streams='auto'); torchft (its defaults) and torchft_buckets (use_bucketization=True) are "
+                        "the references")
     parser.add_argument("--fragments", nargs="+", type=int, default=[1, 4], help="F (default 1 4)")
     parser.add_argument("--sync-every", type=int, help=f"H (default {SYNC_EVERY}; 4 with --quick)")
     parser.add_argument("--overlap", nargs="+", type=int,
@@ -365,7 +387,8 @@ def main() -> None:
         for n in replicas:
             for params in sizes:
                 for tau in overlaps:
-                    row = measure(mode, n, params, rounds, methods, args.fragments, sync_every, tau)
+                    row = measure(mode, n, params, rounds, methods, args.fragments, sync_every, tau,
+                                  args.wan_mbit)
                     rows.append(row)
                     print(f"B7: {mode} N={n} {params / 1e6:g} M τ={tau} done in {row['wall_s']:.0f} s", flush=True)
     print_table(rows, rounds)

@@ -94,14 +94,18 @@ def test_b1_fragments_quick(tmp_path):
 def test_b7_torchft_quick(tmp_path):
     # torchft's DiLoCo (its defaults and bucketed) turn by turn with ours, blocking and with overlap (N = 2, 0.1 M)
     pytest.importorskip("torchft", reason="the elastic extra: pip install 'lightning-loco[elastic]'")
-    out = bench(tmp_path, "b7_torchft", "--sync-every", "8", "--overlap", "0", "1")
+    methods = ("torchft", "torchft_buckets", "diloco", "noloco", "gasloc", "diloco_onestream")
+    out = bench(tmp_path, "b7_torchft", "--sync-every", "8", "--overlap", "0", "1", "--methods", *methods)
     result = json.loads((tmp_path / "b7_torchft.json").read_text())
     assert "MODELLED" in out and result["torchft"] and result["uptime_before"] and result["uptime_after"]
     assert [(r["mode"], r["replicas"], r["params"], r["sync_every"], r["overlap_steps"]) for r in result["rows"]] == [
         ("loopback", 2, 100_000, 8, 0), ("loopback", 2, 100_000, 8, 1)]
     for row in result["rows"]:
-        methods = ("torchft", "torchft_buckets", "diloco", "noloco", "gasloc")
         assert set(row["runs"]) == {f"{m} F={F}" for m in methods for F in (1, 4)}
+        for F in (1, 4):  # ours now over ours as built before streams="auto" (one connection, gloo's all-reduce)
+            ratio = row["runs"][f"diloco F={F}"]["over_onestream"]["exposed_s"]
+            assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+            assert "over_onestream" not in row["runs"][f"noloco F={F}"]  # it had no one-stream run beside it
         for run in row["runs"].values():
             F = run["fragments"]
             assert run["rounds_per_turn"] == [F]  # every fragment synced (torchft: committed) once per turn
