@@ -79,7 +79,39 @@ STREAMS = 4  # the *_streams methods: ours over a transport of WireConfig(stream
 # the *_onestream methods: ours over the transport as it was built before streams="auto" and our own all-reduces:
 # one connection per pair and gloo's all-reduce whatever N (the baseline for "nothing got slower")
 METHODS = (*DEFAULT_METHODS, "diloco_streams", "noloco_streams", "diloco_onestream", "noloco_onestream",
-           "gasloc_onestream")
+           "gasloc_onestream", "diloco_fan1", "diloco_fan2", "diloco_fan3")
+
+
+def staged_transport(k: int) -> Any:
+    """A study, for the ``diloco_fan<k>`` methods: our transport whose float32 all-reduce is our reduce-scatter
+    and all-gather with at most k peers in flight at a time (shift s sends to replica me + s and receives from
+    me − s, k shifts a stage, each stage waited for: it blocks, so only for τ = 0), the sums in replica order
+    as the transport's own. Our default sends to all N − 1 peers at once."""
+    import torch
+
+    from lightning_loco.transport import TorchDistributedTransport
+    from lightning_loco.transport.base import sum_in_group_order
+
+    class Staged(TorchDistributedTransport):
+        def start_all_reduce_sum(self, payload: Any, codec: Any = None, round_id: Any = None) -> Any:
+            n, me = self.num_replicas, self.replica
+            chunks = torch.tensor_split(payload.view(-1), n)
+            received = {}
+            for first in range(1, n, k):
+                shifts = range(first, min(first + k, n))
+                recv = {(me - s) % n: torch.empty_like(chunks[me]) for s in shifts}
+                for w in self.exchange({(me + s) % n: chunks[(me + s) % n] for s in shifts}, recv):
+                    w.wait()
+                received.update(recv)
+            chunks[me].copy_(sum_in_group_order({**received, me: chunks[me]}, range(n)))
+            for first in range(1, n, k):
+                shifts = range(first, min(first + k, n))
+                sends = {(me + s) % n: chunks[me] for s in shifts}
+                for w in self.exchange(sends, {(me - s) % n: chunks[(me - s) % n] for s in shifts}):
+                    w.wait()
+            return self.resolved(payload)
+
+    return Staged
 SYNC_EVERY = 20
 SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
 TIMEOUT_S = 900
@@ -198,6 +230,11 @@ def worker(options: dict[str, Any]) -> None:
         if any(m.endswith("_streams") for m in options["methods"]):  # every rank builds it (its groups), once
             others["streams"] = TorchDistributedTransport(torch.device("cpu"), streams=STREAMS)
             warm_all_pairs(others["streams"], min(options["params"], WARM_NUMEL))
+        for m in options["methods"]:
+            if "_fan" in m:  # the fan-out study (staged_transport), its own stream groups
+                extra_fan = [dist.new_group(backend="gloo") for _ in range(groups - 1)]
+                others[m.partition("_")[2]] = staged_transport(int(m[-1]))(torch.device("cpu"), streams="auto",
+                                                                          stream_groups=extra_fan)
         if any(m.endswith("_onestream") for m in options["methods"]):
             one = others["onestream"] = TorchDistributedTransport(torch.device("cpu"), streams=1)
             one.pairwise_all_reduce = one.chunked_all_reduce = False  # gloo's all-reduce, as before
@@ -347,8 +384,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         help="default: all but the *_streams ones (ours with WireConfig(streams=4)) and the "
                         "*_onestream ones (ours with one connection per pair and gloo's all-reduce, as built before "
-                        "streams='auto'); torchft (its defaults) and torchft_buckets (use_bucketization=True) are "
-                        "the references")
+                        "streams='auto') and the diloco_fan<k> study (our all-reduce, k peers at a time, τ = 0 "
+                        "only); torchft (its defaults) and torchft_buckets (use_bucketization=True) are the "
+                        "references")
     parser.add_argument("--fragments", nargs="+", type=int, default=[1, 4], help="F (default 1 4)")
     parser.add_argument("--sync-every", type=int, help=f"H (default {SYNC_EVERY}; 4 with --quick)")
     parser.add_argument("--overlap", nargs="+", type=int,
@@ -378,6 +416,8 @@ def main() -> None:
                 parser.error(f"--fragments {F} --overlap {tau}: F must divide H = {sync_every} and the model's "
                              f"{BLOCKS} tensors, and τ be below H/F = {sync_every // max(F, 1)} (torchft's rule, "
                              "and ours)")
+    if any("_fan" in m for m in methods) and any(overlaps):
+        parser.error("the diloco_fan<k> study blocks in its all-reduce: run it with --overlap 0")
     if any(p % BLOCKS for p in sizes):
         parser.error(f"--params must be multiples of {BLOCKS} (the model's blocks), got {sizes}")
     results = results_dir(args.quick)
