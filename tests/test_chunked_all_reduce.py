@@ -1,6 +1,6 @@
 """The chunked all-reduce over real gloo processes: sums bitwise equal on every replica and to the float32 sum in
-ascending replica order, for every stream count and staged payloads; chosen by payload size; its bytes counted
-as a ring all-reduce's."""
+ascending replica order, for every stream count and staged payloads; chosen by payload size, or never with
+all_reduce="backend"; its bytes counted as a ring all-reduce's."""
 
 import os
 
@@ -54,6 +54,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         res["small_calls"] = [c[0] for c in log.take()]
         res["large"] = default.all_reduce_sum(_payload(rank, LARGE))
         res["large_calls"] = [c[0] for c in log.take()]
+        # all_reduce="backend": gloo's own all-reduce whatever the size
+        backend = TorchDistributedTransport(torch.device("cpu"), all_reduce="backend")
+        res["backend_chosen"] = backend.chunked_all_reduce or backend.pairwise_all_reduce
+        res["backend"] = backend.all_reduce_sum(_payload(rank, LARGE))
+        res["backend_calls"] = [c[0] for c in log.take()]
+        log.active = False
+        try:
+            TorchDistributedTransport(torch.device("cpu"), all_reduce="ring")
+        except ValueError as err:
+            res["refused"] = str(err)
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -86,6 +96,9 @@ def test_the_chunked_all_reduce_sums_in_replica_order_bitwise_on_every_replica(t
         assert res[r]["small_calls"] == ["all_reduce"]
         assert res[r]["large_calls"] == ["batch_isend_irecv", "batch_isend_irecv"]
         assert torch.equal(res[r]["large"], large)
+        assert not res[r]["backend_chosen"] and res[r]["backend_calls"] == ["all_reduce"]
+        assert torch.allclose(res[r]["backend"], large, rtol=1e-5, atol=1e-4)  # gloo's order of the sum, not ours
+        assert "all_reduce must be one of ('auto', 'backend'), got 'ring'" in res[r]["refused"]
 
 
 def _ranks_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None:

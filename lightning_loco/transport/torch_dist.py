@@ -63,6 +63,8 @@ from lightning_loco.transport.streams import AUTO, AUTO_MAX_STREAMS, auto_stream
 from lightning_loco.wire import coded
 from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
 
+ALL_REDUCE_CHOICES = ("auto", "backend")
+
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "all_gather_slices",
            "sum_in_group_order"]
 
@@ -98,6 +100,11 @@ class TorchDistributedTransport(Transport):
             else over ``AUTO_MAX_STREAMS`` made here on gloo; one stream on NCCL and with replicas of several ranks.
         stream_groups: the s − 1 extra groups, made by the caller (the strategies': with the run's
             backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.replica.process_groups.ProcessGroups`).
+        all_reduce: ``"auto"`` (default): on gloo, two replicas' all-reduce as one pair exchange and, with three
+            or more, our reduce-scatter and all-gather for payloads of 64 KiB or more (see the module docstring);
+            ``"backend"``: the backend's own all-reduce always (gloo's ring), which was faster with 8 replicas
+            on a bandwidth-bound WAN (docs/benchmarks.md, B7). Through the strategies:
+            ``transport_factory=functools.partial(TorchDistributedTransport, all_reduce="backend")``.
     """
 
     def __init__(
@@ -110,7 +117,11 @@ class TorchDistributedTransport(Transport):
         sharded: bool = False,
         streams: Union[int, str] = 1,
         stream_groups: Optional[Sequence[Any]] = None,
+        all_reduce: str = "auto",
     ) -> None:
+        if all_reduce not in ALL_REDUCE_CHOICES:
+            raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}: 'auto' (our "
+                             "all-reduce on gloo where it applies) or 'backend' (the backend's own, always)")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised torch.distributed process group")
         world = dist.get_world_size()
@@ -142,10 +153,10 @@ class TorchDistributedTransport(Transport):
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
         self.streams = streams  # the groups there are (with "auto", the most pieces a message is cut into)
         # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
-        gloo = dist.get_backend(process_group) == "gloo"
-        self.pairwise_all_reduce = self.num_replicas == 2 and gloo
+        ours = dist.get_backend(process_group) == "gloo" and all_reduce == "auto"
+        self.pairwise_all_reduce = self.num_replicas == 2 and ours
         # three replicas or more on gloo: large payloads take the chunked all-reduce (see the module docstring)
-        self.chunked_all_reduce = self.num_replicas >= 3 and gloo
+        self.chunked_all_reduce = self.num_replicas >= 3 and ours
         # the strategies' (made by ProcessGroups with the run's backend and timeout), or made here: collective
         self.stream_groups: list[Any] = make_stream_groups(process_group, streams, stream_groups)
 
