@@ -80,6 +80,10 @@ STREAMS = 4  # the *_streams methods: ours over a transport of WireConfig(stream
 # one connection per pair and gloo's all-reduce whatever N (the baseline for "nothing got slower")
 METHODS = (*DEFAULT_METHODS, "diloco_streams", "noloco_streams", "diloco_onestream", "noloco_onestream",
            "gasloc_onestream", "diloco_fan1", "diloco_fan2", "diloco_fan3")
+SYNC_EVERY = 20
+SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
+TIMEOUT_S = 900
+IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the emulated namespaces only
 
 
 def staged_transport(k: int) -> Any:
@@ -112,10 +116,6 @@ def staged_transport(k: int) -> Any:
             return self.resolved(payload)
 
     return Staged
-SYNC_EVERY = 20
-SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
-TIMEOUT_S = 900
-IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the emulated namespaces only
 
 
 def networks(n: int, wan_mbit: float = 100.0) -> dict[str, Network]:
@@ -236,8 +236,7 @@ def worker(options: dict[str, Any]) -> None:
                 others[m.partition("_")[2]] = staged_transport(int(m[-1]))(torch.device("cpu"), streams="auto",
                                                                           stream_groups=extra_fan)
         if any(m.endswith("_onestream") for m in options["methods"]):
-            one = others["onestream"] = TorchDistributedTransport(torch.device("cpu"), streams=1)
-            one.pairwise_all_reduce = one.chunked_all_reduce = False  # gloo's all-reduce, as before
+            others["onestream"] = TorchDistributedTransport(torch.device("cpu"), streams=1, all_reduce="backend")
         for m in options["methods"]:
             for F in options["fragments"]:
                 if m in TORCHFT:

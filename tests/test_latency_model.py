@@ -6,12 +6,15 @@ import math
 import statistics
 from pathlib import Path
 
+import pytest
+
 from benchmarks.latency_model import latency_model
 from benchmarks.netem.links import uniform
 
 ROWS = json.loads((Path(__file__).parent.parent / "benchmarks/results/b1_sync_latency.json").read_text())
 
 
+@pytest.mark.slow  # the ring's and tree's steps drawn 100 times up to N = 1024: about 25 s on one core
 def test_the_published_columns_are_drawn_as_before_and_the_chunked_all_reduce_has_two_steps() -> None:
     model = latency_model(ROWS["rows"], trials=100)
     published = ROWS["latency_model"]["predictions"]
