@@ -34,10 +34,10 @@ FORK_ENV = "LOCO_BENCH_FORK_WORKERS"
 
 def forking() -> bool:
     """Whether helper processes are forked from this one (see the module docstring): not where this process
-    runs threads a forked child could not do without (``lightning_loco.testing.launch.fork_hazards``)."""
+    runs threads a forked child could not do without (``lightning_loco.testing.fork_safety.fork_hazards``)."""
     if os.environ.get(FORK_ENV) != "1":
         return False
-    from lightning_loco.testing.launch import fork_hazards
+    from lightning_loco.testing.fork_safety import fork_hazards
 
     return not fork_hazards()
 

@@ -159,7 +159,8 @@ print("torchft imported:", "torchft" in sys.modules)
 _AFTER_A_LIGHTHOUSE = """
 import os, sys, time
 from pathlib import Path
-from lightning_loco.testing.launch import fork_hazards, run_module_forked
+from lightning_loco.testing.fork_safety import fork_hazards
+from lightning_loco.testing.launch import run_module_forked
 import benchmarks.common as common
 import torchft.coordination
 

@@ -11,9 +11,9 @@
   own registry (where ``import lightning_loco`` registers ours), not from a map of our own;
 * :func:`fork_call`, :func:`fork_ranks`, :func:`run_module_forked`: a script's run, or a run's ranks as
   torchrun would start them, in children forked from this process (no new interpreter to start), with
-  their own output files and exit status (:func:`finish_forked`); :func:`fork_hazards` says when a fork
-  is unsafe (torchft's runtime threads in this process), and :func:`run_module_forked` then starts a new
-  interpreter.
+  their own output files and exit status (:func:`finish_forked`); :func:`fork_hazards` (from
+  :mod:`lightning_loco.testing.fork_safety`) says when a fork is unsafe (torchft's runtime threads in
+  this process), and :func:`run_module_forked` then starts a new interpreter.
 
 Elastic replicas and their Lighthouse, separate processes each, are in :mod:`lightning_loco.testing.elastic`.
 """
@@ -34,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from lightning_loco.testing.fork_safety import fork_hazards
 from lightning_loco.testing.ports import free_port as free_port  # re-exported: its home is ports.py
 
 
@@ -275,25 +276,6 @@ def finish_forked(pid: int, streams: dict[int, Path], timeout: float, args: list
         time.sleep(0.05)
     stdout, stderr = (streams[fd].read_text(errors="replace") for fd in (1, 2))
     return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(wait_status), stdout, stderr)
-
-
-def fork_hazards() -> list[str]:
-    """The threads of this process that make a forked child unsafe: torchft's runtime ("torchft-…" threads,
-    started by a ``LighthouseServer`` or a ``Manager`` in this process, and never ended). A child inherits that
-    runtime's state without its threads; a torchft Manager started in it crashed (SIGSEGV) or hung. A thread is
-    listed once it has first run (it names itself then), so a fork in the first moments after a server started
-    can miss it. Empty where the threads cannot be listed (no ``/proc``)."""
-    try:
-        tasks = list(Path("/proc/self/task").iterdir())
-    except OSError:
-        return []
-    names = []
-    for task in tasks:
-        try:
-            names.append((task / "comm").read_text().strip())
-        except OSError:  # the thread ended meanwhile
-            continue
-    return sorted(name for name in names if name.startswith("torchft"))
 
 
 def run_module_forked(module: str, argv: list[str], out: Path, env: dict[str, str], timeout: float,

@@ -103,7 +103,9 @@ class TorchDistributedTransport(Transport):
         all_reduce: ``"auto"`` (default): on gloo, two replicas' all-reduce as one pair exchange and, with three
             or more, our reduce-scatter and all-gather for payloads of 64 KiB or more (see the module docstring);
             ``"backend"``: the backend's own all-reduce always (gloo's ring), which was faster with 8 replicas
-            on a bandwidth-bound WAN (docs/benchmarks.md, B7). Through the strategies:
+            on a bandwidth-bound WAN (docs/benchmarks.md, B7). Both concern float32 payloads: a lossy wire
+            format's all-reduce is the coded exchange (:mod:`~lightning_loco.wire.coded`) either way, since no
+            backend sums encoded bytes. Through the strategies:
             ``transport_factory=functools.partial(TorchDistributedTransport, all_reduce="backend")``.
     """
 
