@@ -28,6 +28,10 @@ from lightning_loco.testing.launch import fork_ranks, free_port, module_runner
 
 MODES = ("loopback", "modelled", "emulated")
 
+emulator: dict = {}
+"""In emulated mode, how the forwarder kept to the link's timing in the last run
+(:meth:`benchmarks.netem.tun.EmulatedNetwork.lateness`); empty otherwise."""
+
 
 def run_workers(
     mode: str,
@@ -47,6 +51,7 @@ def run_workers(
     if sysctls and mode != "emulated":
         raise ValueError(f"sysctls={sysctls} need mode='emulated' (their own network namespaces), got {mode!r}")
     n = len(network.links)
+    emulator.clear()
     base = {
         **(env or {}),
         "MASTER_PORT": str(free_port()),
@@ -106,6 +111,8 @@ def run_workers(
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+            if mode == "emulated":
+                emulator.update(emu.lateness())
         if failures:
             raise RuntimeError("\n".join(failures))
         return time.perf_counter() - start

@@ -44,6 +44,8 @@ TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 MTU = 9000  # jumbo frames: fewer packets for a forwarder written in Python
+LATE_S = 0.005
+"""A packet written this much after its delivery time counts as late: the forwarder, not the link, held it."""
 
 
 def available() -> tuple[bool, str]:
@@ -92,6 +94,11 @@ class EmulatedNetwork:
         self.packets = 0
         self.bytes = 0
         self.dropped = 0
+        self.late_s = 0.0  # summed over packets: how long after its delivery time each was written
+        self.late_max_s = 0.0
+        self.late_packets = 0  # written more than LATE_S after their delivery time
+        self.busy_s = 0.0  # the forwarder's time outside its wait for packets
+        self.run_s = 0.0
         self._previous_handlers: dict[int, Any] = {}
         try:
             self._create()
@@ -162,6 +169,17 @@ class EmulatedNetwork:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def lateness(self) -> dict:
+        """How far the forwarder kept to the link's timing: packets written, the mean and largest delay past
+        each one's delivery time, and the share written more than :data:`LATE_S` late, and the share of
+        its time the forwarder spent working rather than waiting for packets. Large shares mean the forwarder (one
+        Python thread, sharing the host's cores with the workers) was the limit, not the emulated link."""
+        n = max(self.packets, 1)
+        return {"packets": self.packets, "mbytes": round(self.bytes / 1e6, 1),
+                "late_mean_ms": round(1e3 * self.late_s / n, 3), "late_max_ms": round(1e3 * self.late_max_s, 1),
+                "late_share": round(self.late_packets / n, 4),
+                "busy_share": round(self.busy_s / self.run_s, 3) if self.run_s else 0.0}
+
     # ------------------------------------------------------------------ workers
 
     def popen(self, i: int, cmd: Sequence[str], env: Optional[dict[str, str]] = None,
@@ -187,10 +205,15 @@ class EmulatedNetwork:
         for fd in self.fds:
             poller.register(fd, select.EPOLLIN)
         try:
+            began = previous = time.monotonic()
             while not self._stop.is_set():
                 now = time.monotonic()
+                self.busy_s += now - previous
                 timeout = 0.05 if not queue else max(0.0, min(0.05, queue[0][0] - now))
-                for fd, _ in poller.poll(timeout):
+                events = poller.poll(timeout)
+                previous = time.monotonic()
+                self.run_s = previous - began
+                for fd, _ in events:
                     src = by_fd[fd]
                     while True:
                         try:
@@ -230,7 +253,13 @@ class EmulatedNetwork:
                         seq += 1
                 now = time.monotonic()
                 while queue and queue[0][0] <= now:
-                    _, _, dst, packet = heapq.heappop(queue)
+                    due, _, dst, packet = heapq.heappop(queue)
+                    late = now - due
+                    self.late_s += late
+                    if late > self.late_max_s:
+                        self.late_max_s = late
+                    if late > LATE_S:
+                        self.late_packets += 1
                     try:
                         os.write(self.fds[dst], packet)
                     except OSError:
