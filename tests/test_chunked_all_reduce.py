@@ -1,6 +1,7 @@
 """The chunked all-reduce over real gloo processes: sums bitwise equal on every replica and to the float32 sum in
 ascending replica order, for every stream count and staged payloads; chosen by payload size, or never with
-all_reduce="backend"; its bytes counted as a ring all-reduce's."""
+all_reduce="backend"; its bytes counted as a ring all-reduce's. (The choice between it and gloo's own from the
+first rounds' times: tests/test_all_reduce_choice.py.)"""
 
 import os
 
@@ -99,7 +100,7 @@ def test_the_chunked_all_reduce_sums_in_replica_order_bitwise_on_every_replica(t
         assert not res[r]["backend_chosen"] and res[r]["backend_calls"] == ["all_reduce"]
         assert torch.allclose(res[r]["backend"], large, rtol=1e-5, atol=1e-4)  # gloo's order of the sum, not ours
         assert torch.equal(res[r]["backend"], res[0]["backend"])  # but the same bits on every replica
-        assert "all_reduce must be one of ('auto', 'backend'), got 'ring'" in res[r]["refused"]
+        assert "all_reduce must be one of ('auto', 'p2p', 'backend'), got 'ring'" in res[r]["refused"]
 
 
 def _ranks_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None:

@@ -10,7 +10,9 @@
   chunks a round trip at a time, several times slower on a long fat pipe (``benchmarks/link_efficiency.py``).
   With three replicas or more on gloo, payloads of 64 KiB or more take a reduce-scatter and an all-gather of
   our own point-to-point exchanges instead (:mod:`~lightning_loco.transport.chunked`: every chunk summed by its
-  owner in ascending replica order, bitwise the same on every replica). NCCL's all-reduce stays NCCL's.
+  owner in ascending replica order, bitwise the same on every replica). Which of ours and gloo's own a payload
+  takes is chosen from its first rounds' measured times, every replica alike (``all_reduce="auto"``, the default:
+  :mod:`~lightning_loco.transport.choice`), or fixed (``"p2p"``, ``"backend"``). NCCL's all-reduce stays NCCL's.
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
 training goes on, and ``PendingSum.wait()`` returns the sum (:mod:`~lightning_loco.transport.pending_sum`:
@@ -38,8 +40,9 @@ with small TCP send buffers warns once (:mod:`~lightning_loco.transport.sockets`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -55,6 +58,13 @@ from lightning_loco.transport.base import (
     peer_error,
     sum_in_group_order,
 )
+from lightning_loco.transport.choice import (
+    BACKEND,
+    P2P,
+    AllReduceChoice,
+    check_all_reduce,
+    post_times,
+)
 from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
 from lightning_loco.transport.pending_sum import PendingSum
 from lightning_loco.transport.sockets import check_send_buffer
@@ -62,8 +72,6 @@ from lightning_loco.transport.staging import StagingPool
 from lightning_loco.transport.streams import AUTO, AUTO_MAX_STREAMS, auto_streams, make_stream_groups, piece
 from lightning_loco.wire import coded
 from lightning_loco.wire.codecs import Codec, ring_all_reduce_bytes
-
-ALL_REDUCE_CHOICES = ("auto", "backend")
 
 __all__ = ["PendingSum", "TorchDistributedTransport", "PeerError", "TransportStats", "all_gather_slices",
            "sum_in_group_order"]
@@ -100,12 +108,14 @@ class TorchDistributedTransport(Transport):
             else over ``AUTO_MAX_STREAMS`` made here on gloo; one stream on NCCL and with replicas of several ranks.
         stream_groups: the s − 1 extra groups, made by the caller (the strategies': with the run's
             backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.replica.process_groups.ProcessGroups`).
-        all_reduce: ``"auto"`` (default): on gloo, two replicas' all-reduce as one pair exchange and, with three
-            or more, our reduce-scatter and all-gather for payloads of 64 KiB or more (see the module docstring);
-            ``"backend"``: the backend's own all-reduce always (gloo's ring), which was faster with 8 replicas
-            on a bandwidth-bound WAN (docs/benchmarks.md, B7). Both concern float32 payloads: a lossy wire
-            format's all-reduce is the coded exchange (:mod:`~lightning_loco.wire.coded`) either way, since no
-            backend sums encoded bytes. Through the strategies:
+        all_reduce: on gloo, which float32 all-reduce a payload takes where ours applies (two replicas, or three or
+            more with payloads of 64 KiB or more; see the module docstring): ``"auto"`` (default) chooses between
+            ours and the backend's from the first rounds' measured times, every replica alike
+            (:mod:`~lightning_loco.transport.choice`); ``"p2p"``: ours always (with two replicas one pair exchange,
+            with more our reduce-scatter and all-gather); ``"backend"``: the backend's own always (gloo's ring).
+            A fixed choice keeps the summed bits the same from run to run. Lossy wire formats take the coded
+            exchange (:mod:`~lightning_loco.wire.coded`) whatever the choice, since no backend sums encoded bytes,
+            and NCCL's all-reduce is always NCCL's. Through the strategies:
             ``transport_factory=functools.partial(TorchDistributedTransport, all_reduce="backend")``.
     """
 
@@ -121,11 +131,9 @@ class TorchDistributedTransport(Transport):
         stream_groups: Optional[Sequence[Any]] = None,
         all_reduce: str = "auto",
     ) -> None:
-        if all_reduce not in ALL_REDUCE_CHOICES:
-            raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}: 'auto' (our "
-                             "all-reduce on gloo where it applies) or 'backend' (the backend's own, always)")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedTransport needs an initialised torch.distributed process group")
+        check_all_reduce(all_reduce, dist.get_backend(process_group))
         world = dist.get_world_size()
         if ranks_per_replica < 1 or world % ranks_per_replica:
             raise ValueError(f"ranks_per_replica={ranks_per_replica} must divide the world size {world}")
@@ -155,7 +163,9 @@ class TorchDistributedTransport(Transport):
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
         self.streams = streams  # the groups there are (with "auto", the most pieces a message is cut into)
         # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
-        ours = dist.get_backend(process_group) == "gloo" and all_reduce == "auto"
+        ours = dist.get_backend(process_group) == "gloo" and all_reduce != BACKEND
+        self.all_reduce = all_reduce
+        self.choices: dict[tuple[int, int, int], AllReduceChoice] = {}  # "auto": per payload (see choice)
         self.pairwise_all_reduce = self.num_replicas == 2 and ours
         # three replicas or more on gloo: large payloads take the chunked all-reduce (see the module docstring)
         self.chunked_all_reduce = self.num_replicas >= 3 and ours
@@ -292,7 +302,42 @@ class TorchDistributedTransport(Transport):
         sets the wire format (see the module docstring)."""
         if codec is not None and codec.lossy and self.num_replicas > 1:
             return coded.start_all_reduce_sum(self, payload, codec, round_id)
-        if self.pairwise_all_reduce:  # two replicas on gloo: the pair exchange (see the module docstring)
+        part_numel = self.slice(payload).numel()
+        ours = self.pairwise_all_reduce or (
+            self.chunked_all_reduce and part_numel * payload.element_size() >= self.chunked_min_bytes)
+        if not ours:
+            return self._post_backend_all_reduce(payload)
+        if self.all_reduce == P2P or part_numel * payload.element_size() < self.chunked_min_bytes:
+            return self._post_p2p_all_reduce(payload, round_id)  # small, with two replicas: the pair exchange
+        choice = self.choices.setdefault((round_id.optimizer, round_id.fragment, part_numel), AllReduceChoice())
+        algorithm, share = choice.next_round()
+        shared = None
+        if share:  # before the payload, so that it does not wait behind it
+            mine = choice.mine()
+            try:
+                shared = post_times(mine, self.replica_ranks, self.replica, self.process_group)
+            except RuntimeError as err:
+                raise self.peer_error([j for j in range(self.num_replicas) if j != self.replica], err) from err
+        pending = (self._post_p2p_all_reduce(payload, round_id) if algorithm == P2P
+                   else self._post_backend_all_reduce(payload))
+        started, landed = time.perf_counter(), pending.finish
+
+        def timed() -> Tensor:
+            result = landed()
+            choice.record(algorithm, time.perf_counter() - started)
+            if shared is not None:
+                works, received = shared
+                for work in works:
+                    work.wait()
+                choice.decide({**received, self.replica: mine})
+            return result
+
+        pending.finish = timed
+        return pending
+
+    def _post_p2p_all_reduce(self, payload: Tensor, round_id: RoundId) -> PendingSum:
+        """Our all-reduce: with two replicas the pair exchange, else the chunked one (see the module docstring)."""
+        if self.pairwise_all_reduce:
             works, total, nbytes, peers = self._post_group_sum(payload, (0, 1), [1 - self.replica], round_id)
 
             def landed() -> Tensor:
@@ -300,8 +345,10 @@ class TorchDistributedTransport(Transport):
                 return payload
 
             return self.pending(works, landed, nbytes, peers)
-        if self.chunked_all_reduce and self.slice(payload).numel() * payload.element_size() >= self.chunked_min_bytes:
-            return start_chunked_all_reduce(self, payload, round_id)
+        return cast(PendingSum, start_chunked_all_reduce(self, payload, round_id))
+
+    def _post_backend_all_reduce(self, payload: Tensor) -> PendingSum:
+        """The backend's own all-reduce (cut over the stream groups with replicas of one rank)."""
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self.slice(buf)

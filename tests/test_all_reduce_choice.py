@@ -1,0 +1,135 @@
+"""all_reduce="auto": the first rounds of a payload try ours and gloo's all-reduce in turn, the replicas share
+their fastest times ahead of the next round's payload, and every replica takes the same decision from the
+times summed in replica order. The decision logic without processes; the agreement over real gloo processes,
+with each replica's own times skewed so that one replica alone would decide otherwise."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_loco.testing.launch import free_port, init_gloo, start_ranks
+from lightning_loco.transport import TorchDistributedTransport, sum_in_group_order
+from lightning_loco.transport.choice import BACKEND, P2P, TRIALS, AllReduceChoice, check_all_reduce
+
+import tiny
+
+NUMEL = 1001
+ROUNDS = len(TRIALS) + 3  # the trials, the round that carries the times, two rounds after the decision
+
+
+def test_a_payload_tries_each_all_reduce_twice_then_carries_its_times_then_keeps_the_decision():
+    choice = AllReduceChoice()
+    assert TRIALS == (P2P, BACKEND, P2P, BACKEND)
+    assert [choice.next_round() for _ in TRIALS] == [(a, False) for a in TRIALS]
+    for algorithm, seconds in zip(TRIALS, (3.0, 2.0, 1.5, 2.5)):
+        choice.record(algorithm, seconds)
+    assert torch.equal(choice.mine(), torch.tensor([1.5, 2.0], dtype=torch.float64))  # the fastest of each
+    assert choice.next_round() == (P2P, True)  # ours, carrying the times
+    assert choice.next_round() == (P2P, False)  # not decided yet (the times travel): ours, nothing carried
+    others = {1: torch.tensor([4.0, 1.0], dtype=torch.float64), 2: torch.tensor([4.0, 1.0], dtype=torch.float64)}
+    assert choice.decide({0: choice.mine(), **others}) == BACKEND  # 9.5 against 4.0, though replica 0 saw ours win
+    assert choice.totals == (9.5, 4.0)
+    assert [choice.next_round() for _ in range(3)] == [(BACKEND, False)] * 3
+    choice.record(P2P, 0.1)  # after the decision nothing more is kept
+    assert choice.seconds[P2P] == [3.0, 1.5]
+
+
+def test_a_tie_keeps_ours_and_an_untimed_all_reduce_counts_as_infinitely_slow():
+    tie = AllReduceChoice()
+    assert tie.decide({0: torch.tensor([1.0, 1.0], dtype=torch.float64)}) == P2P
+    untimed = AllReduceChoice()
+    untimed.record(P2P, 2.0)
+    mine = untimed.mine()
+    assert mine[0] == 2.0 and math.isinf(mine[1])
+    assert untimed.decide({0: mine, 1: torch.tensor([math.inf, 1.0], dtype=torch.float64)}) == P2P  # inf == inf
+
+
+def test_trials_of_an_unknown_all_reduce_are_refused():
+    with pytest.raises(ValueError, match="trials must be a non-empty sequence of \\('p2p', 'backend'\\)"):
+        AllReduceChoice(("p2p", "ring"))
+    with pytest.raises(ValueError, match="non-empty"):
+        AllReduceChoice(())
+
+
+def test_ours_is_refused_where_it_cannot_run_and_an_unknown_choice_names_the_choices():
+    for backend in ("gloo", "nccl"):
+        check_all_reduce("auto", backend)
+        check_all_reduce("backend", backend)
+    check_all_reduce("p2p", "gloo")
+    with pytest.raises(ValueError, match="all_reduce='p2p' .* runs on gloo only; on nccl .* pass all_reduce='auto' or "
+                       "'backend'"):
+        check_all_reduce("p2p", "nccl")
+    with pytest.raises(ValueError, match="all_reduce must be one of \\('auto', 'p2p', 'backend'\\), got 'ring'"):
+        check_all_reduce("ring", "gloo")
+
+
+def _payload(rank: int, r: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * r + rank)) * 10 ** (rank % 3)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port=port, timeout_s=60)
+    try:
+        log = tiny.CallLog()
+        log.install()
+        t = TorchDistributedTransport(torch.device("cpu"))  # all_reduce="auto", the default
+        fixed = TorchDistributedTransport(torch.device("cpu"), all_reduce="p2p")
+        for transport in (t, fixed):
+            transport.chunked_min_bytes = 0
+        res: dict = {"calls": [], "sums": []}
+        for r in range(ROUNDS):
+            if r == len(TRIALS):  # before the times travel: what was measured, then each replica's own skew
+                choice = t.choices[(0, 0, NUMEL)]
+                res["measured"] = {a: list(s) for a, s in choice.seconds.items()}
+                # replica 0 alone saw ours faster; the others saw gloo's faster by more
+                choice.seconds = {P2P: [1.0], BACKEND: [2.0]} if rank == 0 else {P2P: [3.0], BACKEND: [1.0]}
+            log.active = True
+            res["sums"].append(t.all_reduce_sum(_payload(rank, r)).clone())
+            log.active = False
+            res["calls"].append([c[0] for c in log.take()])
+        choice = t.choices[(0, 0, NUMEL)]
+        res["chosen"], res["totals"] = choice.chosen, choice.totals
+        log.active = True
+        for r in range(ROUNDS):
+            fixed.all_reduce_sum(_payload(rank, r))
+        res["fixed_calls"] = [c[0] for c in log.take()]
+        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_replica_takes_the_decision_of_the_summed_times_and_the_same_bits_every_round(tmp_path):
+    world = 3
+    start_ranks(_worker, world, args=(world, free_port(), str(tmp_path)), timeout_s=180)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    ours = ["batch_isend_irecv", "batch_isend_irecv"]  # the reduce-scatter, then the all-gather
+    expected_calls = [ours, ["all_reduce"], ours, ["all_reduce"],
+                      ["batch_isend_irecv"] + ours,  # the times first, then the payload, ours
+                      ["all_reduce"], ["all_reduce"]]  # decided: gloo's (see the totals below)
+    for rank in range(world):
+        assert res[rank]["calls"] == expected_calls, rank
+        measured = res[rank]["measured"]  # each tried twice, timed from posting to the sum
+        assert len(measured[P2P]) == 2 and len(measured[BACKEND]) == 2 and min(measured[P2P] + measured[BACKEND]) > 0
+        # p2p: 1 + 3 + 3 = 7 against backend: 2 + 1 + 1 = 4, summed in replica order on every replica
+        assert res[rank]["chosen"] == BACKEND and res[rank]["totals"] == (7.0, 4.0)
+        assert res[rank]["fixed_calls"] == ours * ROUNDS  # all_reduce="p2p": never tried, never shared
+        for r in range(ROUNDS):
+            assert torch.equal(res[rank]["sums"][r], res[0]["sums"][r]), (rank, r)  # the same bits everywhere
+            expected = sum_in_group_order({i: _payload(i, r) for i in range(world)}, range(world))
+            if expected_calls[r][-1] == "batch_isend_irecv":  # ours: the float32 sum in replica order, bitwise
+                assert torch.equal(res[rank]["sums"][r], expected), (rank, r)
+            else:
+                assert torch.allclose(res[rank]["sums"][r], expected, rtol=1e-5, atol=1e-4), (rank, r)
+
+
+def test_b7_times_only_rounds_after_the_decision():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.b7_torchft import SETTLE_ROUNDS
+
+    assert SETTLE_ROUNDS == len(TRIALS) + 1  # the trials and the round that carries their times go untimed
