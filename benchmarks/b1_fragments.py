@@ -141,13 +141,14 @@ class Turns:
         }
 
 
-def take_turns(runs: dict[str, Any], rounds: int, path: str) -> None:
-    """Round 0 (a warm-up without modelled compute) and ``rounds`` timed rounds, each run taking its turn in
-    every round; writes every run's timed turns to ``path``."""
-    for r in range(rounds + 1):
+def take_turns(runs: dict[str, Any], rounds: int, path: str, warmup: int = 1) -> None:
+    """``warmup`` untimed rounds without modelled compute (round 0 warms the connections; B7 adds the rounds in
+    which ``all_reduce="auto"`` decides), then ``rounds`` timed rounds, each run taking its turn in every round;
+    writes every run's timed turns to ``path``."""
+    for r in range(warmup + rounds):
         for run in runs.values():
-            measured = run.turn(run.seconds if r > 0 else 0.0)
-            if r > 0:
+            measured = run.turn(run.seconds if r >= warmup else 0.0)
+            if r >= warmup:
                 run.turns.append(measured)
     with open(path, "w") as f:
         json.dump({k: run.turns for k, run in runs.items()}, f)

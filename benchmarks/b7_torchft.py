@@ -36,11 +36,18 @@ of a turn, having prepared it τ steps earlier, with one outer optimizer per fra
 post and land at the same steps. Each turn holds whole rounds of every fragment, and none is in flight after
 it (checked on both sides, and reported).
 
+The emulator's own timing is reported too (:meth:`benchmarks.netem.tun.EmulatedNetwork.lateness`: the share of
+packets its forwarder wrote late, and of its time it was busy), so a row the forwarder limited shows it.
+
 Reported per (method, F), the slowest replica per round, median [min, max] over the rounds: the turn's wall
 time and exposed seconds, and ours ÷ torchft's round by round for the same F; for torchft also where its exposed
 time went: the quorum (``Manager.start_quorum``) and the commit vote (``Manager.should_commit``), the rest being
-its all-reduce and its copies. Round 0 is a warm-up (no compute, not reported); every pair of
-replicas exchanges 4 MB once before it (B1's ``warm_all_pairs``, on our group; torchft builds its group at its
+its all-reduce and its copies. The first :data:`SETTLE_ROUNDS` rounds are untimed (no compute, not reported;
+``--quick``: one): round 0 warms the connections, and our default ``all_reduce="auto"`` tries our all-reduce and
+gloo's in its first four rounds and decides in the fifth (:mod:`lightning_loco.transport.choice`), so the timed
+rounds show what a run gets after that; the decision, with the replicas' summed times, is reported and written
+(results before this ran one untimed round, when our all-reduce was fixed). Every pair of
+replicas exchanges 4 MB once before round 0 (B1's ``warm_all_pairs``, on our group; torchft builds its group at its
 first quorum, in round 0, and keeps it while the membership stays the same). On the emulated WAN the namespaces
 set ``net.ipv4.tcp_slow_start_after_idle = 0``: torchft's connections idle while the other methods take their
 turns, ours less, and a connection must not restart slow start for that (the congestion control, inherited
@@ -84,6 +91,9 @@ SYNC_EVERY = 20
 SECONDS_PER_M = STEP_SECONDS_PER_M["diloco"]  # X per M parameters, every method alike
 TIMEOUT_S = 900
 IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the emulated namespaces only
+# untimed rounds before the timed ones: round 0 warms the connections, and with all_reduce="auto" (our default) a
+# payload's all-reduce is decided after its trials and the round that carries their times (transport.choice)
+SETTLE_ROUNDS = 5  # len(transport.choice.TRIALS) + 1 (not imported: this process does not load torch)
 
 
 def staged_transport(k: int) -> Any:
@@ -255,7 +265,11 @@ def worker(options: dict[str, Any]) -> None:
                     runs[key(m, F)] = Turns(base, F, options["params"], others[variant],
                                             options["sync_every"], options["overlap"], options["step_seconds"][m],
                                             rank)
-        take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"))
+        take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"), warmup=options["settle"])
+        ours = {id(t): t for t in others.values() if isinstance(t, TorchDistributedTransport)}.values()
+        chosen = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": (c.chosen, c.totals)
+                  for t in ours for k, c in t.choices.items()}
+        Path(out, f"choice{rank}.json").write_text(json.dumps(chosen))
         dist.barrier()  # nobody's Lighthouse or manager goes while another replica may still sync
     finally:
         for run in runs.values():
@@ -270,13 +284,13 @@ def worker(options: dict[str, Any]) -> None:
 
 
 def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fragments: list[int], sync_every: int,
-            overlap: int, wan_mbit: float = 100.0) -> dict[str, Any]:
+            overlap: int, wan_mbit: float = 100.0, settle: int = SETTLE_ROUNDS) -> dict[str, Any]:
     """One configuration; per (method, F) the slowest replica's wall and exposed seconds per round, their spreads,
     and ours ÷ torchft's round by round."""
     seconds = {m: (SECONDS_PER_M * params / 1e6 if overlap else 0.0) for m in methods}
     network = networks(n, wan_mbit)[mode]
     options = {"mode": mode, "params": params, "rounds": rounds, "methods": methods, "fragments": fragments,
-               "sync_every": sync_every, "overlap": overlap, "step_seconds": seconds}
+               "sync_every": sync_every, "overlap": overlap, "step_seconds": seconds, "settle": settle}
     with tempfile.TemporaryDirectory() as out:
         emulated = mode != "loopback"
         wall = launch.run_workers("emulated" if emulated else mode, network,
@@ -284,9 +298,13 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
                                              json.dumps({**options, "out": out})], timeout=3600,
                                   sysctls=IDLE_KEEPS_WINDOW if emulated else None)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(n)]
+        choices = [json.loads(Path(out, f"choice{r}.json").read_text()) for r in range(n)]
     row: dict[str, Any] = {"mode": mode, "network": network.name, "replicas": n, "params": params,
                            "tcp": host_congestion() if emulated else None,
-                           "sync_every": sync_every, "overlap_steps": overlap, "wall_s": wall, "runs": {}}
+                           "sync_every": sync_every, "overlap_steps": overlap, "wall_s": wall,
+                           "emulator": dict(launch.emulator) or None, "settle_rounds": settle,
+                           "all_reduce_choice": choices[0], "choices_agree": all(c == choices[0] for c in choices),
+                           "runs": {}}
     slowest: dict[str, dict[str, list[float]]] = {}
     for m in methods:
         for F in fragments:
@@ -427,9 +445,15 @@ def main() -> None:
             for params in sizes:
                 for tau in overlaps:
                     row = measure(mode, n, params, rounds, methods, args.fragments, sync_every, tau,
-                                  args.wan_mbit)
+                                  args.wan_mbit, settle=1 if args.quick else SETTLE_ROUNDS)
                     rows.append(row)
                     print(f"B7: {mode} N={n} {params / 1e6:g} M τ={tau} done in {row['wall_s']:.0f} s", flush=True)
+                    if row["emulator"]:
+                        print(f"    the emulator: {row['emulator']}", flush=True)
+                    if row["all_reduce_choice"]:
+                        print(f"    all_reduce='auto' chose (per transport:optimizer/fragment/size, with the summed "
+                              f"times of p2p and backend): {row['all_reduce_choice']}; the same on every replica: "
+                              f"{row['choices_agree']}", flush=True)
     print_table(rows, rounds)
     path = write_json(f"{args.out}.json", {
         "benchmark": "B7 torchft beside ours", "rounds": rounds, "torchft": _version("torchft"),
