@@ -92,6 +92,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["calls"].append([c[0] for c in log.take()])
         choice = t.choices[(0, 0, NUMEL)]
         res["chosen"], res["totals"] = choice.chosen, choice.totals
+        # the next round posted before the one carrying the times was waited for: it decides first, alike everywhere
+        early = TorchDistributedTransport(torch.device("cpu"))
+        early.chunked_min_bytes = 0
+        for r in range(len(TRIALS)):
+            early.all_reduce_sum(_payload(rank, r))
+        early.choices[(0, 0, NUMEL)].seconds = ({P2P: [1.0], BACKEND: [2.0]} if rank == 0
+                                                else {P2P: [3.0], BACKEND: [1.0]})
+        log.active = True
+        carrying = early.start_all_reduce_sum(_payload(rank, 4))
+        after = early.start_all_reduce_sum(_payload(rank, 5))
+        res["early_decided"] = early.choices[(0, 0, NUMEL)].chosen  # before either was waited for
+        res["early_sums"] = [carrying.wait().clone(), after.wait().clone()]
+        res["early_calls"] = [c[0] for c in log.take()]
+        log.active = False
         log.active = True
         for r in range(ROUNDS):
             fixed.all_reduce_sum(_payload(rank, r))
@@ -116,6 +130,13 @@ def test_every_replica_takes_the_decision_of_the_summed_times_and_the_same_bits_
         # p2p: 1 + 3 + 3 = 7 against backend: 2 + 1 + 1 = 4, summed in replica order on every replica
         assert res[rank]["chosen"] == BACKEND and res[rank]["totals"] == (7.0, 4.0)
         assert res[rank]["fixed_calls"] == ours * ROUNDS  # all_reduce="p2p": never tried, never shared
+        assert res[rank]["early_decided"] == BACKEND
+        # the times, the carrying round's reduce-scatter, the next round (decided: gloo's), the carrying all-gather
+        assert res[rank]["early_calls"] == ["batch_isend_irecv", "batch_isend_irecv", "all_reduce", "batch_isend_irecv"]
+        for r, total in zip((4, 5), res[rank]["early_sums"]):
+            assert torch.equal(total, res[0]["early_sums"][r - 4])
+            expected = sum_in_group_order({i: _payload(i, r) for i in range(world)}, range(world))
+            assert torch.allclose(total, expected, rtol=1e-5, atol=1e-4)
         for r in range(ROUNDS):
             assert torch.equal(res[rank]["sums"][r], res[0]["sums"][r]), (rank, r)  # the same bits everywhere
             expected = sum_in_group_order({i: _payload(i, r) for i in range(world)}, range(world))

@@ -18,7 +18,8 @@ each way, and gloo's with more), and each replica notes the seconds from posting
 for, with or without overlap). **Agreement.** In the next round each replica sends the fastest time it saw of each to
 every other one, in a message of two float64 posted before that round's payload (so it does not wait behind
 it), and every replica sums the replicas' times in ascending replica order: bitwise the same totals everywhere,
-so every replica takes the same decision when that round's sum lands: the all-reduce with the smaller total,
+so every replica takes the same decision when that round's sum lands (or, should the payload's next round be
+posted first, before it): the all-reduce with the smaller total,
 ours on a tie. From then on the payload takes it. The trials cost at most two rounds of the slower one; the
 choice is made again after a resume or a heal (a new transport), and the summed bits depend on it (each
 all-reduce adds in its own order): ``all_reduce="p2p"`` or ``"backend"`` fixes it.
@@ -66,6 +67,8 @@ class AllReduceChoice:
         self.seconds: dict[str, list[float]] = {a: [] for a in ALL_REDUCES}
         self.chosen: str | None = None
         self.totals: tuple[float, float] | None = None  # the replicas' summed fastest times, once agreed
+        # posted and not yet waited for: this replica's times, the works, the receive buffers by replica
+        self.sharing: tuple[Tensor, list[Any], dict[int, Tensor]] | None = None
 
     def next_round(self) -> tuple[str, bool]:
         """The all-reduce the next round takes, and whether it carries this replica's times (the agreement

@@ -310,12 +310,12 @@ class TorchDistributedTransport(Transport):
         if self.all_reduce == P2P or part_numel * payload.element_size() < self.chunked_min_bytes:
             return self._post_p2p_all_reduce(payload, round_id)  # small, with two replicas: the pair exchange
         choice = self.choices.setdefault((round_id.optimizer, round_id.fragment, part_numel), AllReduceChoice())
+        self._take_decision(choice)  # a round posted before the one that carried the times landed: decide first
         algorithm, share = choice.next_round()
-        shared = None
         if share:  # before the payload, so that it does not wait behind it
-            mine = choice.mine()
             try:
-                shared = post_times(mine, self.replica_ranks, self.replica, self.process_group)
+                mine = choice.mine()
+                choice.sharing = (mine, *post_times(mine, self.replica_ranks, self.replica, self.process_group))
             except RuntimeError as err:
                 raise self.peer_error([j for j in range(self.num_replicas) if j != self.replica], err) from err
         pending = (self._post_p2p_all_reduce(payload, round_id) if algorithm == P2P
@@ -325,15 +325,24 @@ class TorchDistributedTransport(Transport):
         def timed() -> Tensor:
             result = landed()
             choice.record(algorithm, time.perf_counter() - started)
-            if shared is not None:
-                works, received = shared
-                for work in works:
-                    work.wait()
-                choice.decide({**received, self.replica: mine})
+            self._take_decision(choice)
             return result
 
         pending.finish = timed
         return pending
+
+    def _take_decision(self, choice: AllReduceChoice) -> None:
+        """Waits for the replicas' times, once posted, and decides (see :mod:`~lightning_loco.transport.choice`)."""
+        if choice.sharing is None:
+            return
+        mine, works, received = choice.sharing
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            raise self.peer_error(sorted(received), err) from err
+        choice.sharing = None
+        choice.decide({**received, self.replica: mine})
 
     def _post_p2p_all_reduce(self, payload: Tensor, round_id: RoundId) -> PendingSum:
         """Our all-reduce: with two replicas the pair exchange, else the chunked one (see the module docstring)."""
