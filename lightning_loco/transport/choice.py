@@ -23,6 +23,11 @@ posted first, before it): the all-reduce with the smaller total,
 ours on a tie. From then on the payload takes it. The trials cost at most two rounds of the slower one; the
 choice is made again after a resume or a heal (a new transport), and the summed bits depend on it (each
 all-reduce adds in its own order): ``all_reduce="p2p"`` or ``"backend"`` fixes it.
+
+Limits: the trial times run from posting to the sum, so with overlap they include the compute a round overlaps
+(once an exchange is hidden the choice matters little); the decision is not revisited later in a run; gloo's side
+of the trial is its all-reduce cut over the stream groups, and with eight replicas at 25 Mbit/s one ring whole was
+faster than that (docs/benchmarks.md, B7), a candidate not tried yet.
 """
 
 from __future__ import annotations
