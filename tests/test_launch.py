@@ -1,7 +1,10 @@
 """The launch helpers of ``lightning_loco.testing``: ranks of a function (a real gloo all-reduce, a rank
-that raises, a rank that hangs), a strategy's class by its name, and a Lighthouse on a free port."""
+that raises, one that hangs, one that crashes, ranks forked beside the parent's uncollected gloo group), a
+strategy's class by its name, and a Lighthouse on a free port."""
 
+import gc
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -93,9 +96,49 @@ def test_a_rank_that_hangs_is_stopped_at_the_bound_and_named() -> None:
     with pytest.raises(RanksFailed) as err:
         start_ranks(_one_hangs, 2, start_method="fork", timeout_s=5)
     assert list(err.value.failed) == [1]
-    assert "rank 1 did not finish within 5 s and was stopped" in str(err.value)
+    assert "rank 1 did not finish within 5 s and was stopped; its threads were at:" in str(err.value)
+    assert "in _wait_forever" in str(err.value)  # where it hung: its stack, dumped before it was stopped
     assert "rank 0" not in str(err.value)  # it returned
     assert _gone(err.value.pids[1])
+
+
+def _aborts(rank: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a native crash: no traceback comes back, the pipe just closes
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_it() -> None:
+    with pytest.raises(RanksFailed) as err:
+        start_ranks(_aborts, 2, start_method="fork", timeout_s=60)
+    assert list(err.value.failed) == [1]
+    assert err.value.failed[1] == "exited with code -9"  # SIGKILL, and no report to read
+
+
+def _collect_and_sum(rank: int, store: str, out: str) -> None:
+    gc.collect()  # a full collection, as any child's allocations bring one sooner or later
+    _all_reduce(rank, store, out)
+
+
+def test_ranks_forked_from_a_process_with_an_uncollected_gloo_group_do_not_run_its_destructor(tmp_path: Path) -> None:
+    """The parent holds a gloo process group that nothing references but a reference cycle (garbage the
+    collector has not reached yet). A forked child that collected it ran its destructor, which joins worker
+    threads the child does not have: it hung forever (or aborted with std::system_error). Children freeze what
+    they inherit (lightning_loco.testing.fork_safety), so the ranks collect, sum and return."""
+    cycle: dict = {}
+    cycle["self"] = cycle
+    store = dist.FileStore(str(tmp_path / "parent_store"), 1)
+    cycle["group"] = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30))
+    cycle["group"].allreduce([torch.ones(2)]).wait()  # its threads have run
+    del cycle, store
+    gc.disable()  # the cycle stays uncollected in this process until the ranks are forked
+    try:
+        start_ranks(_collect_and_sum, 2, args=(str(tmp_path / "store"), str(tmp_path)), start_method="fork",
+                    timeout_s=120)
+    finally:
+        gc.enable()
+        gc.collect()  # here, where its threads are, the destructor joins them
+    for rank in range(2):
+        assert torch.equal(torch.load(tmp_path / f"{rank}.pt"), torch.tensor([3.0, 30.0]))
 
 
 def test_bad_arguments_to_start_ranks() -> None:

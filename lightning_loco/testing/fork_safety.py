@@ -1,11 +1,35 @@
 """When a fork of this process is unsafe: :func:`fork_hazards` (read by
-:func:`lightning_loco.testing.launch.run_module_forked` and ``benchmarks.common.forking``)."""
+:func:`lightning_loco.testing.launch.run_module_forked` and ``benchmarks.common.forking``); and what keeps a
+forked child from running the destructors of objects it inherited: :func:`freeze_inherited_objects`.
+
+A forked child inherits its parent's garbage: objects no longer referenced but not yet collected (a reference
+cycle waits for the cyclic collector). When the child's collector frees one that owns threads, its destructor
+runs in the child, where those threads do not exist: a gloo process group's destructor then joins its worker
+threads and waits forever, or aborts with ``std::system_error: No such process``. Both were seen in the test
+suite: three ranks forked from a test process that had run other tests hung in their first full collection
+until stopped after 180 s; the same with an unreferenced ``ProcessGroupGloo`` reproduces it at once. So every
+child forked from a process that imported this module freezes what it inherited (``gc.freeze``: the
+collector never looks at those objects again, and the child frees only what it made itself).
+"""
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
-__all__ = ["fork_hazards"]
+__all__ = ["fork_hazards", "freeze_inherited_objects"]
+
+
+def freeze_inherited_objects() -> None:
+    """In a forked child: moves every object it inherited out of the cyclic collector's reach (``gc.freeze``),
+    so that no destructor of the parent's garbage runs here (see the module docstring). Registered to run after
+    every ``os.fork`` (multiprocessing's and Lightning's fork launchers included) once this module is imported."""
+    gc.freeze()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=freeze_inherited_objects)
 
 
 def fork_hazards() -> list[str]:

@@ -20,13 +20,16 @@ Elastic replicas and their Lighthouse, separate processes each, are in :mod:`lig
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -108,15 +111,19 @@ class RanksFailed(RuntimeError):
         self.failed, self.pids = failed, pids
 
 
-def _run_rank(fn: Callable[..., Any], rank: int, args: Sequence[Any], report: Any) -> None:
+def _run_rank(fn: Callable[..., Any], rank: int, args: Sequence[Any], report: Any, stacks: str) -> None:
     """A rank's process: ``fn(rank, *args)``; an exception's traceback goes back to the parent through
-    ``report``, cut to its end so that it fits the pipe's buffer and the child never waits on the parent."""
-    try:
-        fn(rank, *args)
-    except Exception:
-        report.send(traceback.format_exc()[-_TRACEBACK_CHARS:])
-        report.close()
-        sys.exit(1)
+    ``report``, cut to its end so that it fits the pipe's buffer and the child never waits on the parent.
+    ``SIGUSR1`` writes every thread's stack to the file ``stacks`` (what :func:`start_ranks` shows of a rank
+    that hung)."""
+    with open(stacks, "w") as dump:
+        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+        try:
+            fn(rank, *args)
+        except Exception:
+            report.send(traceback.format_exc()[-_TRACEBACK_CHARS:])
+            report.close()
+            sys.exit(1)
 
 
 def fork_is_safe() -> bool:
@@ -149,7 +156,8 @@ def start_ranks(
 
     Returns when every rank has returned. When a rank raises or exits with a non-zero code, the others
     are stopped at once; when ``timeout_s`` passes first, the ranks still running are stopped. Either
-    way :class:`RanksFailed` names the ranks (with a failed rank's traceback), after every process is
+    way :class:`RanksFailed` names the ranks (with a failed rank's traceback, and where each thread of a rank
+    that hung was: its stacks, dumped by ``faulthandler`` before it was stopped), after every process is
     gone. Processes that a rank started itself are its own to stop."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -163,20 +171,23 @@ def start_ranks(
                          "initialised here): pass start_method='spawn', or leave it out to choose")
     context = multiprocessing.get_context(start_method)
     procs, reports, stopped = [], [], []
+    stacks = Path(tempfile.mkdtemp(prefix="ranks-"))
     try:
         for rank in range(world_size):
             receive, send = context.Pipe(duplex=False)
             proc = context.Process(  # type: ignore[attr-defined]  # every concrete context has Process
-                target=_run_rank, args=(fn, rank, tuple(args), send), name=f"rank {rank}")
+                target=_run_rank, args=(fn, rank, tuple(args), send, str(stacks / f"{rank}.txt")),
+                name=f"rank {rank}")
             proc.start()
             send.close()  # the child holds the sending end now
             procs.append(proc)
             reports.append(receive)
-        failed = _join(procs, reports, timeout_s)
+        failed = _join(procs, reports, timeout_s, stacks)
     finally:
         stopped = [rank for rank, proc in enumerate(procs) if _stop(proc)]
         for receive in reports:
             receive.close()
+        shutil.rmtree(stacks, ignore_errors=True)
     if failed:
         lines = "".join(f"\nrank {rank} {what}" for rank, what in sorted(failed.items()))
         others = sorted(set(stopped) - set(failed))
@@ -185,25 +196,56 @@ def start_ranks(
                           {rank: proc.pid for rank, proc in enumerate(procs)})
 
 
-def _join(procs: list[Any], reports: list[Any], timeout_s: float) -> dict[int, str]:
+def _join(procs: list[Any], reports: list[Any], timeout_s: float, stacks: Path) -> dict[int, str]:
     """Waits until every rank has exited, one has failed, or ``timeout_s`` has passed; returns what
-    happened to each rank that failed, or to each one still running at the deadline."""
+    happened to each rank that failed, or to each one still running at the deadline (with its threads'
+    stacks, from the files in ``stacks``)."""
     deadline = time.monotonic() + timeout_s
     running = dict(enumerate(procs))
     failed: dict[int, str] = {}
     while running and not failed:
         left = deadline - time.monotonic()
         if left <= 0:
-            return {rank: f"did not finish within {timeout_s:g} s and was stopped" for rank in running}
+            dumps = _dump_stacks(running, stacks)
+            return {rank: f"did not finish within {timeout_s:g} s and was stopped; its threads were at:\n{dumps[rank]}"
+                    for rank in running}
         ready = multiprocessing.connection.wait([p.sentinel for p in running.values()], timeout=left)
         for rank, proc in list(running.items()):
             if proc.sentinel in ready:
                 proc.join()
                 del running[rank]
                 if proc.exitcode != 0:
-                    error = reports[rank].recv() if reports[rank].poll() else ""
+                    error = _report(reports[rank])
                     failed[rank] = f"exited with code {proc.exitcode}" + (f":\n{error}" if error else "")
     return failed
+
+
+def _report(receive: Any) -> str:
+    """What a failed rank sent back (its traceback), or nothing where it died before sending (a native abort
+    closes the pipe: ``poll`` is then true and ``recv`` finds no message)."""
+    try:
+        return receive.recv() if receive.poll() else ""
+    except EOFError:
+        return ""
+
+
+def _dump_stacks(running: dict[int, Any], stacks: Path, settle_s: float = 5.0) -> dict[int, str]:
+    """Asks each running rank for its threads' stacks (``SIGUSR1``, see :func:`_run_rank`) and returns what each
+    wrote within ``settle_s`` seconds (its end), or a line saying that nothing came."""
+    for proc in running.values():
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    deadline, dumps = time.monotonic() + settle_s, {}
+    for rank in running:
+        path = stacks / f"{rank}.txt"
+        while not (text := path.read_text(errors="replace") if path.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # the dump is written thread by thread: let it end
+        text = path.read_text(errors="replace") if path.exists() else ""
+        dumps[rank] = text[-_TRACEBACK_CHARS:] if text else "(no stacks came: the process did not answer SIGUSR1)"
+    return dumps
 
 
 def _stop(proc: Any) -> bool:
