@@ -10,12 +10,20 @@ suite: three ranks forked from a test process that had run other tests hung in t
 until stopped after 180 s; the same with an unreferenced ``ProcessGroupGloo`` reproduces it at once. So every
 child forked from a process that imported this module freezes what it inherited (``gc.freeze``: the
 collector never looks at those objects again, and the child frees only what it made itself).
+
+The same hook renews torch's intra-op thread pool on the child's one thread. After a fork torch marks the pool
+it inherited as corrupt and replaces it at the next ``set_num_threads``, without a lock; each new thread makes that
+call on its first parallel op, so two threads starting together in a fresh child can both take the replacement
+and one finds no pool (``RuntimeError: pool INTERNAL ASSERT FAILED ... ParallelOpenMP.cpp ... Invalid thread
+pool!``: seen once in B5's quick run in the suite, in a pool worker whose simulator started its replicas' threads).
+One ``set_num_threads`` right after the fork, before any thread starts, does the replacement alone.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import sys
 from pathlib import Path
 
 __all__ = ["fork_hazards", "freeze_inherited_objects"]
@@ -23,9 +31,13 @@ __all__ = ["fork_hazards", "freeze_inherited_objects"]
 
 def freeze_inherited_objects() -> None:
     """In a forked child: moves every object it inherited out of the cyclic collector's reach (``gc.freeze``),
-    so that no destructor of the parent's garbage runs here (see the module docstring). Registered to run after
+    so that no destructor of the parent's garbage runs here, and renews torch's thread pool at its inherited
+    size while the child has one thread (see the module docstring). Registered to run after
     every ``os.fork`` (multiprocessing's and Lightning's fork launchers included) once this module is imported."""
     gc.freeze()
+    torch = sys.modules.get("torch")
+    if torch is not None:  # its thread pool, renewed here before any thread of the child asks for it
+        torch._C.set_num_threads(torch._C.get_num_threads())
 
 
 if hasattr(os, "register_at_fork"):
