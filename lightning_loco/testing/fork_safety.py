@@ -1,6 +1,7 @@
 """When a fork of this process is unsafe: :func:`fork_hazards` (read by
 :func:`lightning_loco.testing.launch.run_module_forked` and ``benchmarks.common.forking``); and what keeps a
-forked child from running the destructors of objects it inherited: :func:`freeze_inherited_objects`.
+forked child from running the destructors of objects it inherited: :func:`after_fork_in_child`; and whether
+:func:`~lightning_loco.testing.ranks.start_ranks` may fork here: :func:`fork_is_safe`.
 
 A forked child inherits its parent's garbage: objects no longer referenced but not yet collected (a reference
 cycle waits for the cyclic collector). When the child's collector frees one that owns threads, its destructor
@@ -22,14 +23,15 @@ One ``set_num_threads`` right after the fork, before any thread starts, does the
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import sys
 from pathlib import Path
 
-__all__ = ["fork_hazards", "freeze_inherited_objects"]
+__all__ = ["after_fork_in_child", "fork_hazards", "fork_is_safe"]
 
 
-def freeze_inherited_objects() -> None:
+def after_fork_in_child() -> None:
     """In a forked child: moves every object it inherited out of the cyclic collector's reach (``gc.freeze``),
     so that no destructor of the parent's garbage runs here, and renews torch's thread pool at its inherited
     size while the child has one thread (see the module docstring). Registered to run after
@@ -41,7 +43,7 @@ def freeze_inherited_objects() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=freeze_inherited_objects)
+    os.register_at_fork(after_in_child=after_fork_in_child)
 
 
 def fork_hazards() -> list[str]:
@@ -61,3 +63,16 @@ def fork_hazards() -> list[str]:
         except OSError:  # the thread ended meanwhile
             continue
     return sorted(name for name in names if name.startswith("torchft"))
+
+
+def fork_is_safe() -> bool:
+    """Whether forking this process gives children that work: ``fork`` exists here, CUDA is not
+    initialised (a forked child cannot use it) and no default process group is (a child would share
+    its connections). A process that has trained may also hold locks in threads a child inherits:
+    pass ``start_method="spawn"`` there."""
+    import torch
+    import torch.distributed as dist
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    return not torch.cuda.is_initialized() and not (dist.is_available() and dist.is_initialized())
