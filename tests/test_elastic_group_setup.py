@@ -108,9 +108,18 @@ def test_a_transient_failure_is_taken_alone_and_counted(monkeypatch, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="lightning_loco"):
             assert membership.at_switch(0, dict, lambda state, healed: 0) == 0
-        assert membership.view is not None and membership.view.pg is None  # the membership's rounds: alone
-        assert [e["error"] for e in membership.group_errors] == ["ConnectionResetError: Connection reset by peer"]
+            assert membership.view is not None and membership.view.pg is None  # the membership's rounds: alone
+            # The membership after it was asked for in the background at the switch; its rendezvous fails too.
+            # Waited for, so that the count below does not depend on how far that request got.
+            after = membership._request
+            assert after is not None
+            after.thread.join(60)
+            assert not after.thread.is_alive(), after.doing
+        reset = "ConnectionResetError: Connection reset by peer"
+        assert [e["error"] for e in membership.group_errors] == [reset, reset]
+        assert [e["quorum_id"] for e in membership.group_errors] == [1, 1]  # the Lighthouse's quorum is unchanged
         assert "outer/membership_errors" in caplog.text and "taken alone" in caplog.text
+        assert "(1 such membership(s) so far" in caplog.text and "(2 such membership(s) so far" in caplog.text
     finally:
         membership.close()
         server.shutdown()
