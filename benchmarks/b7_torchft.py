@@ -93,7 +93,7 @@ TIMEOUT_S = 900
 IDLE_KEEPS_WINDOW = {"net.ipv4.tcp_slow_start_after_idle": "0"}  # set in the emulated namespaces only
 # untimed rounds before the timed ones: round 0 warms the connections, and with all_reduce="auto" (our default) a
 # payload's all-reduce is decided after its trials and the round that carries their times (transport.choice)
-SETTLE_ROUNDS = 5  # len(transport.choice.TRIALS) + 1 (not imported: this process does not load torch)
+SETTLE_ROUNDS = 7  # len(transport.choice.TRIALS_CUT) + 1 (not imported: this process does not load torch)
 
 
 def staged_transport(k: int) -> Any:
@@ -452,7 +452,7 @@ def main() -> None:
                         print(f"    the emulator: {row['emulator']}", flush=True)
                     if row["all_reduce_choice"]:
                         print(f"    all_reduce='auto' chose (per transport:optimizer/fragment/size, with the summed "
-                              f"times of p2p and backend): {row['all_reduce_choice']}; the same on every replica: "
+                              f"times of p2p, backend and backend_whole): {row['all_reduce_choice']}; the same on every replica: "
                               f"{row['choices_agree']}", flush=True)
     print_table(rows, rounds)
     path = write_json(f"{args.out}.json", {

@@ -1,33 +1,37 @@
 """Which float32 all-reduce a payload takes on gloo, chosen from what the first rounds measured
 (``TorchDistributedTransport(all_reduce="auto")``, the default).
 
-Two all-reduces give the same sum on every replica:
+These all-reduces give the same sum on every replica:
 
 * ``"p2p"``, ours: with two replicas one pair exchange, with three or more our reduce-scatter and all-gather of
   point-to-point exchanges (:mod:`~lightning_loco.transport.chunked`): two steps, each about one round trip plus
   its bytes' time;
-* ``"backend"``: gloo's own all-reduce (a ring of 2(N − 1) steps, each waiting a round trip).
+* ``"backend"``: gloo's own all-reduce (a ring of 2(N − 1) steps, each waiting a round trip), cut over the
+  transport's stream groups as the payload's pieces are (one ring per group, all at once);
+* ``"backend_whole"``: gloo's all-reduce of the whole payload on the one main connection (tried only where the
+  payload is cut into more than one piece; otherwise it is ``"backend"``).
 
-Neither is faster everywhere. Ours wins where round trips dominate (N = 8 at 1 M floats on the 100 Mbit/s WAN:
+None is faster everywhere. Ours wins where round trips dominate (N = 8 at 1 M floats on the 100 Mbit/s WAN:
 0.54 × the ring's time) and at N = 4 on the WAN (0.89 ×); with eight replicas on a bandwidth-bound WAN, each
-replica's seven flows at once lost to the ring's two in B7 (1.25–1.62 ×). So the transport measures.
+replica's seven flows at once lost to the ring's two in B7 (1.25–1.62 ×); at 25 Mbit/s with eight replicas
+eight rings at once took 1.11 × one ring (B7). So the transport measures.
 
-**Trials.** Each payload (keyed by its optimizer, fragment and size) of 64 KiB or more takes the two in turn for
-its first :data:`TRIALS` rounds (smaller ones, a few packets, keep the pair exchange with two replicas, one message
-each way, and gloo's with more), and each replica notes the seconds from posting to the sum (what a caller waits
-for, with or without overlap). **Agreement.** In the next round each replica sends the fastest time it saw of each to
-every other one, in a message of two float64 posted before that round's payload (so it does not wait behind
-it), and every replica sums the replicas' times in ascending replica order: bitwise the same totals everywhere,
-so every replica takes the same decision when that round's sum lands (or, should the payload's next round be
-posted first, before it): the all-reduce with the smaller total,
-ours on a tie. From then on the payload takes it. The trials cost at most two rounds of the slower one; the
+**Trials.** Each payload (keyed by its optimizer, fragment and size) of 64 KiB or more takes the candidates in turn
+for its first rounds, each twice (:data:`TRIALS`, or :data:`TRIALS_CUT` where the payload is cut into pieces;
+smaller ones, a few packets, keep the pair exchange with two replicas, one message each way, and gloo's with more),
+and each replica notes the seconds from posting to the sum (what a caller waits for, with or without overlap).
+**Agreement.** In the next round each replica sends the fastest time it saw of each to every other one, in a
+message of float64 (one per all-reduce in :data:`ALL_REDUCES`) posted before that round's payload (so it does not
+wait behind it), and every replica sums the replicas' times in ascending replica order: bitwise the same totals
+everywhere, so every replica takes the same decision when that round's sum lands (or, should the payload's next
+round be posted first, before it): the all-reduce with the smallest total, the earlier in :data:`ALL_REDUCES` on a
+tie (ours first). From then on the payload takes it. The trials cost at most four rounds of slower ones; the
 choice is made again after a resume or a heal (a new transport), and the summed bits depend on it (each
-all-reduce adds in its own order): ``all_reduce="p2p"`` or ``"backend"`` fixes it.
+all-reduce adds in its own order): ``all_reduce="p2p"`` or ``"backend"`` fixes it (``"backend"`` cut over the
+stream groups; with ``streams=1`` whole).
 
 Limits: the trial times run from posting to the sum, so with overlap they include the compute a round overlaps
-(once an exchange is hidden the choice matters little); the decision is not revisited later in a run; gloo's side
-of the trial is its all-reduce cut over the stream groups, and with eight replicas at 25 Mbit/s one ring whole was
-faster than that (docs/benchmarks.md, B7), a candidate not tried yet.
+(once an exchange is hidden the choice matters little); the decision is not revisited later in a run.
 """
 
 from __future__ import annotations
@@ -39,15 +43,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ALL_REDUCES", "ALL_REDUCE_CHOICES", "BACKEND", "P2P", "TRIALS", "AllReduceChoice", "check_all_reduce",
-           "post_times"]
+__all__ = ["ALL_REDUCES", "ALL_REDUCE_CHOICES", "BACKEND", "BACKEND_WHOLE", "P2P", "TRIALS", "TRIALS_CUT",
+           "AllReduceChoice", "check_all_reduce", "post_times", "trials_for"]
 
 P2P = "p2p"
 BACKEND = "backend"
-ALL_REDUCES = (P2P, BACKEND)
+BACKEND_WHOLE = "backend_whole"
+ALL_REDUCES = (P2P, BACKEND, BACKEND_WHOLE)
+"""The candidates, in the order of the times a replica sends and of preference on a tie."""
 ALL_REDUCE_CHOICES = ("auto", P2P, BACKEND)
 TRIALS = (P2P, BACKEND, P2P, BACKEND)
 """The all-reduces a payload's first rounds take, in turn: each twice, so a cold first round is not all it saw."""
+TRIALS_CUT = (P2P, BACKEND, BACKEND_WHOLE, P2P, BACKEND, BACKEND_WHOLE)
+"""The same for a payload cut into several pieces, where gloo's all-reduce whole differs from it cut."""
+
+
+def trials_for(pieces: int) -> tuple[str, ...]:
+    """The trials of a payload cut into ``pieces`` pieces (the same on every replica: it depends on the size)."""
+    return TRIALS_CUT if pieces > 1 else TRIALS
 
 
 def check_all_reduce(all_reduce: str, backend: str) -> None:
@@ -71,7 +84,7 @@ class AllReduceChoice:
         self.posted = 0  # rounds posted for this payload
         self.seconds: dict[str, list[float]] = {a: [] for a in ALL_REDUCES}
         self.chosen: str | None = None
-        self.totals: tuple[float, float] | None = None  # the replicas' summed fastest times, once agreed
+        self.totals: tuple[float, ...] | None = None  # the replicas' summed fastest times, once agreed
         # posted and not yet waited for: this replica's times, the works, the receive buffers by replica
         self.sharing: tuple[Tensor, list[Any], dict[int, Tensor]] | None = None
 
@@ -101,9 +114,9 @@ class AllReduceChoice:
         total = torch.zeros(len(ALL_REDUCES), dtype=torch.float64)
         for j in sorted(by_replica):
             total += by_replica[j]
-        p2p, backend = (float(t) for t in total)
-        self.totals = (p2p, backend)
-        self.chosen = BACKEND if backend < p2p else P2P
+        self.totals = tuple(float(t) for t in total)
+        best = min(range(len(ALL_REDUCES)), key=lambda i: (self.totals[i], i))  # inf == inf: the earlier one
+        self.chosen = ALL_REDUCES[best]
         return self.chosen
 
 

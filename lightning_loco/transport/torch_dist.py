@@ -10,9 +10,10 @@
   chunks a round trip at a time, several times slower on a long fat pipe (``benchmarks/link_efficiency.py``).
   With three replicas or more on gloo, payloads of 64 KiB or more take a reduce-scatter and an all-gather of
   our own point-to-point exchanges instead (:mod:`~lightning_loco.transport.chunked`: every chunk summed by its
-  owner in ascending replica order, bitwise the same on every replica). Which of ours and gloo's own a payload
-  takes is chosen from its first rounds' measured times, every replica alike (``all_reduce="auto"``, the default:
-  :mod:`~lightning_loco.transport.choice`), or fixed (``"p2p"``, ``"backend"``). NCCL's all-reduce stays NCCL's.
+  owner in ascending replica order, bitwise the same on every replica). Which of ours and gloo's own (cut over the
+  stream groups, or whole on one connection) a payload takes is chosen from its first rounds' measured times, every
+  replica alike (``all_reduce="auto"``, the default: :mod:`~lightning_loco.transport.choice`), or fixed (``"p2p"``,
+  ``"backend"``). NCCL's all-reduce stays NCCL's.
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
 training goes on, and ``PendingSum.wait()`` returns the sum (:mod:`~lightning_loco.transport.pending_sum`:
@@ -60,10 +61,12 @@ from lightning_loco.transport.base import (
 )
 from lightning_loco.transport.choice import (
     BACKEND,
+    BACKEND_WHOLE,
     P2P,
     AllReduceChoice,
     check_all_reduce,
     post_times,
+    trials_for,
 )
 from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
 from lightning_loco.transport.pending_sum import PendingSum
@@ -309,7 +312,9 @@ class TorchDistributedTransport(Transport):
             return self._post_backend_all_reduce(payload)
         if self.all_reduce == P2P or part_numel * payload.element_size() < self.chunked_min_bytes:
             return self._post_p2p_all_reduce(payload, round_id)  # small, with two replicas: the pair exchange
-        choice = self.choices.setdefault((round_id.optimizer, round_id.fragment, part_numel), AllReduceChoice())
+        cut = self.pieces(self.slice(payload)) if self.ranks_per_replica == 1 else 1  # as gloo's side cuts it
+        choice = self.choices.setdefault((round_id.optimizer, round_id.fragment, part_numel),
+                                         AllReduceChoice(trials_for(cut)))
         self._take_decision(choice)  # a round posted before the one that carried the times landed: decide first
         algorithm, share = choice.next_round()
         if share:  # before the payload, so that it does not wait behind it
@@ -319,7 +324,7 @@ class TorchDistributedTransport(Transport):
             except RuntimeError as err:
                 raise self.peer_error([j for j in range(self.num_replicas) if j != self.replica], err) from err
         pending = (self._post_p2p_all_reduce(payload, round_id) if algorithm == P2P
-                   else self._post_backend_all_reduce(payload))
+                   else self._post_backend_all_reduce(payload, whole=algorithm == BACKEND_WHOLE))
         started, landed = time.perf_counter(), pending.finish
 
         def timed() -> Tensor:
@@ -356,15 +361,16 @@ class TorchDistributedTransport(Transport):
             return self.pending(works, landed, nbytes, peers)
         return cast(PendingSum, start_chunked_all_reduce(self, payload, round_id))
 
-    def _post_backend_all_reduce(self, payload: Tensor) -> PendingSum:
-        """The backend's own all-reduce (cut over the stream groups with replicas of one rank)."""
+    def _post_backend_all_reduce(self, payload: Tensor, whole: bool = False) -> PendingSum:
+        """The backend's own all-reduce (cut over the stream groups with replicas of one rank, unless ``whole``:
+        then on the main group alone)."""
         staged = self._staged(payload)
         buf = self.staging.to_host(payload) if staged else payload.to(self.device)
         part = self.slice(buf)
         group = self.process_group if self.ranks_per_replica == 1 else self.slice_group
         n = self.num_replicas
         peers = tuple(j for j in range(n) if j != self.replica)
-        cuts = self.pieces(part) if self.ranks_per_replica == 1 else 1
+        cuts = self.pieces(part) if self.ranks_per_replica == 1 and not whole else 1
         groups = self.stream_groups[:cuts] if self.ranks_per_replica == 1 else [group]
         try:
             works = [dist.all_reduce(piece(part, c, cuts), op=dist.ReduceOp.SUM, group=g, async_op=True)
