@@ -141,3 +141,28 @@ def test_each_rounds_report_counts_the_groups_that_failed_so_far():
     assert metrics["outer/membership_errors"] == 1.0
     plain = OuterStepReport(0, 3, 40, (1,), 100, 100, 0.1, 0.2)  # the static launch: nothing logged
     assert "outer/membership_errors" not in OuterStepMonitor._metrics(plain, 1)
+
+
+def test_a_dropped_round_leaves_no_report_and_the_reports_before_it_keep_their_count():
+    """A DiLoCo round finished alone is dropped: it makes no report (the next round's report counts the failures
+    so far), and the report before it keeps its own count. A replica whose first round was dropped raised
+    ``IndexError`` here."""
+    from lightning_loco.algorithms import DiLoCo
+
+    script = [Script(quorum_id=1, switch=0, members=("a", "b"))]
+    first = Hub()  # the partner gone before the first round
+    a, _ = (elastic_runner(first, r, i, script, DiLoCo()) for i, r in enumerate("ab"))
+    first.kill("b")
+    with pytest.warns(UserWarning, match="finished the round alone"):
+        a.run(H)
+    assert a.driver.plugin.rounds[-1]["dropped"] and a.driver.reports == []
+
+    later = Hub()  # one round together, a failure counted, then the partner gone
+    a, b = (elastic_runner(later, r, i, script, DiLoCo()) for i, r in enumerate("ab"))
+    in_threads(lambda: a.run(H), lambda: b.run(H))
+    a.driver.transport.membership.group_errors.append({"quorum_id": 7, "error": "RuntimeError: timed out"})
+    later.kill("b")
+    with pytest.warns(UserWarning, match="finished the round alone"):
+        a.run(H)
+    assert a.driver.plugin.rounds[-1]["dropped"]
+    assert [r.membership_errors for r in a.driver.reports] == [0]  # the round before keeps its count

@@ -112,9 +112,10 @@ class ElasticPlugin(DriverPlugin):
                             "group": list(self.transport.member_ids(group))})
 
     def after_landing(self, landing: Landing) -> None:
-        reports = self.driver.reports  # the landing's report, just left: it counts the groups that failed so far
-        errors = len(getattr(self.membership, "group_errors", ()))
-        reports[-1] = dataclasses.replace(reports[-1], membership_errors=errors)
+        if landing.outcome is not Outcome.DROPPED:  # a dropped round leaves no report (the next one counts)
+            reports = self.driver.reports  # the landing's report, just left: it counts the groups that failed so far
+            errors = len(getattr(self.membership, "group_errors", ()))
+            reports[-1] = dataclasses.replace(reports[-1], membership_errors=errors)
         self.rounds[-1].update(alone=landing.outcome is not Outcome.EXCHANGED,
                                dropped=landing.outcome is Outcome.DROPPED)
         self.committed += landing.outcome is Outcome.EXCHANGED
