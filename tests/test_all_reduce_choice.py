@@ -28,6 +28,7 @@ import tiny
 
 NUMEL = 1001
 ROUNDS = len(TRIALS) + 3  # the trials, the round that carries the times, two rounds after the decision
+WHOLE_ROUNDS = (2, 5, 7)  # the rounds a payload cut in two takes whole below: two trials, then decided whole
 
 
 def test_a_payload_tries_each_all_reduce_twice_then_carries_its_times_then_keeps_the_decision():
@@ -85,13 +86,14 @@ def test_trials_of_an_unknown_all_reduce_are_refused():
 
 def test_ours_is_refused_where_it_cannot_run_and_an_unknown_choice_names_the_choices():
     for backend in ("gloo", "nccl"):
-        check_all_reduce("auto", backend)
-        check_all_reduce("backend", backend)
+        for choice in ("auto", "backend", "backend_whole"):
+            check_all_reduce(choice, backend)
     check_all_reduce("p2p", "gloo")
     with pytest.raises(ValueError, match="all_reduce='p2p' .* runs on gloo only; on nccl .* pass all_reduce='auto' or "
                        "'backend'"):
         check_all_reduce("p2p", "nccl")
-    with pytest.raises(ValueError, match="all_reduce must be one of \\('auto', 'p2p', 'backend'\\), got 'ring'"):
+    with pytest.raises(ValueError, match="all_reduce must be one of \\('auto', 'p2p', 'backend', 'backend_whole'\\), "
+                       "got 'ring'"):
         check_all_reduce("ring", "gloo")
 
 
@@ -115,7 +117,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         t = TorchDistributedTransport(torch.device("cpu"))  # all_reduce="auto", the default
         fixed = TorchDistributedTransport(torch.device("cpu"), all_reduce="p2p")
         cut = TorchDistributedTransport(torch.device("cpu"), streams=2)  # every payload cut into two pieces
-        for transport in (t, fixed, cut):
+        whole = TorchDistributedTransport(torch.device("cpu"), streams=2, all_reduce="backend_whole")
+        for transport in (t, fixed, cut, whole):
             transport.chunked_min_bytes = 0
         res: dict = {"calls": [], "sums": []}
         for r in range(ROUNDS):
@@ -154,6 +157,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["cut_sums"].append(cut.all_reduce_sum(_payload(rank, r)).clone())
             res["cut_calls"].append([c[0] for c in log.take()])
         res["cut_chosen"], res["cut_totals"] = cut.choices[(0, 0, NUMEL)].chosen, cut.choices[(0, 0, NUMEL)].totals
+        # the payloads of the rounds the cut transport took whole: its two trials and a round after the decision
+        res["whole_sums"] = [whole.all_reduce_sum(_payload(rank, r)).clone() for r in WHOLE_ROUNDS]
+        res["whole_calls"] = [c[0] for c in log.take()]
         log.active = False
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
     finally:
@@ -197,6 +203,11 @@ def test_every_replica_takes_the_decision_of_the_summed_times_and_the_same_bits_
         assert res[rank]["cut_calls"] == cut_calls, rank
         assert all(len(s) == 2 and min(s) > 0 for s in res[rank]["cut_measured"].values()), res[rank]["cut_measured"]
         assert res[rank]["cut_chosen"] == BACKEND_WHOLE and res[rank]["cut_totals"] == (7.0, 6.0, 5.0)
+        # all_reduce="backend_whole" fixes the decision: one all-reduce per round, never tried, never shared; the
+        # same bits as the rounds the decision sent there
+        assert res[rank]["whole_calls"] == ["all_reduce"] * len(WHOLE_ROUNDS)
+        for r, total in zip(WHOLE_ROUNDS, res[rank]["whole_sums"]):
+            assert torch.equal(total, res[rank]["cut_sums"][r]), (rank, r)
         for r, total in enumerate(res[rank]["cut_sums"]):
             assert torch.equal(total, res[0]["cut_sums"][r]), (rank, r)
             expected = sum_in_group_order({i: _payload(i, r) for i in range(world)}, range(world))

@@ -25,10 +25,10 @@ message of float64 (one per all-reduce in :data:`ALL_REDUCES`) posted before tha
 wait behind it), and every replica sums the replicas' times in ascending replica order: bitwise the same totals
 everywhere, so every replica takes the same decision when that round's sum lands (or, should the payload's next
 round be posted first, before it): the all-reduce with the smallest total, the earlier in :data:`ALL_REDUCES` on a
-tie (ours first). From then on the payload takes it. The trials cost at most four rounds of slower ones; the
-choice is made again after a resume or a heal (a new transport), and the summed bits depend on it (each
-all-reduce adds in its own order): ``all_reduce="p2p"`` or ``"backend"`` fixes it (``"backend"`` cut over the
-stream groups; with ``streams=1`` whole).
+tie (ours first). From then on the payload takes it. The cost: the trial rounds of slower candidates (at most
+four), the round that carries the times, and with overlap the round posted before the decision lands (both take
+ours). The choice is made again after a resume or a heal (a new transport), and the summed bits depend on it (each
+all-reduce adds in its own order): ``all_reduce="p2p"``, ``"backend"`` or ``"backend_whole"`` fixes it.
 
 Limits: the trial times run from posting to the sum, so with overlap they include the compute a round overlaps
 (once an exchange is hidden the choice matters little); the decision is not revisited later in a run.
@@ -51,7 +51,7 @@ BACKEND = "backend"
 BACKEND_WHOLE = "backend_whole"
 ALL_REDUCES = (P2P, BACKEND, BACKEND_WHOLE)
 """The candidates, in the order of the times a replica sends and of preference on a tie."""
-ALL_REDUCE_CHOICES = ("auto", P2P, BACKEND)
+ALL_REDUCE_CHOICES = ("auto", P2P, BACKEND, BACKEND_WHOLE)
 TRIALS = (P2P, BACKEND, P2P, BACKEND)
 """The all-reduces a payload's first rounds take, in turn: each twice, so a cold first round is not all it saw."""
 TRIALS_CUT = (P2P, BACKEND, BACKEND_WHOLE, P2P, BACKEND, BACKEND_WHOLE)
@@ -67,7 +67,8 @@ def check_all_reduce(all_reduce: str, backend: str) -> None:
     """Refuses an unknown ``all_reduce``, and ``"p2p"`` where ours cannot run (any backend but gloo)."""
     if all_reduce not in ALL_REDUCE_CHOICES:
         raise ValueError(f"all_reduce must be one of {ALL_REDUCE_CHOICES}, got {all_reduce!r}: 'auto' (chosen from "
-                         "the first rounds' times), 'p2p' (ours, always) or 'backend' (the backend's own, always)")
+                         "the first rounds' times), 'p2p' (ours, always), 'backend' (the backend's own, always, cut "
+                         "over the stream groups) or 'backend_whole' (the backend's own on one connection, always)")
     if all_reduce == P2P and backend != "gloo":
         raise ValueError(f"all_reduce='p2p' (our all-reduce of point-to-point messages) runs on gloo only; on "
                          f"{backend} the all-reduce is {backend}'s own (its channels and sockets): pass "

@@ -13,7 +13,7 @@
   owner in ascending replica order, bitwise the same on every replica). Which of ours and gloo's own (cut over the
   stream groups, or whole on one connection) a payload takes is chosen from its first rounds' measured times, every
   replica alike (``all_reduce="auto"``, the default: :mod:`~lightning_loco.transport.choice`), or fixed (``"p2p"``,
-  ``"backend"``). NCCL's all-reduce stays NCCL's.
+  ``"backend"``, ``"backend_whole"``). NCCL's all-reduce stays NCCL's.
 
 The transfer progresses in the background (gloo's own threads on CPU, NCCL's stream on GPU) while
 training goes on, and ``PendingSum.wait()`` returns the sum (:mod:`~lightning_loco.transport.pending_sum`:
@@ -112,10 +112,11 @@ class TorchDistributedTransport(Transport):
         stream_groups: the s − 1 extra groups, made by the caller (the strategies': with the run's
             backend and timeout, and NCCL's warm-up, :class:`~lightning_loco.replica.process_groups.ProcessGroups`).
         all_reduce: on gloo, which float32 all-reduce a payload takes where ours applies (two replicas, or three or
-            more with payloads of 64 KiB or more; see the module docstring): ``"auto"`` (default) chooses between
-            ours and the backend's from the first rounds' measured times, every replica alike
-            (:mod:`~lightning_loco.transport.choice`); ``"p2p"``: ours always (with two replicas one pair exchange,
-            with more our reduce-scatter and all-gather); ``"backend"``: the backend's own always (gloo's ring).
+            more with payloads of 64 KiB or more; see the module docstring): ``"auto"`` (default) chooses among
+            ours and the backend's (cut over the stream groups, or whole) from the first rounds' measured times,
+            every replica alike (:mod:`~lightning_loco.transport.choice`); ``"p2p"``: ours always (with two replicas
+            one pair exchange, with more our reduce-scatter and all-gather); ``"backend"``: the backend's own always
+            (gloo's ring, cut over the stream groups); ``"backend_whole"``: the backend's own on one connection.
             A fixed choice keeps the summed bits the same from run to run. Lossy wire formats take the coded
             exchange (:mod:`~lightning_loco.wire.coded`) whatever the choice, since no backend sums encoded bytes,
             and NCCL's all-reduce is always NCCL's. Through the strategies:
@@ -166,7 +167,7 @@ class TorchDistributedTransport(Transport):
         self._side_stream: Any | None = None  # CUDA transports: where completion events are recorded
         self.streams = streams  # the groups there are (with "auto", the most pieces a message is cut into)
         # two replicas on gloo: an all-reduce is one pair exchange (see the module docstring)
-        ours = dist.get_backend(process_group) == "gloo" and all_reduce != BACKEND
+        ours = dist.get_backend(process_group) == "gloo" and all_reduce not in (BACKEND, BACKEND_WHOLE)
         self.all_reduce = all_reduce
         self.choices: dict[tuple[int, int, int], AllReduceChoice] = {}  # "auto": per payload (see choice)
         self.pairwise_all_reduce = self.num_replicas == 2 and ours
@@ -309,7 +310,7 @@ class TorchDistributedTransport(Transport):
         ours = self.pairwise_all_reduce or (
             self.chunked_all_reduce and part_numel * payload.element_size() >= self.chunked_min_bytes)
         if not ours:
-            return self._post_backend_all_reduce(payload)
+            return self._post_backend_all_reduce(payload, whole=self.all_reduce == BACKEND_WHOLE)
         if self.all_reduce == P2P or part_numel * payload.element_size() < self.chunked_min_bytes:
             return self._post_p2p_all_reduce(payload, round_id)  # small, with two replicas: the pair exchange
         cut = self.pieces(self.slice(payload)) if self.ranks_per_replica == 1 else 1  # as gloo's side cuts it
