@@ -452,8 +452,8 @@ def main() -> None:
                         print(f"    the emulator: {row['emulator']}", flush=True)
                     if row["all_reduce_choice"]:
                         print(f"    all_reduce='auto' chose (per transport:optimizer/fragment/size, with the summed "
-                              f"times of p2p, backend and backend_whole): {row['all_reduce_choice']}; the same on every replica: "
-                              f"{row['choices_agree']}", flush=True)
+                              f"times of p2p, backend and backend_whole): {row['all_reduce_choice']}; the same on "
+                              f"every replica: {row['choices_agree']}", flush=True)
     print_table(rows, rounds)
     path = write_json(f"{args.out}.json", {
         "benchmark": "B7 torchft beside ours", "rounds": rounds, "torchft": _version("torchft"),
