@@ -115,8 +115,8 @@ class AllReduceChoice:
         total = torch.zeros(len(ALL_REDUCES), dtype=torch.float64)
         for j in sorted(by_replica):
             total += by_replica[j]
-        self.totals = tuple(float(t) for t in total)
-        best = min(range(len(ALL_REDUCES)), key=lambda i: (self.totals[i], i))  # inf == inf: the earlier one
+        totals = self.totals = tuple(float(t) for t in total)
+        best = min(range(len(ALL_REDUCES)), key=lambda i: (totals[i], i))  # inf == inf: the earlier one
         self.chosen = ALL_REDUCES[best]
         return self.chosen
 
