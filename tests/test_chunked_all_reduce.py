@@ -100,7 +100,7 @@ def test_the_chunked_all_reduce_sums_in_replica_order_bitwise_on_every_replica(t
         assert not res[r]["backend_chosen"] and res[r]["backend_calls"] == ["all_reduce"]
         assert torch.allclose(res[r]["backend"], large, rtol=1e-5, atol=1e-4)  # gloo's order of the sum, not ours
         assert torch.equal(res[r]["backend"], res[0]["backend"])  # but the same bits on every replica
-        assert "all_reduce must be one of ('auto', 'p2p', 'backend'), got 'ring'" in res[r]["refused"]
+        assert "all_reduce must be one of ('auto', 'p2p', 'backend', 'backend_whole'), got 'ring'" in res[r]["refused"]
 
 
 def _ranks_worker(rank: int, world: int, k: int, port: int, out_dir: str) -> None:
