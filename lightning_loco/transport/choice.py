@@ -37,7 +37,7 @@ Limits: the trial times run from posting to the sum, so with overlap they includ
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,20 @@ class AllReduceChoice:
     def mine(self) -> Tensor:
         """This replica's fastest time of each all-reduce (``inf`` for one it has not timed): what it sends."""
         return torch.tensor([min(self.seconds[a], default=math.inf) for a in ALL_REDUCES], dtype=torch.float64)
+
+    def settle(self, me: int, peer_error: Callable[[list[int], BaseException], BaseException]) -> None:
+        """Waits for the replicas' times, once posted, and decides (nothing to do before they are posted or after);
+        a failed receive raises ``peer_error(peers, err)``."""
+        if self.sharing is None:
+            return
+        mine, works, received = self.sharing
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as err:
+            raise peer_error(sorted(received), err) from err
+        self.sharing = None
+        self.decide({**received, me: mine})
 
     def decide(self, by_replica: dict[int, Tensor]) -> str:
         """The decision from every replica's :meth:`mine` (this one's included), summed in ascending replica

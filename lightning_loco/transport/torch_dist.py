@@ -316,7 +316,8 @@ class TorchDistributedTransport(Transport):
         cut = self.pieces(self.slice(payload)) if self.ranks_per_replica == 1 else 1  # as gloo's side cuts it
         choice = self.choices.setdefault((round_id.optimizer, round_id.fragment, part_numel),
                                          AllReduceChoice(trials_for(cut)))
-        self._take_decision(choice)  # a round posted before the one that carried the times landed: decide first
+        # a round posted before the one that carried the times landed: decide first
+        choice.settle(self.replica, self.peer_error)
         algorithm, share = choice.next_round()
         if share:  # before the payload, so that it does not wait behind it
             try:
@@ -331,24 +332,11 @@ class TorchDistributedTransport(Transport):
         def timed() -> Tensor:
             result = landed()
             choice.record(algorithm, time.perf_counter() - started)
-            self._take_decision(choice)
+            choice.settle(self.replica, self.peer_error)
             return result
 
         pending.finish = timed
         return pending
-
-    def _take_decision(self, choice: AllReduceChoice) -> None:
-        """Waits for the replicas' times, once posted, and decides (see :mod:`~lightning_loco.transport.choice`)."""
-        if choice.sharing is None:
-            return
-        mine, works, received = choice.sharing
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError as err:
-            raise self.peer_error(sorted(received), err) from err
-        choice.sharing = None
-        choice.decide({**received, self.replica: mine})
 
     def _post_p2p_all_reduce(self, payload: Tensor, round_id: RoundId) -> PendingSum:
         """Our all-reduce: with two replicas the pair exchange, else the chunked one (see the module docstring)."""
