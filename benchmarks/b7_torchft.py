@@ -42,11 +42,13 @@ packets its forwarder wrote late, and of its time it was busy), so a row the for
 Reported per (method, F), the slowest replica per round, median [min, max] over the rounds: the turn's wall
 time and exposed seconds, and ours ÷ torchft's round by round for the same F; for torchft also where its exposed
 time went: the quorum (``Manager.start_quorum``) and the commit vote (``Manager.should_commit``), the rest being
-its all-reduce and its copies. The first :data:`SETTLE_ROUNDS` rounds are untimed (no compute, not reported;
-``--quick``: one): round 0 warms the connections, and our default ``all_reduce="auto"`` tries our all-reduce and
-gloo's in its first four rounds and decides in the fifth (:mod:`lightning_loco.transport.choice`), so the timed
-rounds show what a run gets after that; the decision, with the replicas' summed times, is reported and written
-(results before this ran one untimed round, when our all-reduce was fixed). Every pair of
+its all-reduce and its copies; for ours the time its landings waited for the exchange (``wait``: the rest of
+its exposed time is the outer step's own arithmetic and copies). The first :data:`SETTLE_ROUNDS` rounds are
+untimed (no compute, not reported; ``--quick``: one): round 0 warms the connections, and our default
+``all_reduce="auto"`` tries the candidates in its first six rounds and decides in the seventh
+(:mod:`lightning_loco.transport.choice`), so the timed rounds show what a run gets after that; the decision, with
+the replicas' summed times, is reported and written, and so is every replica's every trial time
+(``all_reduce_trials``; results before this ran one untimed round, when our all-reduce was fixed). Every pair of
 replicas exchanges 4 MB once before round 0 (B1's ``warm_all_pairs``, on our group; torchft builds its group at its
 first quorum, in round 0, and keeps it while the membership stays the same). On the emulated WAN the namespaces
 set ``net.ipv4.tcp_slow_start_after_idle = 0``: torchft's connections idle while the other methods take their
@@ -269,7 +271,9 @@ def worker(options: dict[str, Any]) -> None:
         ours = {id(t): t for t in others.values() if isinstance(t, TorchDistributedTransport)}.values()
         chosen = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": (c.chosen, c.totals)
                   for t in ours for k, c in t.choices.items()}
+        trials = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": c.seconds for t in ours for k, c in t.choices.items()}
         Path(out, f"choice{rank}.json").write_text(json.dumps(chosen))
+        Path(out, f"trials{rank}.json").write_text(json.dumps(trials))
         dist.barrier()  # nobody's Lighthouse or manager goes while another replica may still sync
     finally:
         for run in runs.values():
@@ -299,12 +303,13 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
                                   sysctls=IDLE_KEEPS_WINDOW if emulated else None)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(n)]
         choices = [json.loads(Path(out, f"choice{r}.json").read_text()) for r in range(n)]
+        trials = [json.loads(Path(out, f"trials{r}.json").read_text()) for r in range(n)]
     row: dict[str, Any] = {"mode": mode, "network": network.name, "replicas": n, "params": params,
                            "tcp": host_congestion() if emulated else None,
                            "sync_every": sync_every, "overlap_steps": overlap, "wall_s": wall,
                            "emulator": dict(launch.emulator) or None, "settle_rounds": settle,
                            "all_reduce_choice": choices[0], "choices_agree": all(c == choices[0] for c in choices),
-                           "runs": {}}
+                           "all_reduce_trials": trials, "runs": {}}
     slowest: dict[str, dict[str, list[float]]] = {}
     for m in methods:
         for F in fragments:
@@ -314,7 +319,8 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
             if m in TORCHFT:  # exchange against exchange: without its quorum and commit calls
                 slowest[k]["net_s"] = [max(t[r]["exposed_s"] - t[r]["quorum_s"] - t[r]["commit_s"] for t in turns)
                                        for r in range(rounds)]
-            parts = [q for q in ("quorum_s", "commit_s") if q in turns[0][0]]  # torchft's, the slowest replica's
+            # torchft's quorum and commit, ours' wait for the exchange at the landing: the slowest replica's
+            parts = [q for q in ("quorum_s", "commit_s", "wait_s") if q in turns[0][0]]
             worst = [max(range(n), key=lambda i: turns[i][r]["exposed_s"]) for r in range(rounds)]
             row["runs"][k] = {"method": m, "fragments": F, "step_seconds": seconds[m],
                               "compute_s": sync_every * seconds[m],
@@ -355,6 +361,7 @@ def flat_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "wall": run["wall_s"]["median"], "exposed": run["exposed_s"]["median"],
                 "exposed_min": run["exposed_s"]["min"], "exposed_max": run["exposed_s"]["max"],
                 "quorum": run.get("quorum_s", {}).get("median"), "commit": run.get("commit_s", {}).get("median"),
+                "wait": run.get("wait_s", {}).get("median"),
                 "net": run.get("net_s", {}).get("median"), "net_ratio": net.get("median"),
                 "net_ratio_min": net.get("min"), "net_ratio_max": net.get("max"),
                 **{f"{m}_{q}": ratio[m].get(q) for m in TORCHFT for q in ("median", "min", "max")},
@@ -378,7 +385,7 @@ def print_table(rows: list[dict[str, Any]], rounds: int) -> None:
         ("method", "method", "s"), ("F", "F", "d"), ("X", "X s", ".3g"), ("rounds", "rounds", "s"),
         ("wall", "wall s", ".3f"), ("exposed", "exposed s", ".3f"), ("exposed_min", "min", ".3f"),
         ("exposed_max", "max", ".3f"), ("quorum", "quorum s", ".3f"), ("commit", "commit s", ".3f"),
-        ("net", "w/o quorum s", ".3f"),
+        ("wait", "wait s", ".3f"), ("net", "w/o quorum s", ".3f"),
         ("torchft_median", "÷ torchft", ".2f"), ("torchft_min", "min", ".2f"), ("torchft_max", "max", ".2f"),
         ("torchft_buckets_median", "÷ bucketed", ".2f"), ("torchft_buckets_min", "min", ".2f"),
         ("torchft_buckets_max", "max", ".2f"), ("net_ratio", "÷ bucketed w/o quorum", ".2f"),
