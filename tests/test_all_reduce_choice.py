@@ -34,17 +34,22 @@ WHOLE_ROUNDS = (2, 5, 7)  # the rounds a payload cut in two takes whole below: t
 def test_a_payload_tries_each_all_reduce_twice_then_carries_its_times_then_keeps_the_decision():
     choice = AllReduceChoice()
     assert TRIALS == (P2P, BACKEND, P2P, BACKEND)
-    assert [choice.next_round() for _ in TRIALS] == [(a, False) for a in TRIALS]
+    rounds = []
+    for _ in TRIALS:
+        rounds.append(choice.next_round())
+        assert choice.last_was_trial
+    assert rounds == [(a, False) for a in TRIALS]
     for algorithm, seconds in zip(TRIALS, (3.0, 2.0, 1.5, 2.5)):
         choice.record(algorithm, seconds)
     assert torch.equal(choice.mine(), torch.tensor([1.5, 2.0, math.inf], dtype=torch.float64))  # the fastest of each
     assert choice.next_round() == (P2P, True)  # ours, carrying the times
     assert choice.next_round() == (P2P, False)  # not decided yet (the times travel): ours, nothing carried
+    assert not choice.last_was_trial  # so the transport records neither round's time
     others = {j: torch.tensor([4.0, 1.0, math.inf], dtype=torch.float64) for j in (1, 2)}
     assert choice.decide({0: choice.mine(), **others}) == BACKEND  # 9.5 against 4.0, though replica 0 saw ours win
     assert choice.totals == (9.5, 4.0, math.inf)
     assert [choice.next_round() for _ in range(3)] == [(BACKEND, False)] * 3
-    choice.record(P2P, 0.1)  # after the decision nothing more is kept
+    choice.record(P2P, 0.1)  # nor anything after the decision
     assert choice.seconds[P2P] == [3.0, 1.5]
 
 
@@ -132,6 +137,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["calls"].append([c[0] for c in log.take()])
         choice = t.choices[(0, 0, NUMEL)]
         res["chosen"], res["totals"] = choice.chosen, choice.totals
+        res["kept"] = {a: list(s) for a, s in choice.seconds.items()}  # the trials' times only
         # the next round posted before the one carrying the times was waited for: it decides first, alike everywhere
         early = TorchDistributedTransport(torch.device("cpu"))
         early.chunked_min_bytes = 0
@@ -180,6 +186,7 @@ def test_every_replica_takes_the_decision_of_the_summed_times_and_the_same_bits_
         assert len(measured[P2P]) == 2 and len(measured[BACKEND]) == 2 and min(measured[P2P] + measured[BACKEND]) > 0
         # p2p: 1 + 3 + 3 = 7 against backend: 2 + 1 + 1 = 4, summed in replica order on every replica
         assert res[rank]["chosen"] == BACKEND and res[rank]["totals"] == (7.0, 4.0, math.inf)
+        assert res[rank]["kept"] == _skew(rank)  # the round that carried the times is not kept as a trial of ours
         assert res[rank]["fixed_calls"] == ours * ROUNDS  # all_reduce="p2p": never tried, never shared
         assert res[rank]["early_decided"] == BACKEND
         # the times, the carrying round's reduce-scatter, the next round (decided: gloo's), the carrying all-gather

@@ -120,7 +120,14 @@ def test_b7_torchft_quick(tmp_path):
                 for reference in ("torchft", "torchft_buckets"):
                     for ratio in run[f"over_{reference}"].values():
                         assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
-    assert "÷ bucketed" in out
+                assert 0 < run["wait_s"]["max"] <= run["exposed_s"]["max"]  # the landing's wait is part of it
+        # every replica's trial times of our all-reduce, by payload: the ones behind the summed totals
+        assert len(row["all_reduce_trials"]) == 2
+        assert row["all_reduce_trials"][0].keys() == row["all_reduce_choice"].keys()
+        for trials in row["all_reduce_trials"]:
+            assert all(t > 0 for payload in trials.values() for times in payload.values() for t in times)
+            assert any(payload["p2p"] for payload in trials.values())
+    assert "÷ bucketed" in out and "wait s" in out
 
 
 @pytest.mark.slow

@@ -83,6 +83,7 @@ class AllReduceChoice:
             raise ValueError(f"trials must be a non-empty sequence of {ALL_REDUCES}, got {trials!r}")
         self.trials = trials
         self.posted = 0  # rounds posted for this payload
+        self.last_was_trial = False  # whether the round next_round gave last is a trial (its time is recorded)
         self.seconds: dict[str, list[float]] = {a: [] for a in ALL_REDUCES}
         self.chosen: str | None = None
         self.totals: tuple[float, ...] | None = None  # the replicas' summed fastest times, once agreed
@@ -94,6 +95,7 @@ class AllReduceChoice:
         round, right after the trials); counts the round as posted."""
         round_ = self.posted
         self.posted += 1
+        self.last_was_trial = self.chosen is None and round_ < len(self.trials)
         if self.chosen is not None:
             return self.chosen, False
         if round_ < len(self.trials):
@@ -101,7 +103,9 @@ class AllReduceChoice:
         return P2P, round_ == len(self.trials)
 
     def record(self, algorithm: str, seconds: float) -> None:
-        """A trial round's time, from posting to the sum (kept only before the decision)."""
+        """A trial round's time, from posting to the sum (kept only before the decision). The transport records
+        the rounds :meth:`next_round` gave as trials (``last_was_trial`` when it was called), not the round that
+        carries the times nor those after it."""
         if self.chosen is None:
             self.seconds[algorithm].append(seconds)
 

@@ -319,6 +319,7 @@ class TorchDistributedTransport(Transport):
         # a round posted before the one that carried the times landed: decide first
         choice.settle(self.replica, self.peer_error)
         algorithm, share = choice.next_round()
+        trial = choice.last_was_trial
         if share:  # before the payload, so that it does not wait behind it
             try:
                 mine = choice.mine()
@@ -331,7 +332,8 @@ class TorchDistributedTransport(Transport):
 
         def timed() -> Tensor:
             result = landed()
-            choice.record(algorithm, time.perf_counter() - started)
+            if trial:
+                choice.record(algorithm, time.perf_counter() - started)
             choice.settle(self.replica, self.peer_error)
             return result
 
