@@ -14,9 +14,11 @@ direction at once, since a replica's exchange is two-way:
 * ``noloco pair``: our NoLoCo pair exchange (``TorchDistributedTransport.group_sum`` over the pair: gloo's
   send and receive on one connection);
 * ``diloco all-reduce``: our DiLoCo's all-reduce of the same payload (``all_reduce_sum``; with two replicas
-  each sends the payload once: as one pair exchange on gloo, ``TorchDistributedTransport``'s two-replica path;
-  the results written before it, ``link_efficiency.json`` and ``link_efficiency*_streams*.json``, timed gloo's
-  own all-reduce, in halves);
+  each sends the payload once: as one pair exchange on gloo, ``TorchDistributedTransport``'s two-replica path,
+  fixed with ``all_reduce="p2p"``: the default ``"auto"`` tries the candidates in turn, so its rows would take a
+  different all-reduce from one repeat to the next, as ``link_efficiency_wan_streams.json``'s did; B7 times the
+  choice; the results written before the two-replica path, ``link_efficiency.json`` and
+  ``link_efficiency*_streams*.json``, timed gloo's own all-reduce, in halves);
 * ``gloo all-reduce``: ``torch.distributed.all_reduce`` of the same payload, what our two replicas' DiLoCo
   ran before;
 * ``noloco pair ×s`` and ``diloco all-reduce ×s`` for each s of ``--transport-streams`` (default 4): the same
@@ -153,7 +155,7 @@ def worker(options: dict[str, Any]) -> None:
     streams: dict[int, Streams] = {}
     try:
         params = options["params"]
-        transport = TorchDistributedTransport(torch.device("cpu"))
+        transport = TorchDistributedTransport(torch.device("cpu"), all_reduce="p2p")  # see the module docstring
         payload = torch.randn(params, generator=torch.Generator().manual_seed(rank))
         raw = payload.numpy().tobytes()
         for k in options["streams"]:
@@ -164,7 +166,7 @@ def worker(options: dict[str, Any]) -> None:
         steps["diloco all-reduce"] = lambda: transport.all_reduce_sum(work)
         steps["gloo all-reduce"] = lambda: dist.all_reduce(work)  # what our DiLoCo ran before its two-replica path
         for s in options["transport_streams"]:
-            spread_over = TorchDistributedTransport(torch.device("cpu"), streams=s)
+            spread_over = TorchDistributedTransport(torch.device("cpu"), streams=s, all_reduce="p2p")
             steps[f"noloco pair ×{s}"] = lambda t=spread_over: t.group_sum(work, (0, 1))
             steps[f"diloco all-reduce ×{s}"] = lambda t=spread_over: t.all_reduce_sum(work)
         seconds: dict[str, list[float]] = {name: [] for name in steps}
