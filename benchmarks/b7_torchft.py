@@ -269,9 +269,9 @@ def worker(options: dict[str, Any]) -> None:
                                             rank)
         take_turns(runs, options["rounds"], os.path.join(out, f"rank{rank}.json"), warmup=options["settle"])
         ours = {id(t): t for t in others.values() if isinstance(t, TorchDistributedTransport)}.values()
-        chosen = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": (c.chosen, c.totals)
-                  for t in ours for k, c in t.choices.items()}
-        trials = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": c.seconds for t in ours for k, c in t.choices.items()}
+        choices = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": c for t in ours for k, c in t.choices.items()}
+        chosen = {name: (c.chosen, c.totals) for name, c in choices.items()}
+        trials = {name: c.seconds for name, c in choices.items()}
         Path(out, f"choice{rank}.json").write_text(json.dumps(chosen))
         Path(out, f"trials{rank}.json").write_text(json.dumps(trials))
         dist.barrier()  # nobody's Lighthouse or manager goes while another replica may still sync
