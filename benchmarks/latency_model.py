@@ -17,8 +17,9 @@ from pathlib import Path
 from benchmarks.netem.links import uniform
 
 
-def latency_model(rows: list[dict], sigma: float = 0.3, trials: int = 100) -> dict:
-    """The paper's latency model, fitted to our measurements and extended to N = 1024.
+def latency_model(rows: list[dict], sigma: float = 0.3, trials: int = 100, largest: int = 1024) -> dict:
+    """The paper's latency model, fitted to our measurements and extended to N = ``largest`` (a power of two).
+    Each N draws after the smaller ones, so a smaller ``largest`` gives the same values for the N it has.
 
     A message time m = t·LN(σ) (log-normal jitter with mean t). t is fitted as half the measured
     pair exchange on the slow network at the smallest model (the paper counts a pair exchange as
@@ -54,7 +55,7 @@ def latency_model(rows: list[dict], sigma: float = 0.3, trials: int = 100) -> di
         return scale * max(rng.lognormvariate(-sigma**2 / 2, sigma) for _ in range(k))
 
     predictions = []
-    for n in [2**k for k in range(1, 11)]:
+    for n in [2**k for k in range(1, int(math.log2(largest)) + 1)]:
         pair = statistics.mean(slowest(1, t) + slowest(1, t) for _ in range(trials))
         tree = statistics.mean(
             2 * sum(slowest(max(1, n >> (level + 1)), t) for level in range(int(math.log2(n)))) for _ in range(trials)

@@ -6,19 +6,19 @@ import math
 import statistics
 from pathlib import Path
 
-import pytest
-
 from benchmarks.latency_model import latency_model
 from benchmarks.netem.links import uniform
 
 ROWS = json.loads((Path(__file__).parent.parent / "benchmarks/results/b1_sync_latency.json").read_text())
 
 
-@pytest.mark.slow  # the ring's and tree's steps drawn 100 times up to N = 1024: about 25 s on one core
+# up to N = 256, which draws the same values as up to 1024 for the N it has (each N draws after the smaller ones),
+# in a twentieth of the time: the ring's 2(N − 1) steps of N draws, 100 times, are most of it
 def test_the_published_columns_are_drawn_as_before_and_the_chunked_all_reduce_has_two_steps() -> None:
-    model = latency_model(ROWS["rows"], trials=100)
+    model = latency_model(ROWS["rows"], trials=100, largest=256)
     published = ROWS["latency_model"]["predictions"]
-    for new, old in zip(model["predictions"], published, strict=True):
+    assert [p["replicas"] for p in published][-1] == 1024 and [p["replicas"] for p in model["predictions"]][-1] == 256
+    for new, old in zip(model["predictions"], published[:8], strict=True):
         for column in ("pair_s", "tree_allreduce_s", "ring_allreduce_s"):
             assert new[column] == old[column]  # the new column draws from its own generator
     link = uniform(2, mbit=100, one_way_ms=50)
@@ -32,4 +32,4 @@ def test_the_published_columns_are_drawn_as_before_and_the_chunked_all_reduce_ha
         assert sends + 2 * latency * 0.9 < p["chunked_allreduce_s"] < sends + 2 * top
         assert p["chunked_over_pair"] == p["chunked_allreduce_s"] / p["pair_s"]
     by_n = {p["replicas"]: p for p in model["predictions"]}
-    assert by_n[1024]["chunked_allreduce_s"] < by_n[1024]["tree_allreduce_s"] < by_n[1024]["ring_allreduce_s"]
+    assert by_n[256]["chunked_allreduce_s"] < by_n[256]["tree_allreduce_s"] < by_n[256]["ring_allreduce_s"]
