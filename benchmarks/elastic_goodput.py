@@ -93,9 +93,13 @@ def run(variant: str, max_steps: int, kill_every: float, limit: float, heartbeat
                     next_kill = time.time() + kill_every
                 time.sleep(0.05)
             # r0 (never killed) has finished: the others finish with it, except a replica restarted too late to
-            # join before the end, which would wait for a membership until its join_timeout
+            # join before the end, which would wait for a membership until its join_timeout: one that has not
+            # taken its first step when the survivors are done has nobody left to join, and is stopped at once
             deadline = time.time() + 20
-            for rid, proc in procs.items():
+            for rid, proc in sorted(procs.items(), key=lambda item: item[0] == VICTIM):
+                if rid == VICTIM and killed_at is not None and replicas.progress(VICTIM) == 0:
+                    replicas.kill(proc)
+                    continue
                 try:
                     replicas.wait(proc, timeout_s=max(0.1, deadline - time.time()))
                 except TimeoutError:

@@ -680,16 +680,16 @@ def test_elastic_heal_quick(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_goodput_quick(tmp_path):
-    # 320 steps of at least 20 ms each: r0 is under 90 % through after 3 s, so the kill run kills at least once
-    bench(tmp_path, "elastic_goodput", "--max-steps", "320", "--kill-every", "3", timeout=300)
+    # 200 steps of at least 20 ms each: r0 is under 90 % through after 2 s, so the kill run kills at least once
+    bench(tmp_path, "elastic_goodput", "--max-steps", "200", "--kill-every", "2", timeout=300)
     result = json.loads((tmp_path / "elastic_goodput.json").read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == ["steady K=1", "kill every 3 s"]
-    assert rows["steady K=1"]["kills"] == 0 and rows["kill every 3 s"]["kills"] >= 1
+    assert list(rows) == ["steady K=1", "kill every 2 s"]
+    assert rows["steady K=1"]["kills"] == 0 and rows["kill every 2 s"]["kills"] >= 1
     steady, kill = result["runs"]
     assert steady["finished"] == ["r0", "r1", "r2", "r3"] and steady["launches"] == 4
     assert {"r0", "r1", "r2"} <= set(kill["finished"])  # the survivors always finish
-    assert kill["launches"] == 4 + rows["kill every 3 s"]["kills"]
+    assert kill["launches"] == 4 + rows["kill every 2 s"]["kills"]
     assert rows["steady K=1"]["ratio"]["median"] == 1.0 and rows["steady K=1"]["alone_pct"] == 0.0
 
 
