@@ -502,7 +502,8 @@ def test_lossy_wire_formats_over_real_elastic_groups(tmp_path: Path, lighthouse:
 def test_diloco_drops_dead_replicas_from_the_average(tmp_path: Path, lighthouse: str) -> None:
     """DiLoCo, four replicas: r3 is killed in an inner phase, r2 kills itself inside the all-reduce of its
     fourth round. r0 and r1 finish with the same anchor (their final weights are equal), a round whose
-    all-reduce failed on one of them only is healed from the other, the memberships leave out r2 and r3, and losses fall."""
+    all-reduce failed on one of them only is healed from the other, the memberships leave out r2 and r3, and
+    losses fall."""
     # gloo's ring all-reduce may not notice a dead member before its timeout: a short one keeps the test short
     launcher = replicas(tmp_path, lighthouse, algorithm="diloco", max_steps=40, sync_every=2, step_sleep=0.05,
                         outer_step_timeout=5.0, hold_at=0)
