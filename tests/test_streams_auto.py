@@ -1,6 +1,6 @@
-"""``streams="auto"``, the default: how many connections an exchange takes from its size, where it is one stream,
-that the rules accept it everywhere, and that the sums are bitwise those of one stream for every count (real gloo
-processes)."""
+"""``streams="auto"``, the default: how many connections an exchange takes from its size and, for pair exchanges, from
+what each pair measured (``pair_streams``), where it is one stream, that the rules accept it everywhere, and that the
+sums are bitwise those of one stream for every count (real gloo processes)."""
 
 import dataclasses
 import os
@@ -18,6 +18,7 @@ from lightning_loco.simulator import TrainingSimulator
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks, strategy_class
 from lightning_loco.transport import TorchDistributedTransport, sum_in_group_order
 from lightning_loco.transport import streams as streams_module
+from lightning_loco.transport.pair_streams import AUTO_COUNT, ONE, PairStreams
 from lightning_loco.transport.streams import AUTO_BYTES_PER_STREAM, AUTO_MAX_STREAMS, auto_stream_groups, auto_streams
 
 import tiny
@@ -121,8 +122,12 @@ def test_every_stream_count_and_auto_give_the_sums_of_one_stream_bitwise(tmp_pat
         counts = [c[0] for c in res[r]["calls"]]
         assert set(counts) == {"batch_isend_irecv"}
         pair = 1 if r < 2 else 0
-        assert len(sizes) == 3 + 3 * pair + 1 + 1 + 1, sizes
-        assert sizes[:3] == [334, 334, 333]  # the triple's three pieces (tensor_split of 1001)
+        # the triple: each replica's proposal to its peers (one number), then three pieces; the pair, the same
+        # payload's second exchange: both proposed one connection in the triple, so one message each way
+        assert len(sizes) == 4 + 2 * pair + 1 + 1 + 1, sizes
+        assert sizes[:4] == [1, 334, 334, 333]  # the triple's three pieces (tensor_split of 1001)
+        if pair:
+            assert sizes[4:6] == [1, 1001]
 
 
 def test_a_large_exchange_on_small_send_buffers_warns_once_with_the_setting(tmp_path, monkeypatch):
@@ -145,3 +150,106 @@ def test_a_large_exchange_on_small_send_buffers_warns_once_with_the_setting(tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not sockets.check_send_buffer(200 * MB, str(small))  # once per process
+
+
+def _exchange(pairs: dict[int, PairStreams], peers: dict[int, int], times: dict[int, float], by_size: int = 8
+              ) -> dict[int, int]:
+    """One round of pair exchanges between in-process PairStreams, as the transport drives them: each side's
+    count for its peer, proposals posted, then landed with the given times. Returns each replica's count."""
+    counts = {i: pairs[i].count(j, by_size) for i, j in peers.items()}
+    for i, j in peers.items():
+        assert counts[i] == counts[j]  # both sides cut their messages alike
+    now = {i: pairs[i].taken([counts[i]]) for i in peers}
+    proposed = {i: pairs[i].proposal(now[i]) for i in peers}
+    for i in peers:
+        pairs[i].posted(now[i])
+    from lightning_loco.transport.pair_streams import encode
+
+    for i, j in peers.items():
+        pairs[i].landed(now[i], times[counts[i]], proposed[i], {j: encode(proposed[j])})
+    return counts
+
+
+def test_a_pair_tries_each_count_twice_then_takes_one_connection_only_where_both_found_it_faster():
+    # a link where one connection is faster (10 s against 12 s): trials by size, one, size, one, then one
+    pairs = {0: PairStreams(), 1: PairStreams()}
+    counts = [_exchange(pairs, {0: 1, 1: 0}, {1: 10.0, 8: 12.0})[0] for _ in range(7)]
+    assert counts == [8, 1, 8, 1, 1, 1, 1]
+    assert pairs[0].seconds == {ONE: [10.0] * 5, AUTO_COUNT: [12.0] * 2} and pairs[0].pending == {ONE: 0, AUTO_COUNT: 0}
+    # a long fat pipe, where the size's count is 4.5 x faster: one round at one connection is enough (its time is
+    # known when the third round proposes), then the size's count
+    pairs = {0: PairStreams(), 1: PairStreams()}
+    assert [_exchange(pairs, {0: 1, 1: 0}, {1: 9.0, 8: 2.0})[0] for _ in range(6)] == [8, 1, 8, 8, 8, 8]
+    assert pairs[0].seconds[ONE] == [9.0]
+    # a difference under 1.5 x takes both trials of each: 2.9 s against 2.0 s
+    pairs = {0: PairStreams(), 1: PairStreams()}
+    assert [_exchange(pairs, {0: 1, 1: 0}, {1: 2.9, 8: 2.0})[0] for _ in range(6)] == [8, 1, 8, 1, 8, 8]
+    # where the two sides disagree (one found one connection faster, the other not), the size's count
+    pairs = {0: PairStreams(), 1: PairStreams()}
+    for _ in range(4):
+        _exchange(pairs, {0: 1, 1: 0}, {1: 10.0, 8: 12.0})
+    pairs[1].seconds[AUTO_COUNT].append(1.0)
+    assert [_exchange(pairs, {0: 1, 1: 0}, {1: 10.0, 8: 12.0})[0] for _ in range(3)] == [1, 8, 8]
+
+
+def test_each_pair_decides_from_its_own_last_meeting_and_a_first_meeting_takes_the_size():
+    pairs = {i: PairStreams() for i in range(4)}
+    times = {1: 10.0, 8: 12.0}
+    meetings = [{0: 1, 1: 0, 2: 3, 3: 2}, {0: 2, 2: 0, 1: 3, 3: 1}] * 4
+    seen = [_exchange(pairs, m, times) for m in meetings]
+    assert seen[0] == seen[1] == {i: 8 for i in range(4)}  # every pair's first meeting: by size
+    assert seen[-1] == {i: 1 for i in range(4)}  # each pair settled on one connection
+    assert set(pairs[0].met) == {1, 2} and pairs[0].met[1] == (ONE, ONE)
+    # an exchange whose peers took different counts keeps no time
+    assert PairStreams().taken([1, 8]) is None and PairStreams().taken([8, 8]) == AUTO_COUNT
+    with pytest.raises(ValueError, match="trials must be >= 1"):
+        PairStreams(trials=0)
+
+
+class _Prefers(PairStreams):
+    def __init__(self, choice: str) -> None:
+        super().__init__()
+        self.choice = choice
+
+    def preferred(self) -> str:
+        return self.choice
+
+    def clear(self) -> bool:  # loopback's times of a few KB: every trial taken, whatever they say
+        return False
+
+
+def _learning_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port=port, timeout_s=60)
+    try:
+        streams_module.AUTO_BYTES_PER_STREAM = 1024  # 4004 bytes: three pieces by size
+        t = TorchDistributedTransport(torch.device("cpu"), streams="auto")
+        # both replicas find one connection faster (1001 floats); only replica 0 does (1002 floats)
+        t.pair_streams[(0, 0, 1001)] = _Prefers(ONE)
+        t.pair_streams[(0, 0, 1002)] = _Prefers(ONE if rank == 0 else AUTO_COUNT)
+        log = tiny.CallLog()
+        log.install()
+        log.active = True
+        res: dict = {}
+        for n in (1001, 1002):
+            sums, pieces = [], []
+            for r in range(7):
+                payload = torch.randn(n, generator=torch.Generator().manual_seed(10 * r + rank))
+                sums.append(t.group_sum(payload, (0, 1)))
+                calls = log.take()
+                pieces.append(sum(1 for c in calls for op in c[1] if op[0] == "isend" and op[2] > 1))
+            res[n] = {"sums": sums, "pieces": pieces, "met": t.pair_streams[(0, 0, n)].met}
+        torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_agree_on_each_exchange_s_count_and_sum_bitwise_alike(tmp_path):
+    start_ranks(_learning_worker, 2, args=(2, free_port(), str(tmp_path)), timeout_s=180)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    for n, expected in ((1001, [3, 1, 3, 1, 1, 1, 1]), (1002, [3, 1, 3, 1, 3, 3, 3])):
+        for r in range(2):
+            assert res[r][n]["pieces"] == expected, (n, r)
+            for i, got in enumerate(res[r][n]["sums"]):
+                a, b = (torch.randn(n, generator=torch.Generator().manual_seed(10 * i + k)) for k in (0, 1))
+                assert torch.equal(got, a + b)  # bitwise the sum of one stream, whatever the count
+        assert res[0][n]["met"] == {1: res[1][n]["met"][0][::-1]}  # what each proposed, mirrored

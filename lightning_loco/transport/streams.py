@@ -16,7 +16,9 @@ there are (:func:`auto_streams`), and the strategies make as many groups as the 
 buffer (Linux's ``net.ipv4.tcp_wmem``, 4 MB) carries per round trip: a message under 8 MB goes whole, over one
 connection, and a model under 8 MB makes no group; 8 connections (B7, ``benchmarks/link_efficiency.py``) carried
 72 % of the best plain TCP on a long fat pipe. Every side of a message computes its count from the message's own
-size, so sender and receiver cut it alike. "auto" is one stream where streams cannot work: on NCCL (its own
+size, so sender and receiver cut it alike. A pair exchange (NoLoCo, GASLoC, two replicas' all-reduce) also measures
+whether one connection is faster, as on a link whose bandwidth × round trip one send buffer covers, and takes it
+where both sides of the pair found it so (:mod:`~lightning_loco.transport.pair_streams`). "auto" is one stream where streams cannot work: on NCCL (its own
 sockets, ``NCCL_NSOCKS_PERTHREAD`` and ``NCCL_SOCKET_NTHREADS``, and each group one more communicator on the
 GPU), with replicas of several ranks (each rank already moves its own slice over its own connections, and every
 rank's groups would multiply), and on a transport that is not the strategies' own (elastic replicas, a

@@ -35,7 +35,8 @@ With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the exchanges are tho
 
 ``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
 (:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces); ``streams="auto"``
-cuts each message by its size, over at most the groups there are. On gloo, the first large exchange on a host
+cuts each message by its size, over at most the groups there are, and a pair exchange's message into one piece where
+both sides of the pair measured one connection faster (:mod:`~lightning_loco.transport.pair_streams`). On gloo, the first large exchange on a host
 with small TCP send buffers warns once (:mod:`~lightning_loco.transport.sockets`).
 """
 
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_loco.transport import pair_streams
 from lightning_loco.transport.base import (
     FIRST_ROUND,
     PeerError,
@@ -69,6 +71,7 @@ from lightning_loco.transport.choice import (
     trials_for,
 )
 from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
+from lightning_loco.transport.pair_streams import PairStreams
 from lightning_loco.transport.pending_sum import PendingSum
 from lightning_loco.transport.sockets import check_send_buffer
 from lightning_loco.transport.staging import StagingPool
@@ -170,6 +173,7 @@ class TorchDistributedTransport(Transport):
         ours = dist.get_backend(process_group) == "gloo" and all_reduce not in (BACKEND, BACKEND_WHOLE)
         self.all_reduce = all_reduce
         self.choices: dict[tuple[int, int, int], AllReduceChoice] = {}  # "auto": per payload (see choice)
+        self.pair_streams: dict[tuple[int, int, int], PairStreams] = {}  # streams="auto": per payload (pair_streams)
         self.pairwise_all_reduce = self.num_replicas == 2 and ours
         # three replicas or more on gloo: large payloads take the chunked all-reduce (see the module docstring)
         self.chunked_all_reduce = self.num_replicas >= 3 and ours
@@ -209,16 +213,21 @@ class TorchDistributedTransport(Transport):
     def peer_error(self, peers: Sequence[int], err: BaseException) -> PeerError:
         return peer_error(self.replica, peers, [self.replica_ranks[j] for j in peers], err)
 
-    def exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor], round_id: RoundId = FIRST_ROUND
-                 ) -> list[Any]:
+    def exchange(self, sends: dict[int, Tensor], receives: dict[int, Tensor], round_id: RoundId = FIRST_ROUND,
+                 counts: Optional[dict[int, int]] = None) -> list[Any]:
         """Posts point-to-point receives, then sends, with this rank's counterparts in replicas j, in one
-        ``batch_isend_irecv``; returns its works. (Messages are matched in posting order: ``round_id``
+        ``batch_isend_irecv``; returns its works. Each message is cut into :meth:`pieces`, or into ``counts[j]``
+        pieces where given (the peer cuts its side alike). (Messages are matched in posting order: ``round_id``
         tags nothing here.)"""
         if self.device.type == "cpu":  # gloo: a large exchange on small send buffers warns once (transport.sockets)
             check_send_buffer(sum(buf.numel() * buf.element_size() for buf in sends.values()))
         works = []
-        recv_cuts = [(j, buf, self.pieces(buf)) for j, buf in receives.items()]
-        send_cuts = [(j, buf, self.pieces(buf)) for j, buf in sends.items()]
+
+        def cut(j: int, buf: Tensor) -> int:
+            return counts[j] if counts is not None and j in counts else self.pieces(buf)
+
+        recv_cuts = [(j, buf, cut(j, buf)) for j, buf in receives.items()]
+        send_cuts = [(j, buf, cut(j, buf)) for j, buf in sends.items()]
         for c, group in enumerate(self.stream_groups):  # piece c of each message cut in more than c, on group c
             ops = [dist.P2POp(dist.irecv, piece(buf, c, s), self.replica_ranks[j], group)
                    for j, buf, s in recv_cuts if c < s]
@@ -282,9 +291,11 @@ class TorchDistributedTransport(Transport):
         else:
             send = self.slice(payload.to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
-        works = self.exchange(dict.fromkeys(others, send), received, round_id)
+        counts, landed_counts = self._pair_counts(send, others, round_id)
+        works = self.exchange(dict.fromkeys(others, send), received, round_id, counts)
 
         def finish() -> Tensor:
+            landed_counts()
             received[self.replica] = send
             if not staged:
                 return self.gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
@@ -299,6 +310,42 @@ class TorchDistributedTransport(Transport):
 
         nbytes = send.numel() * send.element_size() * len(others)
         return works, finish, nbytes, tuple(others)
+
+    def _pair_counts(self, send: Tensor, others: list[int], round_id: RoundId
+                     ) -> tuple[Optional[dict[int, int]], Callable[[], None]]:
+        """With ``streams="auto"`` and a message the size would cut: each peer's count, learnt per pair
+        (:mod:`~lightning_loco.transport.pair_streams`), with this replica's proposal posted to each peer and
+        theirs received, before the payload on the main connection; and what to call once the sum landed (it
+        waits for the proposals, already there, and keeps the exchange's time). Otherwise None and nothing."""
+        by_size = self.pieces(send)
+        if not self.auto_streams or by_size == 1:
+            return None, lambda: None
+        key = (round_id.optimizer, round_id.fragment, send.numel())
+        learnt = self.pair_streams.setdefault(key, PairStreams())
+        counts = {j: learnt.count(j, by_size) for j in others}
+        now = learnt.taken(list(counts.values()))
+        proposed = learnt.proposal(now)
+        mine = pair_streams.encode(proposed)
+        told = {j: torch.empty_like(mine) for j in others}
+        ops = [dist.P2POp(dist.irecv, told[j], self.replica_ranks[j], self.process_group) for j in others]
+        ops += [dist.P2POp(dist.isend, mine, self.replica_ranks[j], self.process_group) for j in others]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as err:
+            raise self.peer_error(sorted(others), err) from err
+        learnt.posted(now)
+        started = time.perf_counter()
+
+        def landed() -> None:
+            seconds = time.perf_counter() - started
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as err:
+                raise self.peer_error(sorted(others), err) from err
+            learnt.landed(now, seconds, proposed, told)
+
+        return counts, landed
 
     def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
                              round_id: RoundId = FIRST_ROUND) -> Pending:
