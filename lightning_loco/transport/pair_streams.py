@@ -22,10 +22,10 @@ own, no round trip added (the number travels in front of the payload), and nothi
 its own last meeting, so with random pairs a replica's count settles as it meets each peer a second time. The sum is
 bitwise the same for every count (the pieces land in the same buffer).
 
-Costs: one or two exchanges at the slower count (the trials) per pair and payload, 8 bytes per message, and on a link where
-one connection is right, each pair's first exchange at the size's count. Limits: a group's exchange takes one time
-for all its peers (a time is kept only where every peer's message took the same count); with overlap the times
-include the compute a round overlaps. A new transport (a resume) starts again. The chunked all-reduce (three
+Costs: one or two exchanges at the slower count (the trials) per pair and payload, 8 bytes per message, and on a
+link where one connection is right, each pair's first exchange at the size's count. Limits: a group's exchange takes
+one time for all its peers (a time is kept only where every peer's message took the same count); with overlap the
+times include the compute a round overlaps. A new transport (a resume) starts again. The chunked all-reduce (three
 replicas or more), gloo's own and the lossy wire formats cut by size as before.
 """
 

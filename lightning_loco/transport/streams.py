@@ -9,20 +9,20 @@ the same buffers, so a pair exchange's sum is bitwise the same for every s (and 
 :mod:`~lightning_loco.transport.chunked`); gloo's own all-reduce of the pieces adds the same values in the order
 gloo chooses for each piece.
 
-``streams="auto"`` (the strategies' default, ``WireConfig(streams="auto")``) chooses the count from the bytes:
-each message is cut into one piece per :data:`AUTO_BYTES_PER_STREAM` it holds, at least 1 and at most the groups
-there are (:func:`auto_streams`), and the strategies make as many groups as the whole model's payload would use
-(at most :data:`AUTO_MAX_STREAMS`). A 4 MB piece is what one connection with the host's usual largest send
-buffer (Linux's ``net.ipv4.tcp_wmem``, 4 MB) carries per round trip: a message under 8 MB goes whole, over one
-connection, and a model under 8 MB makes no group; 8 connections (B7, ``benchmarks/link_efficiency.py``) carried
-72 % of the best plain TCP on a long fat pipe. Every side of a message computes its count from the message's own
-size, so sender and receiver cut it alike. A pair exchange (NoLoCo, GASLoC, two replicas' all-reduce) also measures
-whether one connection is faster, as on a link whose bandwidth × round trip one send buffer covers, and takes it
-where both sides of the pair found it so (:mod:`~lightning_loco.transport.pair_streams`). "auto" is one stream where streams cannot work: on NCCL (its own
-sockets, ``NCCL_NSOCKS_PERTHREAD`` and ``NCCL_SOCKET_NTHREADS``, and each group one more communicator on the
-GPU), with replicas of several ranks (each rank already moves its own slice over its own connections, and every
-rank's groups would multiply), and on a transport that is not the strategies' own (elastic replicas, a
-``transport_factory``), which takes no stream groups.
+``streams="auto"`` (the strategies' default, ``WireConfig(streams="auto")``) chooses the count from the bytes: each
+message is cut into one piece per :data:`AUTO_BYTES_PER_STREAM` it holds, at least 1 and at most the groups there
+are (:func:`auto_streams`), and the strategies make as many groups as the whole model's payload would use (at most
+:data:`AUTO_MAX_STREAMS`). A 4 MB piece is what one connection with the host's usual largest send buffer (Linux's
+``net.ipv4.tcp_wmem``, 4 MB) carries per round trip: a message under 8 MB goes whole, over one connection, and a
+model under 8 MB makes no group; 8 connections (B7, ``benchmarks/link_efficiency.py``) carried 72 % of the best
+plain TCP on a long fat pipe. Every side of a message computes its count from the message's own size, so sender and
+receiver cut it alike. A pair exchange (NoLoCo, GASLoC, two replicas' all-reduce) also measures whether one
+connection is faster, as on a link whose bandwidth × round trip one send buffer covers, and takes it where both
+sides of the pair found it so (:mod:`~lightning_loco.transport.pair_streams`). "auto" is one stream where streams
+cannot work: on NCCL (its own sockets, ``NCCL_NSOCKS_PERTHREAD`` and ``NCCL_SOCKET_NTHREADS``, and each group one
+more communicator on the GPU), with replicas of several ranks (each rank already moves its own slice over its own
+connections, and every rank's groups would multiply), and on a transport that is not the strategies' own (elastic
+replicas, a ``transport_factory``), which takes no stream groups.
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ With a lossy ``codec`` (:mod:`lightning_loco.wire.codecs`) the exchanges are tho
 :mod:`~lightning_loco.wire.coded`; this module holds the float32 paths.
 
 ``streams`` = s > 1 cuts every message and every all-reduce into s pieces, each over a process group of its own
-(:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces); ``streams="auto"``
-cuts each message by its size, over at most the groups there are, and a pair exchange's message into one piece where
-both sides of the pair measured one connection faster (:mod:`~lightning_loco.transport.pair_streams`). On gloo, the first large exchange on a host
-with small TCP send buffers warns once (:mod:`~lightning_loco.transport.sockets`).
+(:mod:`~lightning_loco.transport.streams`: the groups, and how a buffer is cut into pieces); ``streams="auto"`` cuts
+each message by its size, over at most the groups there are, and a pair exchange's message into one piece where both
+sides of the pair measured one connection faster (:mod:`~lightning_loco.transport.pair_streams`). On gloo, the first
+large exchange on a host with small TCP send buffers warns once (:mod:`~lightning_loco.transport.sockets`).
 """
 
 from __future__ import annotations
