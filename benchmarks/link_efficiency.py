@@ -23,7 +23,10 @@ direction at once, since a replica's exchange is two-way:
   ran before;
 * ``noloco pair ×s`` and ``diloco all-reduce ×s`` for each s of ``--transport-streams`` (default 4): the same
   over a transport with ``streams=s``, the payload spread over s process groups, s connections per pair; s =
-  ``auto`` is the strategies' default (``WireConfig(streams="auto")``: one piece per 4 MB, at most 8).
+  ``auto`` is the strategies' default (``WireConfig(streams="auto")``: one piece per 4 MB, at most 8, or for a pair
+  exchange one connection where both sides measured it faster, :mod:`lightning_loco.transport.pair_streams`). Such a
+  transport takes its trial exchanges before the timed repeats (untimed), and the results record, per node, the
+  count it preferred, what each pair proposed and the trials' times (``pair_streams``).
 
 Each is timed from a barrier to its end on both nodes (the slower counts; buffers are allocated before the
 barrier), and reported as the rate it reached per direction (payload bits ÷ seconds) and that rate as a fraction
@@ -53,6 +56,7 @@ from typing import Any
 from benchmarks.common import load_average, machine, results_dir, skip_final_collection, spread, table, write_json
 from benchmarks.netem import launch, tun
 from benchmarks.netem.links import uniform
+from lightning_loco.transport.pair_streams import PAIR_TRIALS
 
 STORE = "gloo.store"
 CHUNK = 1 << 20  # bytes per socket call
@@ -165,12 +169,23 @@ def worker(options: dict[str, Any]) -> None:
         steps["noloco pair"] = lambda: transport.group_sum(work, (0, 1))
         steps["diloco all-reduce"] = lambda: transport.all_reduce_sum(work)
         steps["gloo all-reduce"] = lambda: dist.all_reduce(work)  # what our DiLoCo ran before its two-replica path
+        learning: dict[str, Any] = {}  # streams="auto": each its own transport, so each learns its own pair counts
         for s in options["transport_streams"]:
-            spread_over = TorchDistributedTransport(torch.device("cpu"), streams=s, all_reduce="p2p")
-            steps[f"noloco pair ×{s}"] = lambda t=spread_over: t.group_sum(work, (0, 1))
-            steps[f"diloco all-reduce ×{s}"] = lambda t=spread_over: t.all_reduce_sum(work)
+            pair = TorchDistributedTransport(torch.device("cpu"), streams=s, all_reduce="p2p")
+            everyone = TorchDistributedTransport(torch.device("cpu"), streams=s, all_reduce="p2p")
+            steps[f"noloco pair ×{s}"] = lambda t=pair: t.group_sum(work, (0, 1))
+            steps[f"diloco all-reduce ×{s}"] = lambda t=everyone: t.all_reduce_sum(work)
+            if s == "auto":
+                learning.update({f"noloco pair ×{s}": pair, f"diloco all-reduce ×{s}": everyone})
         seconds: dict[str, list[float]] = {name: [] for name in steps}
-        for repeat in range(options["repeats"] + 1):  # repeat 0 warms every connection
+        # repeat 0 warms every connection; a transport that learns its pair counts first takes its trials
+        # (pair_streams: two exchanges at each count, one more before what they showed is taken), untimed
+        for _ in range(2 * PAIR_TRIALS - 1):
+            for name in learning:
+                work.copy_(payload)
+                dist.barrier()
+                steps[name]()
+        for repeat in range(options["repeats"] + 1):
             for name, step in steps.items():
                 work.copy_(payload)
                 dist.barrier()
@@ -178,8 +193,10 @@ def worker(options: dict[str, Any]) -> None:
                 step()
                 if repeat:
                     seconds[name].append(time.perf_counter() - start)
+        counts = {name: {str(key): {"preferred": p.preferred(), "met": p.met, "seconds": p.seconds}
+                         for key, p in t.pair_streams.items()} for name, t in learning.items()}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(seconds, f)
+            json.dump({"seconds": seconds, "pair_streams": counts}, f)
     finally:
         for s in streams.values():
             s.close()
@@ -208,11 +225,13 @@ def measure(mbit: float, one_way_ms: float, loss: float, params: int, streams: l
         wall = launch.run_workers("emulated", network, lambda i: ["-m", "benchmarks.link_efficiency", "--worker",
                                                                   json.dumps({**options, "out": out})], timeout=3600,
                                   sysctls=sysctls)
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+        written = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [w["seconds"] for w in written]
     bits = 32 * params  # per direction
     row: dict[str, Any] = {"network": network.name, "mbit": mbit, "one_way_ms": one_way_ms, "loss": loss,
                            "params": params, "wall_s": wall, "runs": {},
-                           "tcp": {**tcp_settings(), **({"tcp_wmem": wmem} if wmem else {})}}
+                           "tcp": {**tcp_settings(), **({"tcp_wmem": wmem} if wmem else {})},
+                           "pair_streams": [w["pair_streams"] for w in written]}
     for name in ranks[0]:
         slower = [max(a, b) for a, b in zip(ranks[0][name], ranks[1][name])]
         rates = [bits / s / 1e6 for s in slower]
