@@ -48,7 +48,10 @@ untimed (no compute, not reported; ``--quick``: one): round 0 warms the connecti
 ``all_reduce="auto"`` tries the candidates in its first six rounds and decides in the seventh
 (:mod:`lightning_loco.transport.choice`), so the timed rounds show what a run gets after that; the decision, with
 the replicas' summed times, is reported and written, and so is every replica's every trial time
-(``all_reduce_trials``; results before this ran one untimed round, when our all-reduce was fixed). Every pair of
+(``all_reduce_trials``; results before this ran one untimed round, when our all-reduce was fixed), and for the pair
+exchanges each replica's connection counts (``pair_streams``: the count it found faster, what each pair proposed at
+its last exchange, the times by count; :mod:`lightning_loco.transport.pair_streams`, whose trials end within the
+untimed rounds). Every pair of
 replicas exchanges 4 MB once before round 0 (B1's ``warm_all_pairs``, on our group; torchft builds its group at its
 first quorum, in round 0, and keeps it while the membership stays the same). On the emulated WAN the namespaces
 set ``net.ipv4.tcp_slow_start_after_idle = 0``: torchft's connections idle while the other methods take their
@@ -274,6 +277,12 @@ def worker(options: dict[str, Any]) -> None:
         trials = {name: c.seconds for name, c in choices.items()}
         Path(out, f"choice{rank}.json").write_text(json.dumps(chosen))
         Path(out, f"trials{rank}.json").write_text(json.dumps(trials))
+        # the pair exchanges' connection counts (transport.pair_streams): what each replica found faster, what each
+        # pair proposed at its last exchange, and the times by count
+        pairs = {f"{t.all_reduce}:{k[0]}/{k[1]}/{k[2]}": {"preferred": p.preferred(), "met": p.met,
+                                                          "seconds": p.seconds}
+                 for t in ours for k, p in t.pair_streams.items()}
+        Path(out, f"pair_streams{rank}.json").write_text(json.dumps(pairs))
         dist.barrier()  # nobody's Lighthouse or manager goes while another replica may still sync
     finally:
         for run in runs.values():
@@ -304,12 +313,13 @@ def measure(mode: str, n: int, params: int, rounds: int, methods: list[str], fra
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(n)]
         choices = [json.loads(Path(out, f"choice{r}.json").read_text()) for r in range(n)]
         trials = [json.loads(Path(out, f"trials{r}.json").read_text()) for r in range(n)]
+        pair_streams = [json.loads(Path(out, f"pair_streams{r}.json").read_text()) for r in range(n)]
     row: dict[str, Any] = {"mode": mode, "network": network.name, "replicas": n, "params": params,
                            "tcp": host_congestion() if emulated else None,
                            "sync_every": sync_every, "overlap_steps": overlap, "wall_s": wall,
                            "emulator": dict(launch.emulator) or None, "settle_rounds": settle,
                            "all_reduce_choice": choices[0], "choices_agree": all(c == choices[0] for c in choices),
-                           "all_reduce_trials": trials, "runs": {}}
+                           "all_reduce_trials": trials, "pair_streams": pair_streams, "runs": {}}
     slowest: dict[str, dict[str, list[float]]] = {}
     for m in methods:
         for F in fragments:

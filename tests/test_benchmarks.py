@@ -127,6 +127,7 @@ def test_b7_torchft_quick(tmp_path):
         for trials in row["all_reduce_trials"]:
             assert all(t > 0 for payload in trials.values() for times in payload.values() for t in times)
             assert any(payload["p2p"] for payload in trials.values())
+        assert row["pair_streams"] == [{}, {}]  # a payload under 8 MB goes whole: no pair learns a count
     assert "÷ bucketed" in out and "wait s" in out
 
 
