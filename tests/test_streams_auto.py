@@ -18,7 +18,7 @@ from lightning_loco.simulator import TrainingSimulator
 from lightning_loco.testing.launch import free_port, init_gloo, start_ranks, strategy_class
 from lightning_loco.transport import TorchDistributedTransport, sum_in_group_order
 from lightning_loco.transport import streams as streams_module
-from lightning_loco.transport.pair_streams import AUTO_COUNT, ONE, PairStreams
+from lightning_loco.transport.pair_streams import AUTO_COUNT, ONE, PairStreams, encode
 from lightning_loco.transport.streams import AUTO_BYTES_PER_STREAM, AUTO_MAX_STREAMS, auto_stream_groups, auto_streams
 
 import tiny
@@ -161,12 +161,10 @@ def _exchange(pairs: dict[int, PairStreams], peers: dict[int, int], times: dict[
         assert counts[i] == counts[j]  # both sides cut their messages alike
     now = {i: pairs[i].taken([counts[i]]) for i in peers}
     proposed = {i: pairs[i].proposal(now[i]) for i in peers}
+    numbers = {i: pairs[i].posted(now[i], [], proposed[i], {j: encode(proposed[j])}) for i, j in peers.items()}
     for i in peers:
-        pairs[i].posted(now[i])
-    from lightning_loco.transport.pair_streams import encode
-
-    for i, j in peers.items():
-        pairs[i].landed(now[i], times[counts[i]], proposed[i], {j: encode(proposed[j])})
+        pairs[i].landed(now[i], times[counts[i]])
+        pairs[i].settle(through=numbers[i])
     return counts
 
 
@@ -229,27 +227,67 @@ def _learning_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         log = tiny.CallLog()
         log.install()
         log.active = True
+
+        def pieces() -> list[tuple[int, int]]:  # (peer, numel) of each payload piece this rank sent
+            return [(op[1], op[2]) for c in log.take() for op in c[1] if op[0] == "isend" and op[2] > 1]
+
+        def payload(n: int, r: int, k: int) -> torch.Tensor:
+            return torch.randn(n, generator=torch.Generator().manual_seed(100 * r + k))
+
         res: dict = {}
-        for n in (1001, 1002):
-            sums, pieces = [], []
-            for r in range(7):
-                payload = torch.randn(n, generator=torch.Generator().manual_seed(10 * r + rank))
-                sums.append(t.group_sum(payload, (0, 1)))
-                calls = log.take()
-                pieces.append(sum(1 for c in calls for op in c[1] if op[0] == "isend" and op[2] > 1))
-            res[n] = {"sums": sums, "pieces": pieces, "met": t.pair_streams[(0, 0, n)].met}
+        if rank < 2:
+            for n in (1001, 1002):
+                sums, cuts = [], []
+                for r in range(7):
+                    sums.append(t.group_sum(payload(n, r, rank), (0, 1)))
+                    cuts.append(len(pieces()))
+                res[n] = {"sums": sums, "pieces": cuts, "met": dict(t.pair_streams[(0, 0, n)].met)}
+            # two exchanges posted before either is waited for, waited for in another order on each side: each
+            # takes its count from the exchanges posted before it
+            first = t.start_group_sum(payload(1001, 7, rank), (0, 1))
+            second = t.start_group_sum(payload(1001, 8, rank), (0, 1))
+            waited = [second.wait(), first.wait()] if rank == 0 else [first.wait(), second.wait()]
+            res["out_of_order"] = {"sums": waited if rank == 1 else waited[::-1], "pieces": pieces()}
+            # a fresh payload: replica 0 waits for its first exchange before it posts the second, replica 1 posts
+            # the second first. The first took three pieces and both proposed one connection in it: the second
+            # takes one on both sides (had replica 1 counted only the exchanges it waited for, it would cut three)
+            a = t.start_group_sum(payload(1003, 10, rank), (0, 1))
+            early = a.wait() if rank == 0 else None
+            b = t.start_group_sum(payload(1003, 11, rank), (0, 1))
+            res["posted_first"] = {"sums": [early if rank == 0 else a.wait(), b.wait()], "pieces": pieces()}
+        # the three together with the payload the pair 0-1 settled on one connection for: replica 2 meets each of
+        # them for the first time, so their messages take the size's three pieces, while 0 and 1 send each other one
+        res["triple"] = t.group_sum(payload(1001, 9, rank), (0, 1, 2))
+        res["triple_pieces"] = sorted(pieces())
         torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_processes_agree_on_each_exchange_s_count_and_sum_bitwise_alike(tmp_path):
-    start_ranks(_learning_worker, 2, args=(2, free_port(), str(tmp_path)), timeout_s=180)
-    res = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+def test_three_processes_agree_on_each_exchange_s_count_and_sum_bitwise_alike(tmp_path):
+    start_ranks(_learning_worker, 3, args=(3, free_port(), str(tmp_path)), timeout_s=180)
+    res = [torch.load(tmp_path / f"{r}.pt") for r in range(3)]
+
+    def payload(n: int, r: int, k: int) -> torch.Tensor:
+        return torch.randn(n, generator=torch.Generator().manual_seed(100 * r + k))
+
     for n, expected in ((1001, [3, 1, 3, 1, 1, 1, 1]), (1002, [3, 1, 3, 1, 3, 3, 3])):
         for r in range(2):
             assert res[r][n]["pieces"] == expected, (n, r)
             for i, got in enumerate(res[r][n]["sums"]):
-                a, b = (torch.randn(n, generator=torch.Generator().manual_seed(10 * i + k)) for k in (0, 1))
-                assert torch.equal(got, a + b)  # bitwise the sum of one stream, whatever the count
+                assert torch.equal(got, payload(n, i, 0) + payload(n, i, 1))  # bitwise, whatever the count
         assert res[0][n]["met"] == {1: res[1][n]["met"][0][::-1]}  # what each proposed, mirrored
+    for r in range(2):
+        first, second = res[r]["out_of_order"]["sums"]
+        assert torch.equal(first, payload(1001, 7, 0) + payload(1001, 7, 1))
+        assert torch.equal(second, payload(1001, 8, 0) + payload(1001, 8, 1))
+        assert res[r]["out_of_order"]["pieces"] == [(1 - r, 1001)] * 2  # one connection, both
+        assert res[r]["posted_first"]["pieces"] == [(1 - r, 335), (1 - r, 334), (1 - r, 334), (1 - r, 1003)]
+        for k, got in zip((10, 11), res[r]["posted_first"]["sums"]):
+            assert torch.equal(got, payload(1003, k, 0) + payload(1003, k, 1))
+    total = payload(1001, 9, 0) + payload(1001, 9, 1) + payload(1001, 9, 2)
+    for r in range(3):
+        assert torch.equal(res[r]["triple"], total)
+    assert res[0]["triple_pieces"] == [(1, 1001), (2, 333), (2, 334), (2, 334)]
+    assert res[1]["triple_pieces"] == [(0, 1001), (2, 333), (2, 334), (2, 334)]
+    assert res[2]["triple_pieces"] == [(0, 333), (0, 334), (0, 334), (1, 333), (1, 334), (1, 334)]

@@ -8,36 +8,40 @@ time, and NoLoCo's 200 MB pair exchange over the size's 8 pieces 1.23 × its tim
 (``benchmarks/link_efficiency.py``, B7). Neither count is right on both links, so each replica measures.
 
 **Per payload** (keyed by its optimizer, fragment and size, as the all-reduce choice is) a replica keeps the times of
-its exchanges, from posting to the sum, by the count they took: ``"one"`` (one connection per peer) or ``"auto"``
-(the size's count). Every pair exchange of a payload cut into more than one piece sends each peer, before the
-payload on the main connection, one number: the count this replica proposes for the pair's *next* exchange of that
-payload. It proposes the count it has fewer times of (two of each first, ``"auto"`` on a tie), then the faster one
-(the smaller of each count's fastest time); a count already 1.5 × slower than the other at its first time is not
-tried again.
+its exchanges, from posting to completion (as a watcher saw it, or to the wait that found it done), by the count they
+took: ``"one"`` (one connection per peer) or ``"auto"`` (the size's count). Every pair exchange of a payload cut into
+more than one piece sends each peer, before the payload on the main connection, one number: the count this replica
+proposes for the pair's *next* exchange of that payload. It proposes the count it has fewer exchanges of (``"auto"``
+on a tie) until each has two, then the faster one by the times landed so far (the smaller of each count's fastest
+time). The first exchange takes the size's count, the second one connection; where one connection's first time is
+already 1.5 × the size's count's (a long fat pipe: 4-5 ×), it is not tried again.
 
 **Agreement.** The two sides of a pair cut each message alike when they take the count from what both know: what
-each proposed to the other at their last exchange of the payload. A pair's message takes one connection when both
-proposed ``"one"``, and the size's count otherwise (their first exchange included). No message other than the pair's
-own, no round trip added (the number travels in front of the payload), and nothing global: each pair decides from
-its own last meeting, so with random pairs a replica's count settles as it meets each peer a second time. The sum is
-bitwise the same for every count (the pieces land in the same buffer).
+each proposed to the other at their last exchange of the payload, in posting order (a replica waits for the
+proposals of its earlier exchanges, which travel ahead of their payloads, before it posts the next). A pair's message
+takes one connection when both proposed ``"one"``, and the size's count otherwise (their first exchange included).
+No message other than the pair's own, no round trip added, and nothing global: each pair decides from its own last
+meeting, so with random pairs a replica's count settles as it meets each peer a second time. The sum is bitwise the
+same for every count (the pieces land in the same buffer).
 
 Costs: one or two exchanges at the slower count (the trials) per pair and payload, 8 bytes per message, and on a
 link where one connection is right, each pair's first exchange at the size's count. Limits: a group's exchange takes
-one time for all its peers (a time is kept only where every peer's message took the same count); with overlap the
-times include the compute a round overlaps. A new transport (a resume) starts again. The chunked all-reduce (three
-replicas or more), gloo's own and the lossy wire formats cut by size as before.
+one time for all its peers (a time is kept only where every peer's message took the same count); an overlapped
+exchange is timed to its completion where a watcher saw it (the driver watches overlapped rounds), else to its
+landing, steps it overlapped included; once settled a pair's count is not revisited; a new transport (a resume)
+starts again. Gloo only (NCCL has its own sockets); the chunked all-reduce (three replicas or more), gloo's own and
+the lossy wire formats cut by size as before.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["AUTO_COUNT", "CLEAR", "ONE", "PAIR_TRIALS", "PairStreams"]
+__all__ = ["AUTO_COUNT", "CLEAR", "ONE", "PAIR_TRIALS", "PairStreams", "decode", "encode"]
 
 ONE = "one"
 AUTO_COUNT = "auto"
@@ -60,6 +64,9 @@ class PairStreams:
         self.pending: dict[str, int] = {ONE: 0, AUTO_COUNT: 0}  # posted, not yet timed
         # per peer, from the pair's last exchange: (what this replica proposed, what the peer proposed)
         self.met: dict[int, tuple[str, str]] = {}
+        # the proposals of exchanges posted and not yet taken into met: (number, works, proposed, each peer's)
+        self.unsettled: list[tuple[int, list[Any], str, dict[int, Tensor]]] = []
+        self.exchanges = 0  # posted so far
 
     def count(self, peer: int, by_size: int) -> int:
         """The pieces of this replica's messages to and from ``peer`` in their exchange now: one where both proposed
@@ -75,7 +82,8 @@ class PairStreams:
 
     def proposal(self, now: Optional[str]) -> str:
         """What this replica proposes for its peers' next exchange, given the count ``now`` being posted: the one it
-        has fewer times of until each has ``trials`` (posted ones counted; ``"auto"`` on a tie), then the faster."""
+        has fewer exchanges of (posted ones and this one counted; ``"auto"`` on a tie) until each has ``trials``, then
+        the faster by the times landed so far."""
         have = {c: len(self.seconds[c]) + self.pending[c] + (c == now) for c in (ONE, AUTO_COUNT)}
         if min(have.values()) < self.trials and not self.clear():
             return ONE if have[ONE] < have[AUTO_COUNT] else AUTO_COUNT
@@ -83,28 +91,43 @@ class PairStreams:
 
     def clear(self) -> bool:
         """Whether both counts have a time and one's fastest is at least :data:`CLEAR` times the other's (as one
-        connection's on a long fat pipe, 4-5 × the size's count): the slower is not tried again."""
+        connection's on a long fat pipe, 4-5 × the size's count): the trials end, the faster is proposed."""
         one, auto = (min(self.seconds[c], default=math.inf) for c in (ONE, AUTO_COUNT))
         return max(one, auto) < math.inf and max(one, auto) >= CLEAR * min(one, auto)
 
     def preferred(self) -> str:
-        """The faster count so far (each count's fastest time; ``"auto"`` where one is untimed or on a tie)."""
+        """The count with the smaller fastest time so far (``"auto"`` on a tie, or where neither has a time). Only
+        the preferred count gets new times, and its fastest can only fall: once settled, a pair keeps its count."""
         one, auto = (min(self.seconds[c], default=math.inf) for c in (ONE, AUTO_COUNT))
         return ONE if one < auto else AUTO_COUNT
 
-    def posted(self, now: Optional[str]) -> None:
-        """An exchange at count ``now`` (None: mixed) was posted."""
+    def posted(self, now: Optional[str], works: list[Any], proposed: str, told: dict[int, Tensor]) -> int:
+        """An exchange at count ``now`` (None: mixed) was posted, with this replica's ``proposed`` count sent to its
+        peers and their numbers to come into ``told`` through ``works`` (see :meth:`settle`). Returns its number."""
         if now is not None:
             self.pending[now] += 1
+        self.exchanges += 1
+        self.unsettled.append((self.exchanges, works, proposed, told))
+        return self.exchanges
 
-    def landed(self, now: Optional[str], seconds: float, proposed: str, told: dict[int, Tensor]) -> None:
-        """An exchange posted at count ``now`` landed after ``seconds``: its time is kept under its count, and what
-        this replica ``proposed`` and each peer ``told`` it (their numbers, received) are the pairs' next counts."""
+    def settle(self, through: Optional[int] = None) -> None:
+        """Waits for the proposals of the exchanges posted so far (or up to number ``through``), in posting order, and
+        takes each as its pairs' last exchange. Each came ahead of its payload, so an exchange that landed has its
+        proposals there. Called before an exchange is posted, so a pair's count never depends on which of its earlier
+        exchanges were waited for: only on those posted, the same on both sides of the pair."""
+        while self.unsettled and (through is None or self.unsettled[0][0] <= through):
+            _, works, proposed, told = self.unsettled[0]
+            for work in works:
+                work.wait()
+            self.unsettled.pop(0)
+            for peer, number in told.items():
+                self.met[peer] = (proposed, decode(number))
+
+    def landed(self, now: Optional[str], seconds: float) -> None:
+        """An exchange posted at count ``now`` took ``seconds`` from posting to completion: kept under its count."""
         if now is not None:
             self.pending[now] -= 1
             self.seconds[now].append(seconds)
-        for peer, number in told.items():
-            self.met[peer] = (proposed, decode(number))
 
 
 def encode(proposal: str) -> Tensor:
@@ -113,5 +136,5 @@ def encode(proposal: str) -> Tensor:
 
 
 def decode(number: Tensor) -> str:
-    """A received proposal; an unknown number (a peer of another version) counts as the size's count."""
+    """A received proposal; a number that is neither counts as the size's count."""
     return _NAMES.get(int(number.item()), AUTO_COUNT)

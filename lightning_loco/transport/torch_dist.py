@@ -279,11 +279,11 @@ class TorchDistributedTransport(Transport):
             return self.pending([], payload.clone, 0, ())
         if codec is not None and codec.lossy:
             return coded.start_group_sum(self, payload, group, others, codec, round_id)
-        return self.pending(*self._post_group_sum(payload, group, others, round_id))
+        return self._post_group_sum(payload, group, others, round_id)
 
     def _post_group_sum(self, payload: Tensor, group: Sequence[int], others: list[int], round_id: RoundId
-                        ) -> tuple[list[Any], Callable[[], Tensor], int, tuple[int, ...]]:
-        """The float32 group sum's works, its ``finish`` (the sum, a new tensor), bytes and peers."""
+                        ) -> PendingSum:
+        """The float32 group sum, posted: its works, its ``finish`` (the sum, a new tensor), bytes and peers."""
         staged = self._staged(payload)
         if staged:  # pinned host buffers, reused across outer steps; given back in finish()
             send = self.staging.to_host(self.slice(payload))
@@ -291,11 +291,10 @@ class TorchDistributedTransport(Transport):
         else:
             send = self.slice(payload.to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
-        counts, landed_counts = self._pair_counts(send, others, round_id)
+        counts, landed = self._pair_counts(send, others, round_id)
         works = self.exchange(dict.fromkeys(others, send), received, round_id, counts)
 
         def finish() -> Tensor:
-            landed_counts()
             received[self.replica] = send
             if not staged:
                 return self.gather_slices(sum_in_group_order(received, group), payload).to(payload.device)
@@ -309,19 +308,31 @@ class TorchDistributedTransport(Transport):
             return result
 
         nbytes = send.numel() * send.element_size() * len(others)
-        return works, finish, nbytes, tuple(others)
+        pending = self.pending(works, finish, nbytes, tuple(others))
+
+        def finish_after_landed() -> Tensor:  # the works completed: the exchange's time, its proposals
+            landed(pending)
+            return finish()
+
+        pending.finish = finish_after_landed
+        return pending
 
     def _pair_counts(self, send: Tensor, others: list[int], round_id: RoundId
-                     ) -> tuple[Optional[dict[int, int]], Callable[[], None]]:
-        """With ``streams="auto"`` and a message the size would cut: each peer's count, learnt per pair
+                     ) -> tuple[Optional[dict[int, int]], Callable[[Pending], None]]:
+        """With ``streams="auto"`` on gloo and a message the size would cut: each peer's count, learnt per pair
         (:mod:`~lightning_loco.transport.pair_streams`), with this replica's proposal posted to each peer and
-        theirs received, before the payload on the main connection; and what to call once the sum landed (it
-        waits for the proposals, already there, and keeps the exchange's time). Otherwise None and nothing."""
+        theirs received, before the payload on the main connection; and what to call with the exchange's pending
+        once its operations completed (it keeps the exchange's time and takes its proposals, already there).
+        Otherwise None and nothing to call."""
         by_size = self.pieces(send)
-        if not self.auto_streams or by_size == 1:
-            return None, lambda: None
+        if not self.auto_streams or by_size == 1 or self.device.type != "cpu":
+            return None, lambda pending: None
         key = (round_id.optimizer, round_id.fragment, send.numel())
         learnt = self.pair_streams.setdefault(key, PairStreams())
+        try:  # the proposals of this payload's earlier exchanges, in posting order: the same on both sides
+            learnt.settle()
+        except RuntimeError as err:
+            raise self.peer_error(sorted(others), err) from err
         counts = {j: learnt.count(j, by_size) for j in others}
         now = learnt.taken(list(counts.values()))
         proposed = learnt.proposal(now)
@@ -333,17 +344,12 @@ class TorchDistributedTransport(Transport):
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as err:
             raise self.peer_error(sorted(others), err) from err
-        learnt.posted(now)
-        started = time.perf_counter()
+        number = learnt.posted(now, works, proposed, told)
 
-        def landed() -> None:
-            seconds = time.perf_counter() - started
-            try:
-                for work in works:
-                    work.wait()
-            except RuntimeError as err:
-                raise self.peer_error(sorted(others), err) from err
-            learnt.landed(now, seconds, proposed, told)
+        def landed(pending: Pending) -> None:
+            end = pending.completed_at if pending.completed_at is not None else time.perf_counter()
+            learnt.landed(now, end - pending.started)
+            learnt.settle(through=number)  # not a later exchange's: its peer may not have posted it yet
 
         return counts, landed
 
@@ -390,13 +396,15 @@ class TorchDistributedTransport(Transport):
     def _post_p2p_all_reduce(self, payload: Tensor, round_id: RoundId) -> PendingSum:
         """Our all-reduce: with two replicas the pair exchange, else the chunked one (see the module docstring)."""
         if self.pairwise_all_reduce:
-            works, total, nbytes, peers = self._post_group_sum(payload, (0, 1), [1 - self.replica], round_id)
+            pending = self._post_group_sum(payload, (0, 1), [1 - self.replica], round_id)
+            total = pending.finish
 
             def landed() -> Tensor:
                 payload.copy_(total().view_as(payload))
                 return payload
 
-            return self.pending(works, landed, nbytes, peers)
+            pending.finish = landed
+            return pending
         return cast(PendingSum, start_chunked_all_reduce(self, payload, round_id))
 
     def _post_backend_all_reduce(self, payload: Tensor, whole: bool = False) -> PendingSum:
