@@ -309,24 +309,25 @@ class TorchDistributedTransport(Transport):
 
         nbytes = send.numel() * send.element_size() * len(others)
         pending = self.pending(works, finish, nbytes, tuple(others))
+        if landed is not None:
 
-        def finish_after_landed() -> Tensor:  # the works completed: the exchange's time, its proposals
-            landed(pending)
-            return finish()
+            def finish_after_landed() -> Tensor:  # the works completed: the exchange's time, its proposals
+                landed(pending)
+                return finish()
 
-        pending.finish = finish_after_landed
+            pending.finish = finish_after_landed
         return pending
 
     def _pair_counts(self, send: Tensor, others: list[int], round_id: RoundId
-                     ) -> tuple[Optional[dict[int, int]], Callable[[Pending], None]]:
+                     ) -> tuple[Optional[dict[int, int]], Optional[Callable[[Pending], None]]]:
         """With ``streams="auto"`` on gloo and a message the size would cut: each peer's count, learnt per pair
         (:mod:`~lightning_loco.transport.pair_streams`), with this replica's proposal posted to each peer and
         theirs received, before the payload on the main connection; and what to call with the exchange's pending
         once its operations completed (it keeps the exchange's time and takes its proposals, already there).
-        Otherwise None and nothing to call."""
+        Otherwise None and None."""
         by_size = self.pieces(send)
         if not self.auto_streams or by_size == 1 or self.device.type != "cpu":
-            return None, lambda pending: None
+            return None, None
         key = (round_id.optimizer, round_id.fragment, send.numel())
         learnt = self.pair_streams.setdefault(key, PairStreams())
         try:  # the proposals of this payload's earlier exchanges, in posting order: the same on both sides
