@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_loco.elastic.keys import plan_key, read_key
-from lightning_loco.transport.torch_dist import all_gather_slices
+from lightning_loco.transport.slices import all_gather_slices
 
 
 class ReplicaRankError(RuntimeError):

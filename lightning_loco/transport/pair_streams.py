@@ -1,4 +1,5 @@
-"""How many connections a pair exchange takes with ``streams="auto"``, learnt from the exchanges' own times.
+"""How many connections a pair exchange takes with ``streams="auto"``, learnt from the exchanges' own times
+(:class:`PairStreams`, pure logic; :func:`post_proposals`, what the torch.distributed transport posts).
 
 A message cut by its size alone (:func:`~lightning_loco.transport.streams.auto_streams`, up to 8 pieces for 32 MB or
 more) fills a long fat pipe, where one connection's send buffer covers a small part of bandwidth × round trip
@@ -36,12 +37,14 @@ the lossy wire formats cut by size as before.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["AUTO_COUNT", "CLEAR", "ONE", "PAIR_TRIALS", "PairStreams", "decode", "encode"]
+__all__ = ["AUTO_COUNT", "CLEAR", "ONE", "PAIR_TRIALS", "PairStreams", "decode", "encode", "post_proposals"]
 
 ONE = "one"
 AUTO_COUNT = "auto"
@@ -138,3 +141,48 @@ def encode(proposal: str) -> Tensor:
 def decode(number: Tensor) -> str:
     """A received proposal; a number that is neither counts as the size's count."""
     return _NAMES.get(int(number.item()), AUTO_COUNT)
+
+
+def post_proposals(transport: Any, send: Tensor, others: list[int], round_id: Any
+                   ) -> tuple[Optional[dict[int, int]], Optional[Callable[[Any], Any]]]:
+    """For a ``TorchDistributedTransport`` with ``streams="auto"`` on gloo, and a message ``send`` the size would
+    cut: each peer's count, learnt per pair, with this replica's proposal posted to each peer and theirs received,
+    before the payload on the main connection; and what to give the exchange's pending once posted (it returns the
+    pending, whose sum, once its operations completed, first keeps the exchange's time and takes its proposals,
+    already there). Otherwise None and None."""
+    by_size = transport.pieces(send)
+    if not transport.auto_streams or by_size == 1 or transport.device.type != "cpu":
+        return None, None
+    key = (round_id.optimizer, round_id.fragment, send.numel())
+    learnt = transport.pair_streams.setdefault(key, PairStreams())
+    try:  # the proposals of this payload's earlier exchanges, in posting order: the same on both sides
+        learnt.settle()
+    except RuntimeError as err:
+        raise transport.peer_error(sorted(others), err) from err
+    counts = {j: learnt.count(j, by_size) for j in others}
+    now = learnt.taken(list(counts.values()))
+    proposed = learnt.proposal(now)
+    mine = encode(proposed)
+    told = {j: torch.empty_like(mine) for j in others}
+    ranks, group = transport.replica_ranks, transport.process_group
+    ops = [dist.P2POp(dist.irecv, told[j], ranks[j], group) for j in others]
+    ops += [dist.P2POp(dist.isend, mine, ranks[j], group) for j in others]
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as err:
+        raise transport.peer_error(sorted(others), err) from err
+    number = learnt.posted(now, works, proposed, told)
+
+    def learning(pending: Any) -> Any:
+        finish = pending.finish
+
+        def landed() -> Tensor:  # the works completed: the exchange's time, its proposals, then the sum
+            end = pending.completed_at if pending.completed_at is not None else time.perf_counter()
+            learnt.landed(now, end - pending.started)
+            learnt.settle(through=number)  # not a later exchange's: its peer may not have posted it yet
+            return finish()
+
+        pending.finish = landed
+        return pending
+
+    return counts, learning

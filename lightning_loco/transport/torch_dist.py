@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_loco.transport import pair_streams
 from lightning_loco.transport.base import (
     FIRST_ROUND,
     PeerError,
@@ -71,8 +70,9 @@ from lightning_loco.transport.choice import (
     trials_for,
 )
 from lightning_loco.transport.chunked import MIN_BYTES, start_chunked_all_reduce
-from lightning_loco.transport.pair_streams import PairStreams
+from lightning_loco.transport.pair_streams import PairStreams, post_proposals
 from lightning_loco.transport.pending_sum import PendingSum
+from lightning_loco.transport.slices import all_gather_slices
 from lightning_loco.transport.sockets import check_send_buffer
 from lightning_loco.transport.staging import StagingPool
 from lightning_loco.transport.streams import AUTO, AUTO_MAX_STREAMS, auto_streams, make_stream_groups, piece
@@ -291,7 +291,7 @@ class TorchDistributedTransport(Transport):
         else:
             send = self.slice(payload.to(self.device)).contiguous()
             received = {j: torch.empty_like(send) for j in others}
-        counts, landed = self._pair_counts(send, others, round_id)
+        counts, learning = post_proposals(self, send, others, round_id)
         works = self.exchange(dict.fromkeys(others, send), received, round_id, counts)
 
         def finish() -> Tensor:
@@ -309,50 +309,7 @@ class TorchDistributedTransport(Transport):
 
         nbytes = send.numel() * send.element_size() * len(others)
         pending = self.pending(works, finish, nbytes, tuple(others))
-        if landed is not None:
-
-            def finish_after_landed() -> Tensor:  # the works completed: the exchange's time, its proposals
-                landed(pending)
-                return finish()
-
-            pending.finish = finish_after_landed
-        return pending
-
-    def _pair_counts(self, send: Tensor, others: list[int], round_id: RoundId
-                     ) -> tuple[Optional[dict[int, int]], Optional[Callable[[Pending], None]]]:
-        """With ``streams="auto"`` on gloo and a message the size would cut: each peer's count, learnt per pair
-        (:mod:`~lightning_loco.transport.pair_streams`), with this replica's proposal posted to each peer and
-        theirs received, before the payload on the main connection; and what to call with the exchange's pending
-        once its operations completed (it keeps the exchange's time and takes its proposals, already there).
-        Otherwise None and None."""
-        by_size = self.pieces(send)
-        if not self.auto_streams or by_size == 1 or self.device.type != "cpu":
-            return None, None
-        key = (round_id.optimizer, round_id.fragment, send.numel())
-        learnt = self.pair_streams.setdefault(key, PairStreams())
-        try:  # the proposals of this payload's earlier exchanges, in posting order: the same on both sides
-            learnt.settle()
-        except RuntimeError as err:
-            raise self.peer_error(sorted(others), err) from err
-        counts = {j: learnt.count(j, by_size) for j in others}
-        now = learnt.taken(list(counts.values()))
-        proposed = learnt.proposal(now)
-        mine = pair_streams.encode(proposed)
-        told = {j: torch.empty_like(mine) for j in others}
-        ops = [dist.P2POp(dist.irecv, told[j], self.replica_ranks[j], self.process_group) for j in others]
-        ops += [dist.P2POp(dist.isend, mine, self.replica_ranks[j], self.process_group) for j in others]
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as err:
-            raise self.peer_error(sorted(others), err) from err
-        number = learnt.posted(now, works, proposed, told)
-
-        def landed(pending: Pending) -> None:
-            end = pending.completed_at if pending.completed_at is not None else time.perf_counter()
-            learnt.landed(now, end - pending.started)
-            learnt.settle(through=number)  # not a later exchange's: its peer may not have posted it yet
-
-        return counts, landed
+        return pending if learning is None else learning(pending)
 
     def start_all_reduce_sum(self, payload: Tensor, codec: Optional[Codec] = None,
                              round_id: RoundId = FIRST_ROUND) -> Pending:
@@ -437,14 +394,3 @@ class TorchDistributedTransport(Transport):
         if self.device.type == "cpu":
             check_send_buffer(nbytes)
         return self.pending([w for w in works if w is not None], finish, nbytes, peers)
-
-
-def all_gather_slices(part: Tensor, like: Tensor, k: int, group: Any) -> Tensor:
-    """The whole of ``like``'s k slices (``torch.tensor_split``) from each rank's ``part``: an all-gather over
-    ``group``, the replica's k ranks (also the elastic transport's, for a replica of several ranks)."""
-    sizes = [t.numel() for t in torch.tensor_split(like, k)]
-    padded = torch.zeros(max(sizes), dtype=part.dtype, device=part.device)
-    padded[: part.numel()] = part
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([t[:n] for t, n in zip(parts, sizes)])
